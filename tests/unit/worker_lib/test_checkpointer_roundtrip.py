@@ -1,0 +1,216 @@
+"""Checkpointer round trips: every dtype, odd shapes and strides, aliasing, modules and optimizers."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.unit.worker_lib.helpers import assert_bit_equal, forkserver, raw_bytes
+from worker_lib import Checkpointer, load_state
+from worker_lib.store.slots import SlotStore
+
+
+def cpu_dtypes() -> list[torch.dtype]:
+    """Every dtype torch can hold in a dense CPU tensor (quantized dtypes need quantized tensors)."""
+    found = []
+    for dtype in sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str):
+        if str(dtype).startswith(("torch.qint", "torch.quint")):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
+                torch.empty(2, dtype=dtype).view(torch.uint8)
+        except (RuntimeError, TypeError):
+            continue
+        found.append(dtype)
+    return found
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Random bytes of `dtype` (valid 0/1 for bool), NaN patterns included for floats."""
+    tensor = torch.empty(shape, dtype=dtype)
+    high = 2 if dtype == torch.bool else 256
+    raw = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor.view(torch.uint8)
+    raw.copy_(torch.randint(0, high, raw.shape, dtype=torch.uint8, generator=generator))
+    return tensor
+
+
+def dtype_state() -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(0)
+    state: dict[str, Any] = {}
+    for dtype in cpu_dtypes():
+        name = str(dtype).removeprefix("torch.")
+        state[name] = {
+            "matrix": random_tensor((5, 7), dtype, generator),
+            "scalar": random_tensor((), dtype, generator),
+            "empty": random_tensor((0, 3), dtype, generator),
+            "strided": random_tensor((6, 8), dtype, generator)[1:, ::3],  # only this view is in the state
+            "transposed": random_tensor((4, 3), dtype, generator).t(),
+        }
+    return state
+
+
+def test_the_dtype_list_covers_the_interesting_ones() -> None:
+    names = {str(dtype).removeprefix("torch.") for dtype in cpu_dtypes()}
+    assert {"bfloat16", "float16", "float64", "bool", "complex64", "complex128", "float8_e4m3fn"} <= names
+    assert {"uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64"} <= names
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_every_dtype_shape_and_stride_round_trips_bit_exact(shm_dir: Path, blocking: bool) -> None:
+    state = dtype_state()
+    with Checkpointer(shm_dir, blocking=blocking) as checkpointer:
+        assert checkpointer.save(1, state)
+        restored = checkpointer.restore()
+    assert restored is not None and restored.iteration == 1
+    assert_bit_equal(restored.state, state)
+    assert restored.state["float32"]["strided"].is_contiguous()  # views come back as plain tensors
+
+
+def test_restore_into_existing_tensors_of_any_layout(shm_dir: Path) -> None:
+    state = dtype_state()
+    generator = torch.Generator().manual_seed(1)
+    targets = {
+        name: {
+            "matrix": torch.empty(5, 7, dtype=values["matrix"].dtype),
+            "scalar": torch.empty((), dtype=values["scalar"].dtype),
+            "empty": torch.empty(0, 3, dtype=values["empty"].dtype),
+            "strided": random_tensor((5, 6), values["strided"].dtype, generator)[:, ::2],  # strided target
+            "transposed": torch.empty(4, 3, dtype=values["transposed"].dtype).t(),
+        }
+        for name, values in state.items()
+    }
+    before = {name: {key: t.data_ptr() for key, t in values.items()} for name, values in targets.items()}
+    with Checkpointer(shm_dir) as checkpointer:
+        checkpointer.save(1, state)
+        restored = checkpointer.restore(into=targets)
+    assert restored is not None
+    assert_bit_equal(targets, state)
+    for name, values in targets.items():
+        for key, tensor in values.items():
+            assert tensor.data_ptr() == before[name][key]  # filled in place
+            assert restored.state[name][key].data_ptr() == tensor.data_ptr()
+
+
+def test_tensors_sharing_storage_are_saved_once_and_restored_sharing_it(shm_dir: Path) -> None:
+    base = torch.arange(48, dtype=torch.float32)
+    tied = torch.randn(1000, 64)
+    state = {
+        "base": base,
+        "rows": base.view(6, 8)[1:4, ::2],
+        "bits": base.view(torch.int32)[40:44],
+        "encoder": tied,
+        "decoder": tied,
+    }
+    with Checkpointer(shm_dir) as checkpointer:
+        checkpointer.save(1, state)
+        restored = checkpointer.restore()
+    assert restored is not None
+    assert_bit_equal(restored.state, state)
+    out = restored.state
+    assert out["rows"].stride() == (8, 2)
+    assert out["rows"].untyped_storage().data_ptr() == out["base"].untyped_storage().data_ptr()
+    assert out["bits"].untyped_storage().data_ptr() == out["base"].untyped_storage().data_ptr()
+    assert out["encoder"].data_ptr() == out["decoder"].data_ptr()
+    out["base"][8] = -1.0  # an in-place change shows through every view, as in the saved state
+    assert out["rows"][0, 0].item() == -1.0
+    (manifest,) = SlotStore(shm_dir).committed()
+    assert manifest.data_bytes < 2 * tied.numel() * 4  # the tied weight is stored once
+
+
+def test_nested_structures_and_plain_values_round_trip(shm_dir: Path) -> None:
+    state = {
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(3.0)}, 5: {}},
+            "param_groups": [{"betas": (0.9, 0.99), "params": [0, 5]}],
+        },
+        "rng": torch.get_rng_state(),
+        "values": [1, 2.5, float("nan"), float("-inf"), -0.0, None, True, "text", b"\x00\x01"],
+    }
+    with Checkpointer(shm_dir, blocking=True) as checkpointer:
+        checkpointer.save(4, state)
+        restored = checkpointer.restore()
+    assert restored is not None
+    assert_bit_equal(restored.state, state)
+
+
+def make_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        inputs = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        model(inputs).pow(2).mean().backward()
+        optimizer.step()
+
+
+def train_and_save(directory: str, steps: int) -> None:
+    """Child process: train, checkpoint every step, exit."""
+    model, optimizer = make_model(seed=0)
+    with Checkpointer(directory) as checkpointer:
+        for step in range(steps):
+            train(model, optimizer, range(step, step + 1))
+            checkpointer.save(step, {"model": model, "optimizer": optimizer, "step": step})
+
+
+def test_training_resumed_from_a_checkpoint_continues_bit_exactly(shm_dir: Path) -> None:
+    reference, reference_optimizer = make_model(seed=0)
+    train(reference, reference_optimizer, range(10))
+
+    saver = forkserver().Process(target=train_and_save, args=(str(shm_dir), 5))
+    saver.start()
+    saver.join(120)
+    assert saver.exitcode == 0
+
+    model, optimizer = make_model(seed=1)  # different weights, no optimizer state yet
+    with Checkpointer(shm_dir) as checkpointer:
+        restored = checkpointer.restore(into={"model": model, "optimizer": optimizer})
+    assert restored is not None and restored.iteration == 4 and restored.state["step"] == 4
+    train(model, optimizer, range(restored.iteration + 1, 10))
+    assert_bit_equal(model.state_dict(), reference.state_dict())
+    assert_bit_equal(optimizer.state_dict(), reference_optimizer.state_dict())
+
+
+def test_load_state_loads_a_restored_state_afterwards(shm_dir: Path) -> None:
+    model, optimizer = make_model(seed=0)
+    train(model, optimizer, range(3))
+    extra = torch.zeros(3)
+    with Checkpointer(shm_dir) as checkpointer:
+        checkpointer.save(2, {"model": model, "optimizer": optimizer, "extra": torch.arange(3.0), "step": 2})
+        restored = checkpointer.restore()
+    assert restored is not None
+    other, other_optimizer = make_model(seed=1)
+    load_state(restored.state, {"model": other, "optimizer": other_optimizer, "extra": extra, "step": 0})
+    assert_bit_equal(other.state_dict(), model.state_dict())
+    assert_bit_equal(other_optimizer.state_dict(), optimizer.state_dict())
+    assert torch.equal(extra, torch.arange(3.0))
+    fresh, fresh_optimizer = make_model(seed=2)
+    restored.load_into({"model": fresh, "optimizer": fresh_optimizer})
+    assert_bit_equal(fresh.state_dict(), model.state_dict())
+
+
+def test_a_mismatched_target_is_refused_before_anything_is_copied(shm_dir: Path) -> None:
+    model, optimizer = make_model(seed=0)
+    wider = nn.Sequential(nn.Linear(8, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 4))
+    untouched = [raw_bytes(t).clone() for t in wider.state_dict().values()]
+    with Checkpointer(shm_dir) as checkpointer:
+        checkpointer.save(1, {"model": model, "optimizer": optimizer})
+        with pytest.raises(
+            ValueError, match=r"^state\['model'\]\['0.weight'\]: the checkpoint has a tensor of \[32, 8\]"
+        ):
+            checkpointer.restore(into={"model": wider})
+        with pytest.raises(KeyError, match=r"state\['scheduler'\] is not in the checkpoint"):
+            checkpointer.restore(into={"scheduler": torch.zeros(1)})
+        with pytest.raises(KeyError, match="missing"):
+            checkpointer.restore(into={"model": nn.Linear(8, 32)})
+    after = [raw_bytes(t) for t in wider.state_dict().values()]
+    assert all(torch.equal(a, b) for a, b in zip(after, untouched, strict=True))

@@ -1,0 +1,352 @@
+"""Checkpointer: the synchronous checkpoint API that training code calls every iteration."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from worker_lib.errors import CheckpointError, CheckpointNotFoundError
+from worker_lib.restore import load_state, restore_state
+from worker_lib.store.copy import CopyEngine
+from worker_lib.store.cuda import PinnedStager
+from worker_lib.store.integrity import verify
+from worker_lib.store.layout import Layout, Signature, blob_source, plan, save_transfers, signature
+from worker_lib.store.manifest import JsonValue, Manifest, Stripe, content_digest
+from worker_lib.store.slots import OnBusy, SlotStore, SlotWriter
+from worker_lib.store.tree import flatten
+
+SHM_DIR_ENV = "CASTOR_SHM_DIR"
+NOTIFY_ENV = "CASTOR_AGENT_NOTIFY"
+RESTORE_ITERATION_ENV = "CASTOR_RESTORE_ITERATION"
+GENERATION_ENV = "CASTOR_GENERATION"
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A checkpoint read back: its iteration, the state as saved, and the manifest's meta (rank, ...)."""
+
+    iteration: int
+    state: Any
+    meta: dict[str, JsonValue] = field(default_factory=dict)
+
+    def load_into(self, target: Any) -> None:
+        """Load the state into modules, optimizers and tensors: see `load_state`."""
+        load_state(self.state, target)
+
+
+@dataclass(frozen=True)
+class CheckpointerStats:
+    saves_committed: int = 0
+    saves_skipped: int = 0  # a reader held every slot that could be written (on_busy="skip")
+    last_save_s: float = 0.0  # how long the last save() call blocked its caller
+    last_wait_s: float = 0.0  # how long the last wait() that found a copy running blocked (async mode)
+    last_copy_s: float = 0.0  # copy + checksums + commit of the last committed checkpoint
+    last_bytes: int = 0
+    total_bytes: int = 0
+
+
+class Checkpointer:
+    """Per-iteration checkpoints of a training state into shared memory that outlives the process.
+
+    `save(iteration, state)` copies the state's tensors into the older of (at least) two slots and commits
+    it atomically, so a crash at any instant leaves the previous checkpoint intact. By default the copy runs
+    in background threads: save() returns at once and the copy is finished before the next optimizer step,
+    the next forward of a module saved as an object, the next save, restore, or wait().
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        slots: int = 2,
+        blocking: bool = False,
+        on_busy: OnBusy = "skip",
+        threads: int | None = None,
+    ):
+        if on_busy not in ("skip", "wait"):
+            raise ValueError(f"on_busy must be 'skip' or 'wait', not {on_busy!r}")
+        self.directory = Path(directory if directory is not None else default_directory())
+        self._store = SlotStore(self.directory, slots)
+        self._engine = CopyEngine(threads)
+        self._stager = PinnedStager()
+        self._blocking = blocking
+        self._on_busy: OnBusy = on_busy
+        self._rank = int(os.environ.get("RANK", "0"))
+        self._meta: dict[str, JsonValue] = {"rank": self._rank}
+        if "WORLD_SIZE" in os.environ:
+            self._meta["world_size"] = int(os.environ["WORLD_SIZE"])
+        # The recovery-plan generation this training runs in (set by the agent): checkpoints made before a
+        # rollback to an older iteration belong to another history, and the planner must tell them apart.
+        if os.environ.get(GENERATION_ENV, "").isdigit():
+            self._meta["generation"] = int(os.environ[GENERATION_ENV])
+        self._notify_path = os.environ.get(NOTIFY_ENV)
+        self._notify_socket: socket.socket | None = None
+        self._layout: tuple[Signature, Layout] | None = None  # the last layout and what it was planned for
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="castor-save")
+        self._pending: Future[None] | None = None
+        self._stats = CheckpointerStats()
+        self._stats_lock = threading.Lock()
+        # Hooks hold only a weak reference, so a forgotten Checkpointer does not keep itself alive.
+        this = weakref.ref(self)
+        self._step_hook = register_optimizer_step_pre_hook(partial(_wait_before_step, this))
+        self._forward_hooks: list[RemovableHandle] = []
+        self._hooked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._closed = False
+
+    @property
+    def stats(self) -> CheckpointerStats:
+        with self._stats_lock:
+            return self._stats
+
+    def save(self, iteration: int, state: Any) -> bool:
+        """Checkpoint `state` as iteration `iteration`. Returns False when the save was skipped (on_busy)."""
+        self._check_open()
+        if type(iteration) is not int or iteration < 0:
+            raise ValueError(f"iteration must be a non-negative int, not {iteration!r}")
+        started = time.perf_counter()
+        self.wait()
+        flat = flatten(state)
+        layout = self._layout_for(flat.tensors, flat.keys)
+        writer = self._store.open_write(iteration, layout.data_bytes, self._on_busy)
+        if writer is None:
+            self._update(
+                saves_skipped=self.stats.saves_skipped + 1, last_save_s=time.perf_counter() - started
+            )
+            self._notify("skip", iteration, None)
+            return False
+        try:
+            sources, ready = self._stager.stage([blob_source(blob, flat.tensors) for blob in layout.blobs])
+        except BaseException:
+            writer.abort()
+            raise
+        write = partial(self._write, writer, layout, flat.tree, sources, ready)
+        if self._blocking:
+            write()
+        else:
+            self._pending = self._background.submit(write)
+            self._hook_forward(flat.modules)
+        self._update(last_save_s=time.perf_counter() - started)
+        return True
+
+    def wait(self) -> None:
+        """Block until the last save is committed; raises CheckpointError if it failed.
+
+        Call it before changing saved tensors in place anywhere but in an optimizer step.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        started = time.perf_counter()
+        try:
+            pending.result()
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"saving a checkpoint failed: {exc!r}") from exc
+        finally:
+            self._update(last_wait_s=time.perf_counter() - started)
+
+    def restore(self, into: Any = None, iteration: int | None = None) -> Restored | None:
+        """Read back the newest committed checkpoint, or exactly `iteration`; None when there is none.
+
+        Without `iteration`, $CASTOR_RESTORE_ITERATION (set by the recovery plan for every rank) decides:
+        that iteration exactly, or `none` for a fresh start. Without a plan, when torch.distributed is
+        initialized, the ranks agree on the newest iteration every one of them holds (a rank killed between
+        two commits must not resume alone from another iteration). Every checksum is verified before
+        anything is loaded: a corrupt checkpoint raises CheckpointCorruptError and is never replaced by an
+        older one.
+        `into` (like the saved state, e.g. {"model": model, "optimizer": optimizer}) receives the tensors
+        in place; optimizers get load_state_dict.
+        """
+        self._check_open()
+        self.wait()
+        if iteration is None:
+            planned = os.environ.get(RESTORE_ITERATION_ENV, "").strip()
+            if planned.lower() == "none":
+                return None
+            if planned:
+                try:
+                    iteration = int(planned)
+                except ValueError:
+                    raise ValueError(
+                        f"{RESTORE_ITERATION_ENV}={planned!r}: expected an iteration number or 'none'"
+                    ) from None
+            else:
+                agreed = newest_common_iteration([m.iteration for m in self._store.committed()])
+                if agreed is None:
+                    return None  # no iteration that every rank holds: all start fresh together
+                if agreed is not NOT_DISTRIBUTED:
+                    iteration = int(agreed)
+        try:
+            with self._store.open_read(iteration) as (manifest, data):
+                verify(manifest, data, self._engine)
+                state = restore_state(manifest, data, into, self._engine)
+        except CheckpointNotFoundError:
+            if iteration is None:
+                return None
+            raise
+        return Restored(manifest.iteration, state, manifest.meta)
+
+    def close(self) -> None:
+        """Finish the pending save and release threads, hooks and mappings (the checkpoints stay)."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._step_hook.remove()
+            for handle in self._forward_hooks:
+                handle.remove()
+            self._background.shutdown()
+            self._engine.close()
+            self._store.close()
+            if self._notify_socket is not None:
+                self._notify_socket.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _layout_for(self, tensors: Sequence[torch.Tensor], keys: Sequence[str]) -> Layout:
+        current = signature(tensors, keys)
+        if self._layout is None or self._layout[0] != current:
+            self._layout = (current, plan(tensors, keys))
+        return self._layout[1]
+
+    def _write(
+        self,
+        writer: SlotWriter,
+        layout: Layout,
+        tree: JsonValue,
+        sources: list[torch.Tensor],
+        ready: list[torch.cuda.Event],
+    ) -> None:
+        started = time.perf_counter()
+        try:
+            for event in ready:
+                event.synchronize()
+            slot = np.frombuffer(writer.buffer, dtype=np.uint8)
+            transfers = save_transfers(layout, sources, slot)
+            digests = self._engine.copy(layout.stripes, transfers, slot)
+            manifest = Manifest(
+                iteration=writer.iteration,
+                data_bytes=layout.data_bytes,
+                tensors=layout.entries,
+                stripes=tuple(
+                    Stripe(s.start, s.end, d) for s, d in zip(layout.stripes, digests, strict=True)
+                ),
+                digest=content_digest(digests),
+                tree=tree,
+                meta=self._meta,
+                committed_at=time.time(),
+            )
+            writer.commit(manifest)
+        except BaseException:
+            writer.abort()
+            raise
+        stats = self.stats
+        self._update(
+            saves_committed=stats.saves_committed + 1,
+            last_copy_s=time.perf_counter() - started,
+            last_bytes=layout.data_bytes,
+            total_bytes=stats.total_bytes + layout.data_bytes,
+        )
+        self._notify("commit", writer.iteration, writer.slot)
+
+    def _notify(self, event: str, iteration: int, slot: int | None) -> None:
+        """Tell the worker agent, if there is one, that a checkpoint was committed (or a save skipped): one
+        datagram, never blocking, and any failure ignored (the agent may be down; training must not
+        notice)."""
+        if not self._notify_path:
+            return
+        message = {
+            "event": event,
+            "rank": self._rank,
+            "iteration": iteration,
+            "slot": slot,
+            "dir": str(self.directory),
+        }
+        try:
+            if self._notify_socket is None:
+                self._notify_socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                self._notify_socket.setblocking(False)
+            self._notify_socket.sendto(json.dumps(message).encode(), self._notify_path)
+        except OSError:
+            pass
+
+    def _hook_forward(self, modules: list[nn.Module]) -> None:
+        """Make the forward of submodules that update buffers (BatchNorm statistics) wait for the copy."""
+        this = weakref.ref(self)
+        for root in modules:
+            if root in self._hooked:
+                continue
+            self._hooked.add(root)
+            for module in root.modules():
+                if next(module.buffers(recurse=False), None) is not None:
+                    self._forward_hooks.append(
+                        module.register_forward_pre_hook(partial(_wait_before_forward, this))
+                    )
+
+    def _update(self, **changes: Any) -> None:
+        with self._stats_lock:
+            self._stats = replace(self._stats, **changes)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("the Checkpointer is closed")
+
+
+NOT_DISTRIBUTED = -1
+
+
+def newest_common_iteration(held: list[int]) -> int | None:
+    """The newest iteration held by every rank of the default process group (None: there is none), or
+    NOT_DISTRIBUTED when torch.distributed is not initialized or has one rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return NOT_DISTRIBUTED
+    gathered: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, held)
+    common = set.intersection(*(set(ranks or []) for ranks in gathered))
+    return max(common) if common else None
+
+
+def default_directory() -> Path:
+    """$CASTOR_SHM_DIR (set by the worker agent), else /dev/shm/castor-<uid>/<$CASTOR_JOB>/rank-<$RANK>."""
+    configured = os.environ.get(SHM_DIR_ENV)
+    if configured:
+        return Path(configured)
+    job = os.environ.get("CASTOR_JOB") or "default"
+    return Path("/dev/shm") / f"castor-{os.getuid()}" / job / f"rank-{os.environ.get('RANK') or 0}"
+
+
+def _wait_before_step(
+    checkpointer: weakref.ref[Checkpointer], optimizer: object, args: object, kwargs: object
+) -> None:
+    if (alive := checkpointer()) is not None:
+        alive.wait()
+
+
+def _wait_before_forward(checkpointer: weakref.ref[Checkpointer], module: object, args: object) -> None:
+    if (alive := checkpointer()) is not None:
+        alive.wait()

@@ -1,0 +1,246 @@
+"""From a verified checkpoint to a state: fresh tensors, or the caller's own tensors filled in place.
+
+`restore_state` is the fast path behind `Checkpointer.restore(into=...)`: it copies straight from shared
+memory into the model's parameters and buffers with the copy engine's threads. `load_state` loads an
+already restored state into modules, optimizers and tensors afterwards. Both walk the target structure the
+same way (`_walk`): dicts by key, lists and tuples by position, modules and optimizers as their state_dict.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from worker_lib.store.copy import (
+    STRIPE_BYTES,
+    CopyEngine,
+    Extent,
+    FlatTransfer,
+    Transfer,
+    flat_bytes,
+    has_lazy_bits,
+    plan_stripes,
+    row_transfer,
+)
+from worker_lib.store.cuda import to_device
+from worker_lib.store.layout import SPAN_ALIGN, dtype_from_name
+from worker_lib.store.manifest import Manifest, TensorEntry
+from worker_lib.store.tree import PLAIN_TYPES, unflatten
+
+Keys = tuple[Any, ...]
+
+
+def load_state(state: Any, target: Any) -> None:
+    """Load a restored `state` into `target`, a structure like the one that was saved.
+
+    Modules and optimizers get `load_state_dict`, tensors are copied in place, dicts, lists and tuples are
+    walked by key and position; plain values in `target` are left alone (read them from `state`).
+    """
+    _walk(state, target, "state", (), _Loader())
+
+
+def restore_state(manifest: Manifest, data: memoryview, into: Any, engine: CopyEngine) -> Any:
+    """Decode the (already verified) checkpoint in `data`, filling the tensors of `into` in place.
+
+    Every target is matched and checked before the first byte is copied, so a mismatch leaves them untouched.
+    """
+    targets = _Targets(manifest)
+    if into is not None:
+        _walk(unflatten(manifest.tree, _TensorRef), into, "state", (), targets)
+    tensors = _copy_out(manifest, data, targets.tensors, engine)
+    state = unflatten(manifest.tree, tensors.__getitem__)
+    for optimizer, keys in targets.optimizers:
+        optimizer.load_state_dict(_lookup(state, keys))
+    return state
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorRef:
+    """Stands for the i-th tensor of a checkpoint while its targets are matched."""
+
+    index: int
+
+
+class _Visitor(Protocol):
+    def tensor(self, state: Any, target: torch.Tensor, path: str) -> None: ...
+
+    def module(self, state: Any, target: nn.Module, path: str, keys: Keys) -> None: ...
+
+    def optimizer(self, state: Any, target: torch.optim.Optimizer, path: str, keys: Keys) -> None: ...
+
+
+def _walk(state: Any, target: Any, path: str, keys: Keys, visitor: _Visitor) -> None:
+    if isinstance(target, PLAIN_TYPES):
+        return
+    if isinstance(target, nn.Module):
+        visitor.module(state, target, path, keys)
+    elif isinstance(target, torch.optim.Optimizer):
+        visitor.optimizer(state, target, path, keys)
+    elif isinstance(target, torch.Tensor):
+        visitor.tensor(state, target, path)
+    elif isinstance(target, dict):
+        if not isinstance(state, dict):
+            raise TypeError(
+                f"{path}: the checkpoint has {type(state).__qualname__} where the target has a dict"
+            )
+        for key, value in target.items():
+            if key not in state:
+                raise KeyError(f"{path}[{key!r}] is not in the checkpoint")
+            _walk(state[key], value, f"{path}[{key!r}]", (*keys, key), visitor)
+    elif isinstance(target, list | tuple):
+        if not isinstance(state, list | tuple) or len(state) != len(target):
+            raise TypeError(f"{path}: the checkpoint does not have a sequence of {len(target)} items here")
+        for i, (item, value) in enumerate(zip(state, target, strict=True)):
+            _walk(item, value, f"{path}[{i}]", (*keys, i), visitor)
+    else:
+        raise TypeError(f"{path}: cannot load into {type(target).__qualname__}")
+
+
+class _Loader:
+    def tensor(self, state: Any, target: torch.Tensor, path: str) -> None:
+        if not isinstance(state, torch.Tensor) or state.shape != target.shape:
+            raise ValueError(
+                f"{path}: the checkpoint has {_describe(state)}, the target a tensor of {_shape(target)}"
+            )
+        with torch.no_grad():
+            target.copy_(state)
+
+    def module(self, state: Any, target: nn.Module, path: str, keys: Keys) -> None:
+        target.load_state_dict(state)
+
+    def optimizer(self, state: Any, target: torch.optim.Optimizer, path: str, keys: Keys) -> None:
+        target.load_state_dict(state)
+
+
+class _Targets:
+    """Collects where each checkpoint tensor goes (checking shapes) and which optimizers to load."""
+
+    def __init__(self, manifest: Manifest):
+        self._entries = manifest.tensors
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.optimizers: list[tuple[torch.optim.Optimizer, Keys]] = []
+
+    def tensor(self, state: Any, target: torch.Tensor, path: str) -> None:
+        shape = self._entries[state.index].shape if isinstance(state, _TensorRef) else None
+        if shape != tuple(target.shape):
+            described = f"a tensor of {list(shape)}" if shape is not None else _describe(state)
+            raise ValueError(
+                f"{path}: the checkpoint has {described}, the target a tensor of {_shape(target)}"
+            )
+        self.tensors[state.index] = target.detach()  # in place, outside autograd
+
+    def module(self, state: Any, target: nn.Module, path: str, keys: Keys) -> None:
+        own = target.state_dict()
+        if not isinstance(state, dict) or own.keys() != state.keys():
+            saved = state.keys() if isinstance(state, dict) else set()
+            raise KeyError(
+                f"{path}: the checkpoint does not match the module: missing {sorted(own.keys() - saved)}, "
+                f"unexpected {sorted(saved - own.keys())}"
+            )
+        for key, tensor in own.items():
+            self.tensor(state[key], tensor, f"{path}[{key!r}]")
+
+    def optimizer(self, state: Any, target: torch.optim.Optimizer, path: str, keys: Keys) -> None:
+        self.optimizers.append((target, keys))
+
+
+def _copy_out(
+    manifest: Manifest, data: memoryview, targets: dict[int, torch.Tensor], engine: CopyEngine
+) -> list[torch.Tensor]:
+    """Copy every tensor out of `data`: into its target when it has one, else into a fresh tensor."""
+    source = np.frombuffer(data, dtype=np.uint8)
+    typed_source = _ReadOnlyTensor(data)
+    transfers: list[Transfer] = []
+    extents: list[Extent] = []
+
+    def add(transfer: Transfer, nbytes: int, row_bytes: int) -> None:
+        at = extents[-1].end if extents else 0
+        extents.append(Extent(at, nbytes, row_bytes, at + nbytes))
+        transfers.append(transfer)
+
+    fresh: dict[int, torch.Tensor] = {}
+    regions: dict[int, torch.Tensor] = {}  # fresh storages of shared regions, by offset in the data region
+    for i, entry in enumerate(manifest.tensors):
+        dtype = dtype_from_name(entry.dtype)
+        stored = source[entry.offset : entry.offset + entry.nbytes]
+        target = targets.get(i)
+        if target is not None and entry.view is None and _flat_target(target, dtype):
+            add(FlatTransfer(stored, flat_bytes(target)), entry.nbytes, 1)
+        elif target is not None:
+            transfer = row_transfer(typed_source.view(entry, dtype), target)
+            add(transfer, transfer.row_bytes * (target.shape[0] if target.dim() else 1), transfer.row_bytes)
+        elif entry.view is None:
+            fresh[i] = torch.empty(entry.shape, dtype=dtype)
+            add(FlatTransfer(stored, flat_bytes(fresh[i])), entry.nbytes, 1)
+        elif entry.offset not in regions:
+            regions[entry.offset] = torch.empty(
+                -(-entry.nbytes // SPAN_ALIGN) * SPAN_ALIGN, dtype=torch.uint8
+            )
+            add(FlatTransfer(stored, regions[entry.offset][: entry.nbytes].numpy()), entry.nbytes, 1)
+
+    chunks = plan_stripes(extents, extents[-1].end if extents else 0, STRIPE_BYTES, STRIPE_BYTES)
+    engine.copy(chunks, transfers)
+
+    tensors: list[torch.Tensor] = []
+    on_device: dict[int, torch.Tensor] = {}
+    for i, entry in enumerate(manifest.tensors):
+        if i in targets:
+            tensors.append(targets[i])
+        elif entry.view is None:
+            tensors.append(to_device(fresh[i], entry.device))
+        else:
+            # A shared region moves to its device as one storage, so that its members keep sharing it.
+            if entry.offset not in on_device:
+                on_device[entry.offset] = to_device(regions[entry.offset], entry.device)
+            region = on_device[entry.offset].view(dtype_from_name(entry.dtype))
+            tensors.append(region.as_strided(entry.shape, entry.view.stride, entry.view.storage_offset))
+    return tensors
+
+
+class _ReadOnlyTensor:
+    """Typed tensor views of the read-only data region, for copies that need torch (strided targets)."""
+
+    def __init__(self, data: memoryview):
+        self._data = data
+        self._tensor: torch.Tensor | None = None
+
+    def view(self, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
+        if self._tensor is None:
+            with warnings.catch_warnings():
+                # torch warns that it cannot protect a read-only buffer; these views are only ever read.
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                self._tensor = torch.frombuffer(self._data, dtype=torch.uint8)
+        if entry.view is None:
+            return self._tensor[entry.offset : entry.offset + entry.nbytes].view(dtype).view(entry.shape)
+        region = self._tensor[entry.offset : entry.offset + -(-entry.nbytes // SPAN_ALIGN) * SPAN_ALIGN]
+        return region.view(dtype).as_strided(entry.shape, entry.view.stride, entry.view.storage_offset)
+
+
+def _flat_target(target: torch.Tensor, dtype: torch.dtype) -> bool:
+    return (
+        target.device.type == "cpu"
+        and target.dtype == dtype
+        and target.is_contiguous()
+        and not has_lazy_bits(target)
+    )
+
+
+def _lookup(state: Any, keys: Keys) -> Any:
+    for key in keys:
+        state = state[key]
+    return state
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of {_shape(value)}"
+    return f"a {type(value).__qualname__}"
+
+
+def _shape(tensor: torch.Tensor) -> str:
+    return str(list(tensor.shape))

@@ -1,0 +1,232 @@
+"""The striped copy engine: copies tensor bytes to or from a slot with a few threads, hashing as it goes.
+
+A plan cuts the data region into stripes (~8 MiB, the unit of hashing and of work handed to a thread) and
+each stripe into pieces (<= 1 MiB, so a piece is hashed right after it is copied, while it is still in
+cache). numpy's copyto, torch's copy_ and xxh3 all release the GIL, so the threads run in parallel.
+Plans are built once per layout and reused: a steady-state save allocates nothing large.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import xxhash
+from numpy.typing import NDArray
+
+from worker_lib.store.faults import pause_point
+
+STRIPE_BYTES = 8 << 20
+PIECE_BYTES = 1 << 20
+
+Bytes = NDArray[np.uint8]
+
+# Same-size integer dtypes: copying through them moves bits without any dtype-specific kernel (some dtypes,
+# like int4, have none) and without casting.
+_BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def default_threads() -> int:
+    # Two threads saturate memory bandwidth on small machines; more than four rarely helps a single rank.
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
+class Transfer(Protocol):
+    def copy(self, lo: int, hi: int) -> None:
+        """Copy bytes [lo, hi) of the tensor (a multiple of its row size for row transfers)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FlatTransfer:
+    """Contiguous bytes on both sides: numpy copyto, the fastest copy available from Python."""
+
+    src: Bytes
+    dst: Bytes
+
+    def copy(self, lo: int, hi: int) -> None:
+        np.copyto(self.dst[lo:hi], self.src[lo:hi])
+
+
+@dataclass(frozen=True, slots=True)
+class RowTransfer:
+    """A strided tensor on one side: torch copy_ of whole rows (slices along dim 0)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    row_bytes: int
+
+    def copy(self, lo: int, hi: int) -> None:
+        if self.dst.dim() == 0:
+            self.dst.copy_(self.src)
+        else:
+            self.dst[lo // self.row_bytes : hi // self.row_bytes].copy_(
+                self.src[lo // self.row_bytes : hi // self.row_bytes]
+            )
+
+
+def row_transfer(src: torch.Tensor, dst: torch.Tensor) -> RowTransfer:
+    """A row transfer between two tensors of one shape; a bit copy when they share a dtype."""
+    bit_dtype = _BIT_DTYPES.get(src.dtype.itemsize)
+    if src.dtype == dst.dtype and bit_dtype is not None and not has_lazy_bits(src) and not has_lazy_bits(dst):
+        src, dst = src.view(bit_dtype), dst.view(bit_dtype)
+    return RowTransfer(src, dst, row_bytes(dst.shape, dst.element_size()))
+
+
+def row_bytes(shape: Sequence[int], itemsize: int) -> int:
+    """Bytes of one slice along dim 0 (of the whole tensor when 0-dim): the unit of a row transfer."""
+    numel = 1
+    for size in shape[1:]:
+        numel *= size
+    return max(numel * itemsize, 1)
+
+
+def has_lazy_bits(tensor: torch.Tensor) -> bool:
+    # A conjugate or negative view's raw bits differ from its values: only copy_ resolves them.
+    return tensor.is_conj() or tensor.is_neg()
+
+
+def flat_bytes(tensor: torch.Tensor) -> Bytes:
+    """The bytes of a contiguous CPU tensor as a uint8 numpy view (any dtype, 0-dim included)."""
+    array: Bytes = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    return array
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """A tensor's place in the data region: `nbytes` at `offset`, zero padding up to `end`."""
+
+    offset: int
+    nbytes: int
+    row_bytes: int  # pieces split only at multiples of this
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    transfer: int
+    lo: int
+    hi: int
+    at: int  # position of byte `lo` in the data region
+    pad: int  # zero padding bytes right after the piece (only after the tensor's last piece)
+
+
+@dataclass(frozen=True, slots=True)
+class StripePlan:
+    start: int
+    end: int
+    pieces: tuple[Piece, ...]
+
+
+def plan_stripes(
+    extents: Sequence[Extent],
+    data_bytes: int,
+    stripe_bytes: int = STRIPE_BYTES,
+    piece_bytes: int = PIECE_BYTES,
+) -> tuple[StripePlan, ...]:
+    """Cut [0, data_bytes) into stripes of about `stripe_bytes`, boundaries only where a piece may start.
+
+    A row longer than a stripe makes a longer stripe: its bytes can only be copied by one torch call.
+    """
+    stripes: list[StripePlan] = []
+    pieces: list[Piece] = []
+    start = 0
+    for index, extent in enumerate(extents):
+        lo = 0
+        while lo < extent.nbytes:
+            at = extent.offset + lo
+            room = start + stripe_bytes - at
+            if pieces and (room <= 0 or room < extent.row_bytes):
+                stripes.append(StripePlan(start, at, tuple(pieces)))
+                pieces, start, room = [], at, stripe_bytes
+            take = min(extent.nbytes - lo, room, piece_bytes)
+            take = max(take - take % extent.row_bytes, extent.row_bytes)
+            hi = lo + take
+            pad = extent.end - extent.offset - extent.nbytes if hi == extent.nbytes else 0
+            pieces.append(Piece(index, lo, hi, at, pad))
+            lo = hi
+    if start < data_bytes or pieces:
+        stripes.append(StripePlan(start, data_bytes, tuple(pieces)))
+    return tuple(stripes)
+
+
+class CopyEngine:
+    """A small pool of threads that executes stripe plans and hashes byte ranges."""
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads or default_threads()
+        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="castor-copy")
+
+    def copy(
+        self, stripes: Sequence[StripePlan], transfers: Sequence[Transfer], slot: Bytes | None = None
+    ) -> list[str]:
+        """Run every piece of every stripe.
+
+        With `slot` (a save: the transfers write into it) also zero the alignment padding and return each
+        stripe's xxh3_64 hex digest, computed piece by piece right after the piece is copied.
+        """
+        digests = [""] * len(stripes)
+
+        def run_stripe(i: int) -> None:
+            stripe = stripes[i]
+            if slot is None:
+                for piece in stripe.pieces:
+                    transfers[piece.transfer].copy(piece.lo, piece.hi)
+                return
+            if i == len(stripes) // 2:
+                pause_point("mid-copy")
+            hasher = xxhash.xxh3_64()
+            hashed = stripe.start
+            for piece in stripe.pieces:
+                transfers[piece.transfer].copy(piece.lo, piece.hi)
+                end = piece.at + piece.hi - piece.lo
+                if piece.pad:
+                    slot[end : end + piece.pad] = 0
+                hasher.update(slot[hashed : end + piece.pad].data)
+                hashed = end + piece.pad
+            hasher.update(slot[hashed : stripe.end].data)
+            digests[i] = hasher.hexdigest()
+
+        self._run(len(stripes), run_stripe)
+        return digests
+
+    def hash(self, data: Bytes, ranges: Sequence[tuple[int, int]]) -> list[str]:
+        """xxh3_64 hex digests of data[start:end] for each range."""
+        digests = [""] * len(ranges)
+
+        def hash_range(i: int) -> None:
+            start, end = ranges[i]
+            digests[i] = xxhash.xxh3_64_hexdigest(data[start:end].data)
+
+        self._run(len(ranges), hash_range)
+        return digests
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _run(self, count: int, task: Callable[[int], None]) -> None:
+        """Call task(0..count-1) on the threads, each taking the next index when done with one."""
+        cursor = itertools.count()  # next() on a count is atomic under the GIL
+        failed = threading.Event()
+
+        def worker() -> None:
+            try:
+                while not failed.is_set() and (i := next(cursor)) < count:
+                    task(i)
+            except BaseException:
+                failed.set()
+                raise
+
+        futures = [self._pool.submit(worker) for _ in range(min(self.threads, count))]
+        # Wait for every thread before raising: a thread still writing into a slot after the caller gave the
+        # slot up could tear the next checkpoint written there.
+        wait_all(futures)
+        for future in futures:
+            future.result()

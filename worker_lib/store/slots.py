@@ -1,0 +1,304 @@
+"""SlotStore: the checkpoint slots of one rank in a shared-memory directory.
+
+Each slot k is `slot-<k>.bin` (the data region: preallocated with posix_fallocate, mapped once with
+MAP_SHARED|MAP_POPULATE and reused) and `slot-<k>.json` (its manifest, present iff the slot holds a committed
+checkpoint). A write takes an exclusive flock on `slot-<k>.bin`, unlinks the manifest first, writes the data,
+then commits by renaming `slot-<k>.json.tmp` over `slot-<k>.json`. A process killed at any instant therefore
+leaves either the old manifest with its untouched data, or no manifest, or the new manifest with every byte
+written. Readers hold a shared flock on `slot-<k>.bin`, so nobody writes a slot that is being read.
+
+The same class serves the training process (write its checkpoints, read one back) and the worker agent
+(stream the newest slot to peers, write a replica received from the network into its own store). A
+SlotStore object is used by one thread at a time; separate objects and processes coordinate through the
+file locks.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from numpy.typing import NDArray
+
+from worker_lib.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    ShmCapacityError,
+)
+from worker_lib.store.faults import pause_point
+from worker_lib.store.manifest import Manifest
+
+OnBusy = Literal["skip", "wait"]
+
+_READ_ATTEMPTS = 10
+_EMPTY: NDArray[np.uint8] = np.empty(0, dtype=np.uint8)
+
+
+def free_bytes(directory: Path) -> tuple[int, int]:
+    """(free, total) bytes of the filesystem holding `directory`."""
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize, stat.f_blocks * stat.f_frsize
+
+
+class _Slot:
+    """One slot's paths, the descriptor that carries the writer's lock, and the shared mapping."""
+
+    def __init__(self, directory: Path, index: int):
+        self.index = index
+        self.data_path = directory / f"slot-{index}.bin"
+        self.manifest_path = directory / f"slot-{index}.json"
+        self.fd: int | None = None
+        self.mapping: mmap.mmap | None = None
+        self.array: NDArray[np.uint8] = _EMPTY
+        # The last manifest read or written, keyed by the file's (inode, mtime, size): a save needs the
+        # iterations of all slots and should not re-parse unchanged JSON every time.
+        self.cached: tuple[tuple[int, int, int], Manifest] | None = None
+
+    def open_fd(self) -> int:
+        if self.fd is None:
+            self.fd = os.open(self.data_path, os.O_RDWR | os.O_CREAT, 0o600)
+        return self.fd
+
+    def size(self) -> int:
+        if self.fd is None and not self.data_path.exists():
+            return 0
+        return os.fstat(self.open_fd()).st_size
+
+    def map(self, size: int) -> None:
+        """Map the first `size` bytes, populated up front so no copy ever takes a page fault."""
+        old = self.mapping
+        self.mapping = mmap.mmap(
+            self.open_fd(),
+            size,
+            flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        )
+        self.array = np.frombuffer(self.mapping, dtype=np.uint8)
+        if old is not None:
+            _close_mapping(old)
+
+    def bytes(self, nbytes: int) -> NDArray[np.uint8]:
+        """The first `nbytes` of the mapping, remapping when the file grew behind our back."""
+        if nbytes == 0:
+            return _EMPTY
+        if self.array.size < nbytes:
+            self.map(self.size())
+        return self.array[:nbytes]
+
+    def close(self) -> None:
+        if self.mapping is not None:
+            _close_mapping(self.mapping)
+            self.mapping, self.array = None, _EMPTY
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _close_mapping(mapping: mmap.mmap) -> None:
+    # With views of it still alive (a reader's memoryview) it cannot close; it is unmapped when they are gone.
+    with suppress(BufferError):
+        mapping.close()
+
+
+class SlotStore:
+    def __init__(self, directory: str | os.PathLike[str], slots: int = 2):
+        if slots < 2:
+            raise ValueError(
+                "a store needs at least 2 slots: one keeps the newest checkpoint while the next is written"
+            )
+        self.directory = Path(directory)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._slots = [_Slot(self.directory, k) for k in range(slots)]
+
+    @property
+    def slots(self) -> int:
+        return len(self._slots)
+
+    def committed(self) -> list[Manifest]:
+        """Manifests of the committed checkpoints, newest first."""
+        return [manifest for _, manifest in self._committed()]
+
+    @contextmanager
+    def open_read(self, iteration: int | None = None) -> Iterator[tuple[Manifest, memoryview]]:
+        """Hold the newest committed checkpoint (or exactly `iteration`) for reading.
+
+        Gives its manifest and a read-only view of its data region, both stable while the context is open
+        (a shared lock keeps writers out). Raises CheckpointNotFoundError when there is no such checkpoint.
+        """
+        for _ in range(_READ_ATTEMPTS):
+            slot, chosen = self._choose(iteration)
+            fd = os.open(slot.data_path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                # A writer may have taken the slot between our listing and the lock: read the manifest again.
+                current = self._manifest(slot)
+                if current != chosen:
+                    continue
+                yield current, slot.bytes(current.data_bytes).data.toreadonly()
+                return
+            finally:
+                os.close(fd)  # releases the lock
+        raise CheckpointError(f"{self.directory}: checkpoints kept changing while opening one for reading")
+
+    def open_write(self, iteration: int, nbytes: int, on_busy: OnBusy = "skip") -> SlotWriter | None:
+        """Take a slot for writing the checkpoint of `iteration` (`nbytes` of data).
+
+        Never takes the slot holding the newest checkpoint older than `iteration`; invalidates every
+        checkpoint of `iteration` or later (a stale timeline after a rollback); prefers an empty slot, then
+        the oldest. When every candidate is being read: returns None (`on_busy="skip"`) or waits ("wait").
+        Raises ShmCapacityError when the filesystem cannot hold the slots at the new size.
+        """
+        self._reserve(nbytes)
+        older: dict[_Slot, int] = {}
+        for slot in self._slots:
+            try:
+                manifest = self._manifest(slot)
+            except CheckpointCorruptError:
+                manifest = None  # an unreadable manifest is no checkpoint: the slot is free to overwrite
+            if manifest is not None and manifest.iteration >= iteration:
+                self._invalidate(slot)
+            elif manifest is not None:
+                older[slot] = manifest.iteration
+        newest = max(older, key=older.__getitem__, default=None)
+        candidates = sorted(
+            (slot for slot in self._slots if slot is not newest),
+            key=lambda slot: (slot in older, older.get(slot, -1), slot.index),
+        )
+        chosen = self._lock_any(candidates, on_busy)
+        if chosen is None:
+            return None
+        try:
+            self._invalidate(chosen)
+            pause_point("after-invalidate")
+            return SlotWriter(chosen, iteration, chosen.bytes(nbytes).data)
+        except BaseException:
+            fcntl.flock(chosen.open_fd(), fcntl.LOCK_UN)
+            raise
+
+    def close(self) -> None:
+        for slot in self._slots:
+            slot.close()
+
+    def _committed(self) -> list[tuple[_Slot, Manifest]]:
+        found = [(slot, manifest) for slot in self._slots if (manifest := self._manifest(slot)) is not None]
+        return sorted(found, key=lambda item: item[1].iteration, reverse=True)
+
+    def _choose(self, iteration: int | None) -> tuple[_Slot, Manifest]:
+        committed = self._committed()
+        for slot, manifest in committed:
+            if iteration is None or manifest.iteration == iteration:
+                return slot, manifest
+        have = ", ".join(str(manifest.iteration) for _, manifest in committed) or "none"
+        wanted = "no checkpoint" if iteration is None else f"no checkpoint of iteration {iteration}"
+        raise CheckpointNotFoundError(f"{self.directory}: {wanted} (committed iterations: {have})")
+
+    def _manifest(self, slot: _Slot) -> Manifest | None:
+        try:
+            with open(slot.manifest_path, "rb") as file:
+                stat = os.fstat(file.fileno())
+                key = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+                if slot.cached is not None and slot.cached[0] == key:
+                    return slot.cached[1]
+                data = file.read()
+        except FileNotFoundError:
+            return None
+        try:
+            manifest = Manifest.from_json(data)
+        except ValueError as exc:
+            raise CheckpointCorruptError(f"{slot.manifest_path}: {exc}") from exc
+        slot.cached = (key, manifest)
+        return manifest
+
+    def _invalidate(self, slot: _Slot) -> None:
+        with suppress(FileNotFoundError):
+            os.unlink(slot.manifest_path)
+
+    def _lock_any(self, candidates: list[_Slot], on_busy: OnBusy) -> _Slot | None:
+        for slot in candidates:
+            try:
+                fcntl.flock(slot.open_fd(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return slot
+            except BlockingIOError:
+                continue
+        if on_busy == "skip":
+            return None
+        fcntl.flock(candidates[0].open_fd(), fcntl.LOCK_EX)
+        return candidates[0]
+
+    def _reserve(self, nbytes: int) -> None:
+        """Size every slot for `nbytes` of data, checking first that the filesystem has room for all of them.
+
+        Growing only allocates past the current end of a file, so it is safe while a slot is being read.
+        """
+        size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        short = [(slot, size - current) for slot in self._slots if (current := slot.size()) < size]
+        if not short:
+            return
+        needed = sum(missing for _, missing in short)
+        free, total = free_bytes(self.directory)
+        if needed > free:
+            raise ShmCapacityError(str(self.directory), needed, free, total)
+        for slot, _ in short:
+            try:
+                os.posix_fallocate(slot.open_fd(), 0, size)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                free, total = free_bytes(self.directory)
+                raise ShmCapacityError(str(self.directory), needed, free, total) from exc
+            slot.map(size)
+
+
+class SlotWriter:
+    """A slot taken for writing: fill `buffer` (a writable memoryview of exactly the checkpoint's data
+    bytes), then commit or abort."""
+
+    def __init__(self, slot: _Slot, iteration: int, buffer: memoryview):
+        self._slot = slot
+        self.iteration = iteration
+        self.buffer = buffer
+        self._open = True
+
+    @property
+    def slot(self) -> int:
+        return self._slot.index
+
+    def commit(self, manifest: Manifest) -> None:
+        """Make the checkpoint visible, atomically: write the manifest aside, then rename it into place."""
+        if (manifest.iteration, manifest.data_bytes) != (self.iteration, self.buffer.nbytes):
+            raise ValueError(
+                f"manifest of iteration {manifest.iteration} with {manifest.data_bytes} bytes does not match "
+                f"the slot opened for iteration {self.iteration} with {self.buffer.nbytes} bytes"
+            )
+        self._check_open()
+        path = self._slot.manifest_path
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_bytes(manifest.to_json())
+        pause_point("before-rename")
+        os.rename(temporary, path)
+        pause_point("after-rename")
+        stat = os.stat(path)
+        self._slot.cached = ((stat.st_ino, stat.st_mtime_ns, stat.st_size), manifest)
+        self._release()
+
+    def abort(self) -> None:
+        """Give the slot up without committing; it stays empty."""
+        self._check_open()
+        self._release()
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise RuntimeError(f"slot {self.slot} was already committed or aborted")
+
+    def _release(self) -> None:
+        self._open = False
+        self.buffer = _EMPTY.data
+        fcntl.flock(self._slot.open_fd(), fcntl.LOCK_UN)
