@@ -1,0 +1,235 @@
+"""`castor demo`: the embedded one-machine setup with a training job that survives three kinds of failure.
+
+The root service runs on the embedded defaults (SQLite in the state directory, REST heartbeats, the local
+cloud operator, a local directory as persistent tier). A job of N local machines (m = 2) trains a small
+model with a real data-parallel loop (worker_lib.examples.train_mlp: torch.distributed over gloo, a
+checkpoint every iteration). At spaced iterations the demo injects a software failure (a training
+process is killed), a machine loss (agent, processes and shared memory gone) and the loss of a whole
+placement group, while the job page shows it live. It ends with a summary table and keeps serving the
+pages until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import httpx
+
+from services import local_faults
+from services.root.settings import Settings
+
+PERSIST_EVERY = 10
+
+
+@dataclass
+class Fault:
+    kind: str  # software, machine, group
+    at_fraction: float
+    description: str
+
+
+FAULTS = [
+    Fault("software", 0.25, "kill -9 of the training process of rank 1"),
+    Fault("machine", 0.50, "loss of machine 2 (agent, processes and shared memory)"),
+    Fault("group", 0.75, "loss of both machines of placement group 0"),
+]
+
+
+class Demo:
+    def __init__(
+        self, settings: Settings, machines: int, iterations: int, faults: bool, out: Any = sys.stdout
+    ):
+        self.settings = settings
+        self.machines = machines
+        self.iterations = iterations
+        self.faults = faults
+        self.out = out
+        self.url = f"http://{settings.host}:{settings.port}"
+        self.http = httpx.AsyncClient(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {settings.resolved_admin_token()}"},
+            timeout=30,
+        )
+        self.job: dict[str, Any] = {}
+
+    def say(self, message: str) -> None:
+        print(message, file=self.out, flush=True)
+
+    async def api(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = await self.http.request(method, "/api/v1" + path, **kwargs)
+        response.raise_for_status()
+        return response.json() if response.content else None
+
+    async def run(self) -> list[dict[str, Any]]:
+        await self._wait_for_root()
+        command = [
+            sys.executable,
+            "-m",
+            "worker_lib.examples.train_mlp",
+            f"--iterations={self.iterations}",
+            "--sleep=0.2",
+        ]
+        self.job = await self.api(
+            "POST",
+            "/jobs",
+            json={
+                "name": f"demo-{uuid.uuid4().hex[:6]}",
+                "machines": self.machines,
+                "replicas": 2,
+                "persist_every": PERSIST_EVERY,
+                "launch": {"command": command},
+            },
+        )
+        self.say(
+            f"Job {self.job['name']}: {self.machines} local machines, m = 2, {self.iterations} iterations."
+        )
+        self.say(f"  live page: {self.url}/jobs/{self.job['id']}")
+        if self.faults:
+            for fault in FAULTS:
+                await self._inject_at(fault)
+        final = await self._wait_for_state({"completed", "failed"}, within_s=600)
+        failures = list(reversed(await self.api("GET", f"/jobs/{self.job['id']}/failures")))
+        self.say(
+            f"\nJob {final['state']} at iteration {final['newest_iteration']}; "
+            f"wasted time {final['wasted_time_s']:.1f} s."
+        )
+        self.say(summary_table(failures))
+        return failures
+
+    async def _wait_for_root(self) -> None:
+        for _ in range(300):
+            with contextlib.suppress(httpx.HTTPError):
+                if (await self.http.get("/healthz")).status_code == 200:
+                    return
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"the root service did not start at {self.url}")
+
+    async def _job(self) -> dict[str, Any]:
+        job: dict[str, Any] = await self.api("GET", f"/jobs/{self.job['id']}")
+        return job
+
+    async def _wait_for_state(self, states: set[str], within_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            job = await self._job()
+            if job["state"] in states:
+                return job
+            await asyncio.sleep(0.5)
+        raise TimeoutError(f"the job did not reach {states} in {within_s:.0f}s")
+
+    async def _inject_at(self, fault: Fault) -> None:
+        target = int(self.iterations * fault.at_fraction)
+        while True:
+            job = await self._job()
+            warm = await self._all_warm()
+            if job["state"] == "running" and (job["newest_iteration"] or 0) >= target and warm:
+                break
+            if job["state"] in ("completed", "failed"):
+                return
+            await asyncio.sleep(0.25)
+        recovered_before = await self._recovered_count()
+        self.say(f"iteration {job['newest_iteration']}: injecting {fault.description}")
+        machines = {m["rank"]: m for m in await self.api("GET", f"/jobs/{self.job['id']}/machines")}
+        if fault.kind == "software":
+            local_faults.kill_training_process(self._shm_dir(machines[1]["instance_id"]), rank=1)
+        else:
+            victims = [2] if fault.kind == "machine" else [0, 1]
+            for rank in victims:
+                instance = machines[rank]["instance_id"]
+                local_faults.lose_machine(self._shm_dir(instance), instance)
+        await self._poll(lambda: self._recovered_count(), lambda count: count > recovered_before)
+        event = next(
+            e for e in await self.api("GET", f"/jobs/{self.job['id']}/failures") if e["state"] == "recovered"
+        )
+        self.say(
+            f"  recovered: {event['kind']} failure, tier {event['tier']}, "
+            f"{event['iterations_lost']} iteration(s) lost, "
+            f"resumed {resume_seconds(event):.1f} s after detection"
+        )
+
+    @staticmethod
+    async def _poll(read: Any, done: Any, interval_s: float = 0.25) -> Any:
+        """Read the root's view until `done` says so (the root is another process: nothing to wait on)."""
+        while True:
+            value = await read()
+            if done(value):
+                return value
+            await asyncio.sleep(interval_s)
+
+    async def _recovered_count(self) -> int:
+        return sum(
+            e["state"] == "recovered" for e in await self.api("GET", f"/jobs/{self.job['id']}/failures")
+        )
+
+    async def _all_warm(self) -> bool:
+        machines = await self.api("GET", f"/jobs/{self.job['id']}/machines")
+        return len(machines) == self.machines and all(
+            (m["summary"].get("warm_spares") or 0) >= 1 for m in machines
+        )
+
+    def _shm_dir(self, instance: str) -> Any:
+        return self.settings.local_shm_base / uuid.UUID(self.job["id"]).hex / instance
+
+
+def resume_seconds(event: dict[str, Any]) -> float:
+    if not event.get("resumed_at"):
+        return float("nan")
+    return (
+        datetime.fromisoformat(event["resumed_at"]) - datetime.fromisoformat(event["detected_at"])
+    ).total_seconds()
+
+
+def summary_table(failures: list[dict[str, Any]]) -> str:
+    rows = [("#", "recovery", "kind", "cause", "tier", "resume (s)", "iterations lost", "state")]
+    for number, event in enumerate(failures, start=1):
+        rows.append(
+            (
+                str(number),
+                str(event["plan_id"]),
+                event["kind"],
+                event["cause"][:60],
+                event["tier"] or "-",
+                f"{resume_seconds(event):.1f}",
+                str(event["iterations_lost"]),
+                event["state"],
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+async def serve_demo(
+    settings: Settings, machines: int, iterations: int, faults: bool, exit_when_done: bool
+) -> int:
+    import uvicorn
+
+    from services.root.app import create_app
+
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
+    )
+    serving = asyncio.create_task(server.serve())
+    demo = Demo(settings, machines, iterations, faults)
+    try:
+        failures = await demo.run()
+        recoveries = {e["plan_id"] for e in failures}  # a group loss is two machine failures, one recovery
+        expected = len(FAULTS) if faults else 0
+        ok = all(e["state"] == "recovered" for e in failures) and len(recoveries) == expected
+        if exit_when_done:
+            return 0 if ok else 1
+        demo.say(f"\nThe pages stay up at {demo.url} until Ctrl-C.")
+        await serving
+        return 0
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(serving, 10)
+        await demo.http.aclose()

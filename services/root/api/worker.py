@@ -1,0 +1,112 @@
+"""Worker API (a job's worker token): what agents call."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, BackgroundTasks, Query, Response, status
+
+from services.root import schemas
+from services.root.api.deps import AuthorizedJobIdDep, SessionDep, StateDep, WorkerJobDep
+from services.root.db import repository as repo
+from services.root.errors import NotFound, error_responses
+from services.root.flows import directives, failures, persistence, recovery
+from services.root.flows import machines as machine_flows
+from services.root.persistent_store import delete_persisted
+
+router = APIRouter(
+    prefix="/api/v1/worker/jobs/{job_id}", tags=["worker"], responses=error_responses(401, 403, 404, 422)
+)
+
+
+@router.post("/machines", response_model=schemas.RegisterResponse, responses=error_responses(409))
+async def register_machine(
+    body: schemas.RegisterRequest, job: WorkerJobDep, db: SessionDep, state: StateDep
+) -> schemas.RegisterResponse:
+    """Register this machine (idempotent: the same instance gets the same rank back)."""
+    return await machine_flows.register_machine(db, job, body, state.settings)
+
+
+@router.post(
+    "/machines/{rank}/heartbeat", response_model=schemas.HeartbeatResponse, responses=error_responses(409)
+)
+async def heartbeat(
+    rank: int, body: schemas.HeartbeatRequest, job: WorkerJobDep, db: SessionDep
+) -> schemas.HeartbeatResponse:
+    """Liveness plus a summary of the checkpoints this machine holds (REST heartbeat mode)."""
+    return await machine_flows.record_heartbeat(db, job, rank, body)
+
+
+@router.post(
+    "/machines/{rank}/exits",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=schemas.ExitAck,
+    responses=error_responses(409),
+)
+async def report_exit(
+    rank: int, body: schemas.ExitReport, job: WorkerJobDep, db: SessionDep
+) -> schemas.ExitAck:
+    """A training process on this machine ended (reported at once, with its exit code)."""
+    event = await failures.record_exit(db, job, rank, body)
+    return schemas.ExitAck(failure_id=event.id if event else None)
+
+
+@router.get("/recovery-plan", response_model=schemas.RecoveryPlanOut)
+async def current_recovery_plan(job: WorkerJobDep, db: SessionDep) -> schemas.RecoveryPlanOut:
+    """The newest recovery plan: the iteration every rank resumes from and where each rank gets it."""
+    plan = await repo.latest_plan(db, job.id)
+    if plan is None:
+        raise NotFound(f"job {job.id} has no recovery plan", code="plan_not_found")
+    return schemas.RecoveryPlanOut.model_validate(plan)
+
+
+@router.get("/directive", response_model=schemas.DirectiveOut)
+async def get_directive(
+    job_id: AuthorizedJobIdDep,
+    state: StateDep,
+    after: Annotated[int, Query(description="Return once the revision is newer than this.")] = -1,
+    wait: Annotated[float, Query(ge=0, le=60, description="Seconds to wait for a newer revision.")] = 0,
+) -> schemas.DirectiveOut:
+    """What this job's agents must do now (long poll): wait, train from an iteration, stop and report
+    their inventory, or exit."""
+    return await directives.wait_for_directive(state.database, job_id, after, wait)
+
+
+@router.post(
+    "/machines/{rank}/progress", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(409)
+)
+async def report_progress(
+    rank: int, body: schemas.ProgressReport, job: WorkerJobDep, db: SessionDep
+) -> Response:
+    """This machine's progress through the current plan (restored, resumed, finished)."""
+    await recovery.record_progress(db, job, rank, body)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post(
+    "/machines/{rank}/inventory", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(409)
+)
+async def report_inventory(
+    rank: int, body: schemas.InventoryReport, job: WorkerJobDep, db: SessionDep
+) -> Response:
+    """What this machine holds, checksums verified, for the recovery being planned."""
+    await recovery.record_inventory(db, job, rank, body)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post(
+    "/machines/{rank}/persisted", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(409)
+)
+async def report_persisted(
+    rank: int,
+    body: schemas.PersistedReport,
+    job: WorkerJobDep,
+    db: SessionDep,
+    state: StateDep,
+    background: BackgroundTasks,
+) -> Response:
+    """One rank's checkpoint reached the persistent tier; checkpoints beyond the newest P are deleted."""
+    expired = await persistence.record_persisted(db, job, rank, body)
+    if expired:
+        background.add_task(delete_persisted, state.settings, expired)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

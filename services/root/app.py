@@ -1,0 +1,103 @@
+"""The root service: `create_app(settings)` builds the FastAPI app (API, status pages, health)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+
+from services.root import metrics
+from services.root.api import public, worker
+from services.root.api.deps import AppState
+from services.root.app_info import VERSION as API_VERSION
+from services.root.clients import CloudOperator
+from services.root.clients.aws import AwsOperator
+from services.root.clients.etcd import EtcdCoordinator
+from services.root.clients.local import LocalOperator
+from services.root.db.database import Database
+from services.root.db.migrate import upgrade_async
+from services.root.errors import install_error_handlers
+from services.root.orchestrator import Orchestrator
+from services.root.settings import Settings
+from services.root.web import routes as web_routes
+
+log = logging.getLogger(__name__)
+
+
+def cloud_operator(settings: Settings) -> CloudOperator:
+    if settings.cloud == "aws":
+        if not settings.asg_name:
+            raise ValueError("CASTOR_CLOUD=aws needs CASTOR_ASG_NAME")
+        return AwsOperator(
+            settings.asg_name,
+            region=settings.aws_region,
+            endpoint_url=settings.aws_endpoint_url,
+            use_standby=settings.use_standby,
+        )
+    root_urls = settings.root_urls or settings.resolved_public_url
+    return LocalOperator(root_urls, settings.state_dir.resolve(), settings.local_shm_base)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        url = settings.resolved_database_url
+        if settings.migrate_on_start:
+            await upgrade_async(url)
+        database = Database(url)
+        operator = cloud_operator(settings)
+        coordinator = (
+            EtcdCoordinator(settings.etcd_endpoints, settings.etcd_prefix)
+            if settings.etcd_endpoints
+            else None
+        )
+        orchestrator = Orchestrator(database, settings, operator, coordinator)
+        app.state.castor = AppState(
+            settings=settings,
+            database=database,
+            admin_token=settings.resolved_admin_token(),
+            operator=operator,
+            orchestrator=orchestrator,
+        )
+        background = asyncio.create_task(orchestrator.run(), name="orchestrator")
+        try:
+            yield
+        finally:
+            background.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await background
+            if coordinator is not None:
+                await coordinator.close()
+            await database.dispose()
+
+    app = FastAPI(
+        title="Castor root service",
+        version=API_VERSION,
+        description=(
+            "Control plane of Castor: per-iteration in-memory checkpoints replicated across machines "
+            "(GEMINI, SOSP 2023), failure detection and recovery. The public API takes the admin token; "
+            "the worker API takes a job's worker token."
+        ),
+        lifespan=lifespan,
+        # Stable operation ids (the route function's name) for generated clients.
+        generate_unique_id_function=lambda route: route.name,
+    )
+    install_error_handlers(app)
+    app.include_router(public.router)
+    app.include_router(worker.router)
+    web_routes.install(app)  # status pages
+    metrics.install(app)  # /metrics and request latencies
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz(request: Request) -> dict[str, str | bool]:
+        """Liveness, and whether this replica is the leader (runs detection and recoveries)."""
+        state: AppState = request.app.state.castor
+        return {"status": "ok", "leader": state.orchestrator.is_leader}
+
+    return app

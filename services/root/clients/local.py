@@ -1,0 +1,110 @@
+"""The local cloud operator (embedded default): "machines" are `castor agent` processes on this host, each
+with its own shared-memory directory. Replacing one starts a fresh agent with empty memory, which the
+root binds to the failed rank when it registers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from services.root.clients import CloudOperatorError, JobInfo, MachineInfo, Replacement
+
+log = logging.getLogger(__name__)
+
+
+class LocalOperator:
+    name = "local"
+
+    def __init__(self, root_url: str, state_dir: Path, shm_base: Path):
+        self.root_url = root_url
+        self.state_dir = state_dir
+        self.shm_base = shm_base
+        self._processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def _job_dir(self, job: JobInfo) -> Path:
+        return self.state_dir / "jobs" / job.id.hex
+
+    async def provision(self, job: JobInfo, worker_token: str) -> None:
+        if job.launch is None:
+            return  # the machines are started by someone else
+        directory = self._job_dir(job)
+        directory.mkdir(parents=True, exist_ok=True)
+        token_file = directory / "worker-token"
+        token_file.touch(mode=0o600)
+        token_file.write_text(worker_token)
+        for rank in range(job.num_machines):
+            self._start(job, f"local-{job.id.hex[:8]}-m{rank}", rank)
+
+    async def replace(self, job: JobInfo, failed: MachineInfo, bound_instances: set[str]) -> Replacement:
+        if job.launch is None:
+            raise CloudOperatorError(
+                f"job {job.name!r} has no launch spec: start a machine for rank {failed.rank} yourself "
+                "(castor agent --machine-rank ...)"
+            )
+        generation = 1
+        while (instance := f"{failed.instance_id.split('~')[0]}~{generation}") in bound_instances:
+            generation += 1
+        self._stop_instance(failed.instance_id)  # a machine declared failed must not come back as a zombie
+        self._start(job, instance, failed.rank)
+        return Replacement(instance, f"started agent {instance} for rank {failed.rank}")
+
+    async def release(self, job: JobInfo) -> None:
+        prefix = f"local-{job.id.hex[:8]}-"
+        for instance in [i for i in self._processes if i.startswith(prefix)]:
+            self._stop_instance(instance)
+        await asyncio.sleep(0)
+
+    def _start(self, job: JobInfo, instance: str, rank: int) -> None:
+        assert job.launch is not None
+        token = (self._job_dir(job) / "worker-token").read_text().strip()
+        logs = self._job_dir(job) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        command = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "agent",
+            "--root",
+            self.root_url,
+            "--job",
+            str(job.id),
+            "--instance-id",
+            instance,
+            "--machine-rank",
+            str(rank),
+            "--shm-dir",
+            str(self.shm_base / job.id.hex / instance),
+            "--",
+            *job.launch["command"],
+        ]
+        env = {**os.environ, **job.launch.get("env", {}), "CASTOR_WORKER_TOKEN": token}
+        with open(logs / f"{instance}.log", "ab") as log_file:
+            process = subprocess.Popen(
+                command,
+                cwd=job.launch.get("cwd") or None,
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._processes[instance] = process
+        log.info("started local machine %s (rank %d) as pid %d", instance, rank, process.pid)
+
+    def _stop_instance(self, instance: str) -> None:
+        process = self._processes.pop(instance, None)
+        if process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    def close(self) -> None:
+        for instance in list(self._processes):
+            process = self._processes[instance]
+            if process.poll() is not None:
+                self._processes.pop(instance)

@@ -1,0 +1,176 @@
+"""Queries over the models. Functions take the session as their first argument and never commit: the
+caller (a request or a background flow) owns the transaction."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import selectinload
+
+from services.root.db.models import (
+    FailureEvent,
+    Job,
+    Machine,
+    MachineState,
+    PersistedCheckpoint,
+    PersistedShard,
+    PlacementGroupRow,
+    RecoveryPlan,
+)
+
+
+async def get_job(session: AsyncSession, job_id: uuid.UUID, *, for_update: bool = False) -> Job | None:
+    query = select(Job).where(Job.id == job_id)
+    if for_update:
+        query = query.with_for_update()
+    return (await session.execute(query)).scalar_one_or_none()
+
+
+async def job_by_name(session: AsyncSession, name: str) -> Job | None:
+    return (await session.execute(select(Job).where(Job.name == name))).scalar_one_or_none()
+
+
+async def list_jobs(
+    session: AsyncSession, *, state: str | None, limit: int, offset: int
+) -> tuple[Sequence[Job], int]:
+    query = select(Job)
+    if state is not None:
+        query = query.where(Job.state == state)
+    total = (await session.execute(select(func.count()).select_from(query.subquery()))).scalar_one()
+    page = await session.execute(query.order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset))
+    return page.scalars().all(), total
+
+
+async def delete_job(session: AsyncSession, job: Job) -> None:
+    await session.execute(delete(Job).where(Job.id == job.id))
+
+
+async def live_machines(session: AsyncSession, job_id: uuid.UUID) -> Sequence[Machine]:
+    """The machine currently bound to each rank (replaced ones are history)."""
+    query = (
+        select(Machine)
+        .where(Machine.job_id == job_id, Machine.state != MachineState.REPLACED)
+        .order_by(Machine.rank)
+    )
+    return (await session.execute(query)).scalars().all()
+
+
+async def all_machines(session: AsyncSession, job_id: uuid.UUID) -> Sequence[Machine]:
+    query = select(Machine).where(Machine.job_id == job_id).order_by(Machine.rank, Machine.registered_at)
+    return (await session.execute(query)).scalars().all()
+
+
+async def machine_by_instance(session: AsyncSession, job_id: uuid.UUID, instance_id: str) -> Machine | None:
+    query = select(Machine).where(Machine.job_id == job_id, Machine.instance_id == instance_id)
+    return (await session.execute(query)).scalar_one_or_none()
+
+
+async def placement_groups(session: AsyncSession, job_id: uuid.UUID) -> Sequence[PlacementGroupRow]:
+    query = (
+        select(PlacementGroupRow).where(PlacementGroupRow.job_id == job_id).order_by(PlacementGroupRow.index)
+    )
+    return (await session.execute(query)).scalars().all()
+
+
+async def failure_counts(session: AsyncSession, job_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, int]:
+    if not job_ids:
+        return {}
+    query = (
+        select(FailureEvent.job_id, func.count())
+        .where(FailureEvent.job_id.in_(job_ids))
+        .group_by(FailureEvent.job_id)
+    )
+    return {job_id: count for job_id, count in (await session.execute(query)).all()}
+
+
+async def healthy_counts(session: AsyncSession, job_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, int]:
+    if not job_ids:
+        return {}
+    query = (
+        select(Machine.job_id, func.count())
+        .where(Machine.job_id.in_(job_ids), Machine.state == MachineState.HEALTHY)
+        .group_by(Machine.job_id)
+    )
+    return {job_id: count for job_id, count in (await session.execute(query)).all()}
+
+
+async def list_failures(session: AsyncSession, job_id: uuid.UUID) -> Sequence[FailureEvent]:
+    query = (
+        select(FailureEvent).where(FailureEvent.job_id == job_id).order_by(FailureEvent.detected_at.desc())
+    )
+    return (await session.execute(query)).scalars().all()
+
+
+async def get_failure(session: AsyncSession, job_id: uuid.UUID, failure_id: int) -> FailureEvent | None:
+    query = select(FailureEvent).where(FailureEvent.job_id == job_id, FailureEvent.id == failure_id)
+    return (await session.execute(query)).scalar_one_or_none()
+
+
+async def latest_plan(session: AsyncSession, job_id: uuid.UUID) -> RecoveryPlan | None:
+    query = (
+        select(RecoveryPlan)
+        .where(RecoveryPlan.job_id == job_id)
+        .order_by(RecoveryPlan.generation.desc())
+        .limit(1)
+    )
+    return (await session.execute(query)).scalar_one_or_none()
+
+
+async def list_plans(session: AsyncSession, job_id: uuid.UUID) -> Sequence[RecoveryPlan]:
+    query = select(RecoveryPlan).where(RecoveryPlan.job_id == job_id).order_by(RecoveryPlan.generation.desc())
+    return (await session.execute(query)).scalars().all()
+
+
+async def list_persisted(session: AsyncSession, job_id: uuid.UUID) -> Sequence[PersistedCheckpoint]:
+    query = (
+        select(PersistedCheckpoint)
+        .options(selectinload(PersistedCheckpoint.shards))
+        .where(PersistedCheckpoint.job_id == job_id)
+        .order_by(PersistedCheckpoint.iteration.desc())
+    )
+    return (await session.execute(query)).scalars().all()
+
+
+async def open_failures(session: AsyncSession, job_id: uuid.UUID) -> Sequence[FailureEvent]:
+    """Failure events not yet recovered, oldest first."""
+    query = (
+        select(FailureEvent)
+        .where(FailureEvent.job_id == job_id, FailureEvent.state.in_(("detected", "recovering")))
+        .order_by(FailureEvent.detected_at, FailureEvent.id)
+    )
+    return (await session.execute(query)).scalars().all()
+
+
+async def failures_of_plan(session: AsyncSession, plan_id: int) -> Sequence[FailureEvent]:
+    query = select(FailureEvent).where(FailureEvent.plan_id == plan_id).order_by(FailureEvent.detected_at)
+    return (await session.execute(query)).scalars().all()
+
+
+async def active_job_ids(session: AsyncSession) -> Sequence[uuid.UUID]:
+    query = select(Job.id).where(Job.state.in_(("running", "recovering")))
+    return (await session.execute(query)).scalars().all()
+
+
+async def persisted_shards(
+    session: AsyncSession, job_id: uuid.UUID
+) -> Sequence[tuple[PersistedCheckpoint, PersistedShard]]:
+    query = (
+        select(PersistedCheckpoint, PersistedShard)
+        .join(PersistedShard, PersistedShard.checkpoint_id == PersistedCheckpoint.id)
+        .where(PersistedCheckpoint.job_id == job_id)
+    )
+    return [(c, s) for c, s in (await session.execute(query)).all()]
+
+
+async def persisted_checkpoint(
+    session: AsyncSession, job_id: uuid.UUID, iteration: int
+) -> PersistedCheckpoint | None:
+    query = (
+        select(PersistedCheckpoint)
+        .options(selectinload(PersistedCheckpoint.shards))
+        .where(PersistedCheckpoint.job_id == job_id, PersistedCheckpoint.iteration == iteration)
+    )
+    return (await session.execute(query)).scalar_one_or_none()

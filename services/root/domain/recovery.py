@@ -1,0 +1,161 @@
+"""Recovery planning (pure): from what the machines hold and what was persisted, decide the iteration every
+rank resumes from and where each rank gets it.
+
+Rules (GEMINI, Section 6, made exact):
+* One iteration for all ranks: the newest iteration for which every rank has an intact copy somewhere.
+* Per rank, the fastest tier that has it: its own machine's memory (local), another live machine's
+  memory (peer), the persistent tier. A whole lost placement group therefore sends every rank to the
+  newest persisted checkpoint (ranks that still hold that iteration in memory read it from there).
+* Only copies that passed their checksum count, and only copies on the current timeline: a checkpoint made
+  before a rollback to an older iteration is a different history, even with the same iteration number.
+* Nothing restorable: start from scratch, and say so.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+TierName = Literal["local", "peer", "persistent"]
+TIER_ORDER: dict[TierName, int] = {"local": 0, "peer": 1, "persistent": 2}
+
+
+@dataclass(frozen=True)
+class MemoryCopy:
+    """A committed checkpoint of `rank` held in CPU memory by `machine` (its own or a replica)."""
+
+    rank: int
+    iteration: int
+    machine: int
+    digest: str
+    verified: bool
+    generation: int  # the plan generation whose training produced it
+
+
+@dataclass(frozen=True)
+class PersistedShard:
+    rank: int
+    iteration: int
+    location: str
+    digest: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class Source:
+    rank: int
+    tier: TierName
+    machine: int | None = None  # where to read it from (local and peer tiers)
+    location: str | None = None  # persistent tier
+    digest: str | None = None
+
+
+@dataclass(frozen=True)
+class RecoveryDecision:
+    iteration: int | None  # None: start from scratch
+    sources: tuple[Source, ...]
+    reason: str
+    iterations_lost: int | None
+
+    @property
+    def slowest_tier(self) -> TierName | None:
+        if not self.sources:
+            return None
+        return max((s.tier for s in self.sources), key=TIER_ORDER.__getitem__)
+
+
+def on_timeline(iteration: int, generation: int, resumed_from: Mapping[int, int | None]) -> bool:
+    """Whether a checkpoint of `iteration` made in `generation` belongs to the current history: no later
+    generation rolled back to before it. `resumed_from` maps each generation to the iteration it resumed
+    from (None: from scratch)."""
+    for later, start in resumed_from.items():
+        if later > generation and (start is None or start < iteration):
+            return False
+    return True
+
+
+def plan_recovery(
+    *,
+    world_size: int,
+    procs_per_machine: int,
+    live_machines: Iterable[int],
+    copies: Iterable[MemoryCopy],
+    persisted: Iterable[PersistedShard],
+    resumed_from: Mapping[int, int | None],
+    reached: int | None,
+) -> RecoveryDecision:
+    """Decide the iteration and the per-rank sources of a recovery.
+
+    `live_machines` are the machines that will take part (survivors and replacements); `reached` is the
+    newest iteration any rank committed before the failure (for the iterations-lost count).
+    """
+    live = set(live_machines)
+    usable = [
+        c
+        for c in copies
+        if c.verified
+        and c.machine in live
+        and 0 <= c.rank < world_size
+        and on_timeline(c.iteration, c.generation, resumed_from)
+    ]
+    shards = [
+        s
+        for s in persisted
+        if 0 <= s.rank < world_size and on_timeline(s.iteration, s.generation, resumed_from)
+    ]
+    in_memory: dict[tuple[int, int], list[MemoryCopy]] = {}
+    for copy in usable:
+        in_memory.setdefault((copy.rank, copy.iteration), []).append(copy)
+    on_disk = {(s.rank, s.iteration): s for s in shards}
+
+    candidates = sorted({c.iteration for c in usable} | {s.iteration for s in shards}, reverse=True)
+    for iteration in candidates:
+        sources = _sources_for(iteration, world_size, procs_per_machine, in_memory, on_disk)
+        if sources is not None:
+            lost = None if reached is None else max(0, reached - iteration)
+            tiers = Counter(s.tier for s in sources)
+            summary = ", ".join(f"{count} {tier}" for tier, count in sorted(tiers.items(), key=_tier_key))
+            return RecoveryDecision(
+                iteration, sources, f"iteration {iteration}: every rank has an intact copy ({summary})", lost
+            )
+    newest = candidates[0] if candidates else None
+    reason = (
+        "no checkpoint of any iteration is complete for every rank"
+        + (f" (newest partial: {newest})" if newest is not None else "")
+        + ": restarting from scratch"
+    )
+    return RecoveryDecision(None, (), reason, reached + 1 if reached is not None else None)
+
+
+def _sources_for(
+    iteration: int,
+    world_size: int,
+    procs_per_machine: int,
+    in_memory: Mapping[tuple[int, int], list[MemoryCopy]],
+    on_disk: Mapping[tuple[int, int], PersistedShard],
+) -> tuple[Source, ...] | None:
+    fetches_from: Counter[int] = Counter()  # spread peer fetches over the holders
+    sources = []
+    for rank in range(world_size):
+        home = rank // procs_per_machine
+        copies = in_memory.get((rank, iteration), [])
+        own = next((c for c in copies if c.machine == home), None)
+        if own is not None:
+            sources.append(Source(rank, "local", machine=home, digest=own.digest))
+            continue
+        if copies:
+            peer = min(copies, key=lambda c: (fetches_from[c.machine], c.machine))
+            fetches_from[peer.machine] += 1
+            sources.append(Source(rank, "peer", machine=peer.machine, digest=peer.digest))
+            continue
+        shard = on_disk.get((rank, iteration))
+        if shard is None:
+            return None
+        sources.append(Source(rank, "persistent", location=shard.location, digest=shard.digest))
+    return tuple(sources)
+
+
+def _tier_key(item: tuple[TierName, int]) -> int:
+    return TIER_ORDER[item[0]]

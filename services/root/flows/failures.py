@@ -1,0 +1,138 @@
+"""Failures as they are detected: a training process's exit (reported by its agent at once), a machine
+that stopped heartbeating or whose etcd lease expired, an instance the cloud reports unhealthy.
+
+Classification follows who is still there: a process died on a machine whose agent reports it, so the
+machine is fine (software); the agent itself is gone (hardware). A failure while a recovery is being
+prepared joins that recovery; a process exit then is usually a consequence (the ranks waiting on a dead
+peer's collective fail too) and is recorded on the open event rather than as a failure of its own.
+"""
+
+from __future__ import annotations
+
+import signal
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.root import schemas
+from services.root.db import repository as repo
+from services.root.db.models import (
+    FailureEvent,
+    FailureKind,
+    FailureState,
+    Job,
+    JobState,
+    Machine,
+    MachineState,
+    utcnow,
+)
+from services.root.flows.machines import live_machine_at
+
+ACTIVE_STATES = (JobState.RUNNING, JobState.RECOVERING)
+# How long before a lost machine's last heartbeat a peer's crash still counts as its consequence (the
+# heartbeat is periodic: the machine may have died up to one interval after it).
+SYMPTOM_SLACK = timedelta(seconds=2)
+
+
+async def record_exit(
+    session: AsyncSession, job: Job, rank: int, request: schemas.ExitReport
+) -> FailureEvent | None:
+    """A training process ended. A clean exit is not a failure; anything else is a software failure (the
+    agent reporting it is alive), or part of the recovery already open."""
+    machine = await live_machine_at(session, job, rank, request.instance_id)
+    if request.exit_code == 0 or job.state not in ACTIVE_STATES:
+        return None
+    now = utcnow()
+    what = f"training process rank {request.global_rank} {describe_exit(request.exit_code)}"
+    details = {
+        "exit_code": request.exit_code,
+        "global_rank": request.global_rank,
+        "local_rank": request.local_rank,
+        "instance_id": request.instance_id,
+        "machine_rank": rank,
+    }
+    current = await repo.open_failures(session, job.id)
+    if current:
+        consequence = current[0]
+        consequence.details = {
+            **consequence.details,
+            "cascade": [*consequence.details.get("cascade", []), {**details, "at": now.isoformat()}],
+        }
+        return consequence
+    event = FailureEvent(
+        job_id=job.id,
+        machine_id=machine.id,
+        rank=rank,
+        kind=FailureKind.SOFTWARE,
+        cause=what,
+        detected_at=now,
+        classified_at=now,
+        details=details,
+    )
+    session.add(event)
+    await session.flush()
+    return event
+
+
+async def machine_lost(
+    session: AsyncSession,
+    job: Job,
+    machine: Machine,
+    cause: str,
+    *,
+    details: dict[str, Any] | None = None,
+) -> FailureEvent | None:
+    """The machine is gone (agent, processes and memory): a hardware failure; it will be replaced.
+
+    Training processes on other machines that crashed after this machine's last sign of life were waiting
+    on it in a collective: they are symptoms, not failures of their own. Their events fold into this one,
+    whose detection time becomes the first symptom's (the failure was noticed then; it is classified now).
+    """
+    if machine.state in (MachineState.FAILED, MachineState.REPLACED) or job.state not in ACTIVE_STATES:
+        return None
+    now = utcnow()
+    machine.state = MachineState.FAILED
+    last_seen = machine.last_heartbeat_at or now
+    symptoms = [
+        e
+        for e in await repo.open_failures(session, job.id)
+        if e.kind == FailureKind.SOFTWARE
+        and e.machine_id != machine.id
+        and e.detected_at >= last_seen - SYMPTOM_SLACK
+    ]
+    event = FailureEvent(
+        job_id=job.id,
+        machine_id=machine.id,
+        rank=machine.rank,
+        kind=FailureKind.HARDWARE,
+        cause=f"machine {machine.rank} ({machine.instance_id}) {cause}",
+        detected_at=min([now, *(e.detected_at for e in symptoms)]),
+        classified_at=now,
+        state=symptoms[0].state if symptoms else FailureState.DETECTED,
+        plan_id=symptoms[0].plan_id if symptoms else None,
+        details={
+            "instance_id": machine.instance_id,
+            "last_heartbeat_at": machine.last_heartbeat_at.isoformat() if machine.last_heartbeat_at else None,
+            **(details or {}),
+            "cascade": [{"cause": e.cause, "at": e.detected_at.isoformat(), **e.details} for e in symptoms],
+        },
+    )
+    for symptom in symptoms:
+        await session.delete(symptom)
+    session.add(event)
+    await session.flush()
+    return event
+
+
+def describe_exit(exit_code: int) -> str:
+    if exit_code < 0:
+        try:
+            return f"was killed by {signal.Signals(-exit_code).name}"
+        except ValueError:
+            return f"was killed by signal {-exit_code}"
+    return f"exited with code {exit_code}"
+
+
+def is_open(event: FailureEvent) -> bool:
+    return event.state in (FailureState.DETECTED, FailureState.RECOVERING)

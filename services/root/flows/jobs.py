@@ -1,0 +1,127 @@
+"""Creating jobs and presenting them: placement computed once and stored, counters joined in."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.root import schemas
+from services.root.db import repository as repo
+from services.root.db.models import Job, JobState, PlacementGroupRow, PlanStatus, RecoveryPlan
+from services.root.domain.placement import (
+    Placement,
+    PlacementGroup,
+    plan_placement,
+    recovery_probabilities,
+)
+from services.root.errors import Conflict
+from services.root.tokens import issue_worker_token
+
+
+async def create_job(session: AsyncSession, request: schemas.JobCreate) -> tuple[Job, str]:
+    """Store a new job with its placement, recovery probabilities and first plan (start fresh)."""
+    if await repo.job_by_name(session, request.name) is not None:
+        raise Conflict(f"a job named {request.name!r} already exists", code="job_exists")
+    placement = plan_placement(request.machines, request.replicas, request.placement)
+    job = Job(
+        name=request.name,
+        state=JobState.PENDING,
+        num_machines=request.machines,
+        replicas=request.replicas,
+        procs_per_machine=request.procs_per_machine,
+        persist_every=request.persist_every,
+        keep_persisted=request.keep_persisted,
+        placement_strategy=placement.strategy,
+        launch=request.launch.model_dump() if request.launch else None,
+        recovery_probabilities={str(k): p for k, p in recovery_probabilities(placement, 4).items()},
+        worker_token_hash="",
+    )
+    session.add(job)
+    await session.flush()  # assigns the id the token embeds
+    token, token_hash = issue_worker_token(job.id)
+    job.worker_token_hash = token_hash
+    session.add_all(
+        PlacementGroupRow(job_id=job.id, index=g.index, kind=g.kind, members=list(g.members))
+        for g in placement.groups
+    )
+    session.add(
+        RecoveryPlan(
+            job_id=job.id,
+            generation=1,
+            iteration=None,
+            status=PlanStatus.PENDING,
+            reason="job start",
+            sources=[],
+        )
+    )
+    await session.flush()
+    return job, token
+
+
+def stored_placement(job: Job, groups: Sequence[PlacementGroupRow]) -> Placement:
+    """The placement as it was decided when the job was created."""
+    return Placement(
+        strategy=job.placement_strategy,  # type: ignore[arg-type]
+        num_machines=job.num_machines,
+        replicas=job.replicas,
+        groups=tuple(PlacementGroup(g.index, g.kind, tuple(g.members)) for g in groups),  # type: ignore[arg-type]
+    )
+
+
+def placement_out(job: Job, placement: Placement) -> schemas.PlacementOut:
+    return schemas.PlacementOut(
+        strategy=placement.strategy,
+        machines=placement.num_machines,
+        replicas=placement.replicas,
+        groups=[
+            schemas.PlacementGroupOut(index=g.index, kind=g.kind, members=list(g.members))
+            for g in placement.groups
+        ],
+        ranks=[
+            schemas.RankPlacement(
+                rank=r, holders=list(placement.holders(r)), sends_to=list(placement.sends_to(r))
+            )
+            for r in range(placement.num_machines)
+        ],
+        recovery_probability=job.recovery_probabilities,
+    )
+
+
+async def job_placement(session: AsyncSession, job: Job) -> schemas.PlacementOut:
+    return placement_out(job, stored_placement(job, await repo.placement_groups(session, job.id)))
+
+
+async def jobs_out(session: AsyncSession, jobs: Sequence[Job]) -> list[schemas.JobOut]:
+    ids = [job.id for job in jobs]
+    failures = await repo.failure_counts(session, ids)
+    healthy = await repo.healthy_counts(session, ids)
+    return [
+        schemas.JobOut(
+            id=job.id,
+            name=job.name,
+            state=job.state,
+            machines=job.num_machines,
+            replicas=job.replicas,
+            procs_per_machine=job.procs_per_machine,
+            persist_every=job.persist_every,
+            keep_persisted=job.keep_persisted,
+            placement_strategy=job.placement_strategy,
+            machines_healthy=healthy.get(job.id, 0),
+            newest_iteration=job.newest_iteration,
+            checkpoints_committed=job.checkpoints_committed,
+            checkpoints_skipped=job.checkpoints_skipped,
+            checkpoints_per_minute=job.checkpoints_per_minute,
+            failures=failures.get(job.id, 0),
+            wasted_time_s=job.wasted_time_s,
+            created_at=job.created_at,
+            updated_at=job.updated_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+        )
+        for job in jobs
+    ]
+
+
+async def job_out(session: AsyncSession, job: Job) -> schemas.JobOut:
+    return (await jobs_out(session, [job]))[0]

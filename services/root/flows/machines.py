@@ -1,0 +1,232 @@
+"""Machines joining a job and keeping in touch: registration (idempotent), heartbeats, process exits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.root import schemas
+from services.root.clients.etcd import machine_key
+from services.root.db import repository as repo
+from services.root.db.models import (
+    FailureEvent,
+    FailureKind,
+    Job,
+    JobState,
+    Machine,
+    MachineState,
+    PlanStatus,
+    utcnow,
+)
+from services.root.errors import Conflict
+from services.root.flows.directives import make_ready
+from services.root.flows.jobs import placement_out, stored_placement
+from services.root.settings import Settings
+
+
+async def register_machine(
+    session: AsyncSession, job: Job, request: schemas.RegisterRequest, settings: Settings
+) -> schemas.RegisterResponse:
+    """Bind the calling instance to a machine rank. The same instance always gets the same rank back; a
+    new instance takes the requested rank, else a failed machine's rank, else the lowest free one.
+
+    The caller holds the job row locked (SELECT ... FOR UPDATE), so concurrent registrations serialize."""
+    if job.state in (JobState.COMPLETED, JobState.STOPPED, JobState.FAILED):
+        raise Conflict(f"job {job.name!r} is {job.state}; it takes no new machines", code="job_finished")
+    live = list(await repo.live_machines(session, job.id))
+    machine = await repo.machine_by_instance(session, job.id, request.instance_id)
+    if machine is not None and machine.state == MachineState.REPLACED:
+        raise Conflict(
+            f"instance {request.instance_id!r} was replaced as machine {machine.rank}; start a new instance",
+            code="instance_replaced",
+        )
+    if machine is None:
+        rank = _choose_rank(job, live, request.rank)
+        displaced = next((m for m in live if m.rank == rank), None)
+        if displaced is not None:
+            displaced.state = MachineState.REPLACED
+            await session.flush()  # frees the live-rank unique index before the insert
+            await _note_replacement(session, job, displaced, request.instance_id)
+        machine = Machine(job_id=job.id, rank=rank, instance_id=request.instance_id)
+        session.add(machine)
+        live = [m for m in live if m is not displaced] + [machine]
+    elif request.rank is not None and request.rank != machine.rank:
+        raise Conflict(
+            f"instance {request.instance_id!r} is already machine {machine.rank}, not {request.rank}",
+            code="rank_mismatch",
+        )
+    elif job.state in (JobState.RUNNING, JobState.RECOVERING) and not request.embedded:
+        # The agent restarted on a live machine: its training processes died with it.
+        now = utcnow()
+        session.add(
+            FailureEvent(
+                job_id=job.id,
+                machine_id=machine.id,
+                rank=machine.rank,
+                kind=FailureKind.SOFTWARE,
+                cause=f"the agent of machine {machine.rank} ({machine.instance_id}) restarted",
+                detected_at=now,
+                classified_at=now,
+                details={"instance_id": machine.instance_id},
+            )
+        )
+    # An agent restarted on the same instance may listen on a new port: take the newest address.
+    machine.address, machine.data_port, machine.hostname = (
+        request.address,
+        request.data_port,
+        request.hostname,
+    )
+    machine.rendezvous_port = request.rendezvous_port
+    machine.embedded = request.embedded
+    machine.state = MachineState.HEALTHY
+    machine.last_heartbeat_at = utcnow()
+    plan = await repo.latest_plan(session, job.id)
+    if job.state == JobState.PENDING and len(live) == job.num_machines:
+        # Everyone is here: training starts from scratch, meeting at machine 0.
+        job.state, job.started_at = JobState.RUNNING, utcnow()
+        if plan is not None and plan.status == PlanStatus.PENDING:
+            make_ready(session, job, plan, next(m for m in live if m.rank == 0))
+    await session.flush()
+
+    placement = stored_placement(job, await repo.placement_groups(session, job.id))
+    return schemas.RegisterResponse(
+        machine_id=machine.id,
+        rank=machine.rank,
+        job_id=job.id,
+        machines=job.num_machines,
+        replicas=job.replicas,
+        procs_per_machine=job.procs_per_machine,
+        persist_every=job.persist_every,
+        placement=placement_out(job, placement),
+        peers=_group_peers(machine.rank, placement.group_of(machine.rank).members, live),
+        heartbeat=heartbeat_config(job, machine.rank, machine.instance_id, settings),
+        plan_generation=plan.generation if plan else None,
+        persistent=persistent_tier(settings),
+    )
+
+
+async def _note_replacement(session: AsyncSession, job: Job, failed: Machine, instance_id: str) -> None:
+    """The failed machine's rank is taken: that phase of its failure's recovery is done."""
+    for event in await repo.open_failures(session, job.id):
+        if event.machine_id == failed.id and event.replaced_at is None:
+            event.replaced_at = utcnow()
+            event.details = {**event.details, "replaced_by": instance_id}
+
+
+def _choose_rank(job: Job, live: Sequence[Machine], requested: int | None) -> int:
+    bound = {m.rank: m for m in live}
+    if requested is not None:
+        if requested >= job.num_machines:
+            raise Conflict(
+                f"rank {requested} is outside 0..{job.num_machines - 1} for job {job.name!r}",
+                code="rank_out_of_range",
+            )
+        holder = bound.get(requested)
+        if holder is not None and holder.state != MachineState.FAILED:
+            raise Conflict(
+                f"rank {requested} is held by live instance {holder.instance_id!r}", code="rank_taken"
+            )
+        return requested
+    failed = sorted(m.rank for m in live if m.state == MachineState.FAILED)
+    if failed:
+        return failed[0]
+    free = [r for r in range(job.num_machines) if r not in bound]
+    if not free:
+        raise Conflict(
+            f"job {job.name!r} already has all {job.num_machines} machines registered", code="job_full"
+        )
+    return free[0]
+
+
+def _group_peers(rank: int, members: Sequence[int], live: Sequence[Machine]) -> list[schemas.Peer]:
+    by_rank = {m.rank: m for m in live}
+    peers = []
+    for member in members:
+        if member == rank:
+            continue
+        machine = by_rank.get(member)
+        peers.append(
+            schemas.Peer(
+                rank=member,
+                address=machine.address if machine else None,
+                data_port=machine.data_port if machine else None,
+                state=machine.state if machine else None,
+            )
+        )
+    return peers
+
+
+def heartbeat_config(job: Job, rank: int, instance_id: str, settings: Settings) -> schemas.HeartbeatConfig:
+    if settings.etcd_endpoints:
+        return schemas.HeartbeatConfig(
+            mode="etcd",
+            interval_s=min(settings.heartbeat_interval_s, settings.lease_ttl_s / 3),
+            timeout_s=settings.lease_ttl_s,
+            etcd_endpoints=settings.etcd_endpoints,
+            etcd_key=machine_key(settings.etcd_prefix, job.id, rank, instance_id),
+        )
+    return schemas.HeartbeatConfig(
+        mode="rest", interval_s=settings.heartbeat_interval_s, timeout_s=settings.heartbeat_timeout_s
+    )
+
+
+def persistent_tier(settings: Settings) -> schemas.PersistentTier:
+    if settings.s3_bucket:
+        return schemas.PersistentTier(
+            kind="s3",
+            prefix=settings.s3_prefix,
+            bucket=settings.s3_bucket,
+            region=settings.aws_region,
+            endpoint_url=settings.s3_endpoint_url or settings.aws_endpoint_url,
+        )
+    return schemas.PersistentTier(kind="local", prefix=settings.s3_prefix, path=str(settings.persistent_dir))
+
+
+async def live_machine_at(session: AsyncSession, job: Job, rank: int, instance_id: str) -> Machine:
+    """The live machine bound to `rank`, which must be `instance_id` (a replaced zombie gets a 409)."""
+    machine = await repo.machine_by_instance(session, job.id, instance_id)
+    if machine is None or machine.rank != rank:
+        raise Conflict(
+            f"instance {instance_id!r} is not registered as machine {rank} of job {job.name!r}",
+            code="not_registered",
+        )
+    if machine.state == MachineState.REPLACED:
+        raise Conflict(f"instance {instance_id!r} was replaced as machine {rank}", code="instance_replaced")
+    return machine
+
+
+async def record_heartbeat(
+    session: AsyncSession, job: Job, rank: int, request: schemas.HeartbeatRequest
+) -> schemas.HeartbeatResponse:
+    machine = await live_machine_at(session, job, rank, request.instance_id)
+    machine.last_heartbeat_at = utcnow()
+    machine.summary = request.summary.model_dump(mode="json")
+    if machine.state in (MachineState.PENDING, MachineState.SUSPECT):
+        machine.state = MachineState.HEALTHY
+    live = list(await repo.live_machines(session, job.id))
+    _refresh_job_counters(job, live)
+    await session.flush()
+    placement = stored_placement(job, await repo.placement_groups(session, job.id))
+    plan = await repo.latest_plan(session, job.id)
+    return schemas.HeartbeatResponse(
+        state=machine.state,
+        job_state=job.state,
+        plan_generation=plan.generation if plan else None,
+        peers=_group_peers(rank, placement.group_of(rank).members, live),
+    )
+
+
+def _refresh_job_counters(job: Job, live: Sequence[Machine]) -> None:
+    """Job-wide counters from the machines' newest summaries: the iteration every rank has committed,
+    checkpoints taken and skipped, and the effective checkpoint frequency."""
+    newest: dict[int, int] = {}
+    for machine in live:
+        for rank, iteration in machine.summary.get("local", {}).items():
+            newest[int(rank)] = max(iteration, newest.get(int(rank), -1))
+    world_size = job.num_machines * job.procs_per_machine
+    job.newest_iteration = min(newest.values()) if len(newest) == world_size else None
+    job.checkpoints_committed = sum(m.summary.get("committed", 0) for m in live)
+    job.checkpoints_skipped = sum(m.summary.get("skipped", 0) for m in live)
+    rates = [m.summary["per_minute"] for m in live if m.summary.get("per_minute") is not None]
+    job.checkpoints_per_minute = min(rates) if rates else None

@@ -1,0 +1,337 @@
+"""Recovery orchestration: the state machine the leader drives, one step at a time, from the database.
+
+A recovery is a recovery plan of a new generation:
+1. collecting: every agent stops its training processes, checks the checksums of what it holds and reports
+   its inventory; failed machines are replaced (the replacement registers, takes the rank, reports an
+   empty inventory);
+2. ready: the pure planner chose one iteration for every rank and a source per rank; agents restore
+   (local memory, a peer, the persistent tier), restart training from that iteration and report
+   "restored", then "resumed" once their first iteration after it completed.
+Failures during step 1 join the recovery; failures during step 2 start a new generation. Every decision is
+recorded, so a new leader picks up a recovery in progress where the previous one left it.
+
+`advance` decides and records; it returns the cloud actions (machine replacements) for the caller to
+execute outside the transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.root import schemas
+from services.root.clients import JobInfo, MachineInfo
+from services.root.db import repository as repo
+from services.root.db.models import (
+    FailureEvent,
+    FailureKind,
+    FailureState,
+    Job,
+    JobState,
+    Machine,
+    MachineState,
+    PlanStatus,
+    RecoveryPlan,
+    utcnow,
+)
+from services.root.domain.recovery import MemoryCopy, PersistedShard, plan_recovery
+from services.root.flows.directives import directive_changed
+from services.root.flows.failures import machine_lost
+from services.root.flows.machines import live_machine_at
+from services.root.settings import Settings
+
+log = logging.getLogger(__name__)
+
+REPLACEMENT_RETRY_S = 10.0
+
+
+@dataclass(frozen=True)
+class ReplaceMachine:
+    """Cloud action: replace `machine` of `job` (failure event `event_id` records the outcome)."""
+
+    job: JobInfo
+    machine: MachineInfo
+    event_id: int
+
+
+async def advance(session: AsyncSession, job: Job, settings: Settings) -> list[ReplaceMachine]:
+    """One step of the job's recovery state machine."""
+    if job.state not in (JobState.RUNNING, JobState.RECOVERING):
+        return []
+    now = utcnow()
+    plan = await repo.latest_plan(session, job.id)
+    assert plan is not None, "every job has a plan from its creation"
+    events = list(await repo.open_failures(session, job.id))
+    fresh = [e for e in events if e.state == FailureState.DETECTED]
+    live = list(await repo.live_machines(session, job.id))
+    if any(m.embedded for m in live):
+        return []  # torchrun restarts embedded-mode training; failures are recorded, not orchestrated
+
+    if fresh:
+        if job.state == JobState.RUNNING or plan.status != PlanStatus.COLLECTING:
+            plan = await _open_recovery(session, job, plan, fresh)
+        for event in events:  # new failures join; those of a superseded restore move along
+            event.state, event.plan_id = FailureState.RECOVERING, plan.id
+        await session.flush()
+        return _replacements(job, live, events, now)
+
+    if job.state != JobState.RECOVERING:
+        return []
+    if plan.status == PlanStatus.COLLECTING:
+        actions = _replacements(job, live, events, now)
+        if any(m.state == MachineState.FAILED for m in live):
+            return actions  # waiting for replacements to register
+        missing = [m for m in live if m.inventory_generation != plan.generation]
+        if not missing:
+            await _decide(session, job, plan, live, events, now)
+        elif now - plan.created_at > timedelta(seconds=settings.inventory_timeout_s):
+            for machine in missing:
+                await machine_lost(session, job, machine, "did not report its inventory in time")
+        return actions
+
+    if plan.status == PlanStatus.READY:
+        if all(m.restored_generation == plan.generation for m in live):
+            for event in events:
+                event.restored_at = event.restored_at or now
+        if all(m.resumed_generation == plan.generation for m in live):
+            _finish_recovery(job, plan, events, now)
+        elif plan.ready_at and now - plan.ready_at > timedelta(seconds=settings.restore_timeout_s):
+            for machine in live:
+                if machine.resumed_generation != plan.generation:
+                    await machine_lost(session, job, machine, "did not resume training in time")
+    return []
+
+
+async def _open_recovery(
+    session: AsyncSession, job: Job, previous: RecoveryPlan, causes: list[FailureEvent]
+) -> RecoveryPlan:
+    plan = RecoveryPlan(
+        job_id=job.id,
+        generation=previous.generation + 1,
+        iteration=None,
+        status=PlanStatus.COLLECTING,
+        reason="; ".join(e.cause for e in causes)[:500],
+        sources=[],
+    )
+    session.add(plan)
+    await session.flush()  # its id, for the failure events
+    job.state = JobState.RECOVERING
+    directive_changed(session, job)
+    log.info("job %s: recovery generation %d opened: %s", job.name, plan.generation, plan.reason)
+    return plan
+
+
+def _replacements(
+    job: Job, live: list[Machine], events: list[FailureEvent], now: datetime
+) -> list[ReplaceMachine]:
+    """Replacement requests for failed machines that have none under way (or whose last one failed)."""
+    info = JobInfo(job.id, job.name, job.num_machines, job.launch)
+    actions = []
+    for machine in live:
+        if machine.state != MachineState.FAILED:
+            continue
+        event = next(
+            (e for e in events if e.machine_id == machine.id and e.kind == FailureKind.HARDWARE), None
+        )
+        if event is None:
+            continue
+        request = event.details.get("replacement", {})
+        retry_at = request.get("retry_at")
+        if request.get("status") in ("requested", "launched") or (
+            retry_at and datetime.fromisoformat(retry_at) > now
+        ):
+            continue
+        event.details = {**event.details, "replacement": {"status": "requested", "at": now.isoformat()}}
+        actions.append(
+            ReplaceMachine(info, MachineInfo(machine.rank, machine.instance_id, machine.address), event.id)
+        )
+    return actions
+
+
+async def record_replacement(
+    session: AsyncSession, event_id: int, *, instance_id: str | None, detail: str, error: str | None
+) -> None:
+    """The outcome of a replacement request, on its failure event."""
+    event = await session.get(FailureEvent, event_id)
+    if event is None:
+        return
+    now = utcnow()
+    if error is None:
+        outcome: dict[str, Any] = {"status": "launched", "instance": instance_id, "detail": detail}
+    else:
+        retry = now + timedelta(seconds=REPLACEMENT_RETRY_S)
+        outcome = {"status": "error", "error": error, "retry_at": retry.isoformat()}
+    attempts = event.details.get("replacement", {}).get("attempts", 0) + 1
+    event.details = {**event.details, "replacement": {**outcome, "attempts": attempts, "at": now.isoformat()}}
+
+
+async def _decide(
+    session: AsyncSession,
+    job: Job,
+    plan: RecoveryPlan,
+    live: list[Machine],
+    events: list[FailureEvent],
+    now: datetime,
+) -> None:
+    """Every machine reported: choose the iteration and the sources, and release the plan."""
+    decision = plan_recovery(
+        world_size=job.num_machines * job.procs_per_machine,
+        procs_per_machine=job.procs_per_machine,
+        live_machines=[m.rank for m in live],
+        copies=[
+            MemoryCopy(
+                rank=int(h["rank"]),
+                iteration=int(h["iteration"]),
+                machine=m.rank,
+                digest=str(h["digest"]),
+                verified=bool(h.get("verified")),
+                generation=int(h.get("generation") or 1),
+            )
+            for m in live
+            for h in m.inventory.get("holdings", [])
+        ],
+        persisted=[
+            PersistedShard(shard.rank, checkpoint.iteration, shard.key, shard.digest, shard.generation)
+            for checkpoint, shard in await repo.persisted_shards(session, job.id)
+        ],
+        resumed_from={
+            p.generation: p.iteration
+            for p in await repo.list_plans(session, job.id)
+            if p.status == PlanStatus.READY
+        },
+        reached=await _reached(session, job, live),
+    )
+    by_rank = {m.rank: m for m in live}
+    plan.iteration = decision.iteration
+    plan.sources = [_source_json(s, by_rank) for s in decision.sources]
+    plan.reason = (plan.reason + " -> " + decision.reason)[:500]
+    plan.status, plan.ready_at = PlanStatus.READY, now
+    rank0 = by_rank[0]
+    plan.rendezvous = {"master_addr": rank0.address, "master_port": rank0.rendezvous_port}
+    tiers = {str(s.rank): s.tier for s in decision.sources}
+    for event in events:
+        event.tier = decision.slowest_tier or "none"
+        event.iterations_lost = decision.iterations_lost
+        event.details = {
+            **event.details,
+            "plan_generation": plan.generation,
+            "tiers": tiers,
+            "iteration": decision.iteration,
+            # Copies that failed their checksums: the reason a rank came from a slower tier.
+            "corrupt": [
+                {
+                    "machine": m.rank,
+                    "rank": h["rank"],
+                    "iteration": h["iteration"],
+                    "tier": h.get("tier"),
+                    "problem": h.get("problem"),
+                }
+                for m in live
+                for h in m.inventory.get("holdings", [])
+                if h.get("verified") is False
+            ],
+        }
+    directive_changed(session, job)
+    log.info("job %s: generation %d ready: %s", job.name, plan.generation, decision.reason)
+
+
+def _source_json(source: Any, by_rank: dict[int, Machine]) -> dict[str, Any]:
+    machine = by_rank.get(source.machine) if source.machine is not None else None
+    return schemas.PlanSource(
+        rank=source.rank,
+        tier=source.tier,
+        source_rank=source.machine,
+        address=machine.address if machine else None,
+        data_port=machine.data_port if machine else None,
+        location=source.location,
+        digest=source.digest,
+    ).model_dump()
+
+
+async def _reached(session: AsyncSession, job: Job, live: list[Machine]) -> int | None:
+    """The newest iteration any rank committed before the failure: inventories of the survivors and the
+    last heartbeat of every machine, the failed ones included."""
+    newest: list[int] = []
+    for machine in await repo.all_machines(session, job.id):
+        newest += [int(i) for i in machine.summary.get("local", {}).values()]
+    for machine in live:
+        newest += [
+            int(h["iteration"]) for h in machine.inventory.get("holdings", []) if h.get("tier") == "local"
+        ]
+    return max(newest) if newest else None
+
+
+def _finish_recovery(job: Job, plan: RecoveryPlan, events: list[FailureEvent], now: datetime) -> None:
+    """Every rank completed an iteration after the restore: the failures are recovered."""
+    started = min(e.detected_at for e in events) if events else plan.created_at
+    iteration_s = 60.0 / job.checkpoints_per_minute if job.checkpoints_per_minute else 0.0
+    lost = max((e.iterations_lost or 0) for e in events) if events else 0
+    for event in events:
+        event.restored_at = event.restored_at or now
+        event.resumed_at = now
+        event.state = FailureState.RECOVERED
+    job.wasted_time_s += (now - started).total_seconds() + lost * iteration_s
+    job.state = JobState.RUNNING
+    log.info("job %s: recovered at generation %d", job.name, plan.generation)
+
+
+# -- what agents report during a recovery ------------------------------------------------------------------
+
+
+async def record_inventory(
+    session: AsyncSession, job: Job, rank: int, report: schemas.InventoryReport
+) -> None:
+    machine = await live_machine_at(session, job, rank, report.instance_id)
+    plan = await repo.latest_plan(session, job.id)
+    if plan is None or plan.generation != report.generation or plan.status != PlanStatus.COLLECTING:
+        return  # a late report for a recovery that has moved on
+    machine.inventory = {"holdings": [h.model_dump() for h in report.holdings]}
+    machine.inventory_generation = report.generation
+    if report.rendezvous_port is not None:
+        machine.rendezvous_port = report.rendezvous_port
+
+
+async def record_progress(session: AsyncSession, job: Job, rank: int, report: schemas.ProgressReport) -> None:
+    """An agent's progress through the current plan; when every machine's processes finished cleanly, the
+    job is complete."""
+    machine = await live_machine_at(session, job, rank, report.instance_id)
+    if report.event == "restored":
+        machine.restored_generation = report.generation
+        await _note_on_events(session, job, report.generation, "restore", {str(rank): report.details})
+    elif report.event == "resumed":
+        machine.resumed_generation = report.generation
+    elif report.event == "restore_failed":
+        now = utcnow()
+        session.add(
+            FailureEvent(
+                job_id=job.id,
+                machine_id=machine.id,
+                rank=rank,
+                kind=FailureKind.UNKNOWN,
+                detected_at=now,
+                classified_at=now,
+                cause=f"machine {rank} could not restore: {report.details.get('error', '?')}"[:500],
+                details=report.details,
+            )
+        )
+    elif report.event == "finished":
+        machine.finished_generation = report.generation
+        live = await repo.live_machines(session, job.id)
+        if job.state == JobState.RUNNING and all(m.finished_generation == report.generation for m in live):
+            job.state, job.finished_at = JobState.COMPLETED, utcnow()
+            directive_changed(session, job)
+    await session.flush()
+
+
+async def _note_on_events(
+    session: AsyncSession, job: Job, generation: int, key: str, value: dict[str, Any]
+) -> None:
+    plan = await repo.latest_plan(session, job.id)
+    if plan is None or plan.generation != generation:
+        return
+    for event in await repo.failures_of_plan(session, plan.id):
+        event.details = {**event.details, key: {**event.details.get(key, {}), **value}}

@@ -1,0 +1,279 @@
+"""Prometheus metrics at /metrics (text format 0.0.4), unauthenticated.
+
+Why no token: the only credential the root knows is the admin token, which also creates and deletes jobs;
+handing it to every Prometheus would be worse than what /metrics shows (counts, durations, job names; never
+a token, address or cause). Expose the port only where your scrapers are, as usual for /metrics.
+
+Two sources:
+- the database, read at scrape time (a custom collector): jobs, machines and failures by state and kind,
+  recovery phase durations, per-job counters from the agents' heartbeat summaries. Every root replica
+  reads the same rows, so any replica answers the same and nothing is lost when one restarts;
+- this process: API latency by route template and method (a middleware histogram), the process's own
+  CPU and memory, whether this replica is the leader.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.root.db.database import Database
+from services.root.db.models import FailureKind, JobState, MachineState, Tier
+from services.root.web import phases, queries
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PHASE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+UNMATCHED = "unmatched"
+
+
+class ProcessMetrics:
+    """What this process measures itself, in a registry of its own app (tests run several apps)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.latency = Histogram(
+            "castor_http_request_duration_seconds",
+            "Time to answer an HTTP request, by route template, method and status (long polls included).",
+            ["route", "method", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        ProcessCollector(registry=self.registry)
+
+
+def route_template(scope: Scope) -> str:
+    """The matched route's path template (/api/v1/jobs/{job_id}), never the raw path: ids would make a
+    new series per job."""
+    route = scope.get("route")
+    path = getattr(route, "path_format", None) or getattr(route, "path", None)
+    return str(path) if path else UNMATCHED
+
+
+class LatencyMiddleware:
+    """Pure ASGI (no buffering of streamed responses): times each HTTP request to its last byte."""
+
+    def __init__(self, app: ASGIApp, metrics: ProcessMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.latency.labels(route_template(scope), scope.get("method", ""), str(status)).observe(
+                time.perf_counter() - started
+            )
+
+
+# -- from the database, at scrape time ---------------------------------------------------------------------
+
+
+def _histogram(name: str, documentation: str, label: str, observations: dict[str, list[float]]) -> Metric:
+    family = HistogramMetricFamily(name, documentation, labels=[label])
+    for key, values in observations.items():
+        buckets: list[tuple[str, float]] = [
+            (repr(bound), float(sum(1 for v in values if v <= bound))) for bound in PHASE_BUCKETS
+        ]
+        buckets.append(("+Inf", float(len(values))))
+        family.add_metric([key], buckets, sum_value=sum(values))
+    return family
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+async def database_families(database: Database) -> list[Metric]:
+    async with database.session() as session:
+        jobs = await queries.jobs_by_state(session)
+        machines = await queries.machines_by_state(session)
+        failures = await queries.failures_by_kind(session)
+        tiers = await queries.recoveries_by_tier(session)
+        recovered = await queries.recovered_failures(session)
+        active = await queries.active_jobs(session)
+        summaries = await queries.live_machine_summaries(session, [job.id for job in active])
+
+    result: list[Metric] = []
+    family = GaugeMetricFamily("castor_jobs", "Jobs by state.", labels=["state"])
+    for state in JobState:
+        family.add_metric([state.value], jobs.get(state.value, 0))
+    result.append(family)
+
+    family = GaugeMetricFamily("castor_machines", "Machines by state (replaced: history).", labels=["state"])
+    for machine_state in MachineState:
+        family.add_metric([machine_state.value], machines.get(machine_state.value, 0))
+    result.append(family)
+
+    counter = CounterMetricFamily("castor_failures", "Failure events by kind.", labels=["kind"])
+    for kind in FailureKind:
+        counter.add_metric([kind.value], failures.get(kind.value, 0))
+    result.append(counter)
+
+    counter = CounterMetricFamily(
+        "castor_recoveries", "Recovered failures by the slowest checkpoint tier used.", labels=["tier"]
+    )
+    for tier in [*(t.value for t in Tier), "none"]:
+        counter.add_metric([tier], tiers.get(tier, 0))
+    result.append(counter)
+
+    by_phase: dict[str, list[float]] = {name: [] for name in phases.PHASES}
+    by_kind: dict[str, list[float]] = {kind.value: [] for kind in FailureKind}
+    lost = 0
+    for event in recovered:
+        for phase in phases.phases(event, finished=True):
+            by_phase[phase.name].append(phase.seconds)
+        total = phases.total_seconds(event)
+        if total is not None:
+            by_kind.setdefault(event.kind, []).append(total)
+        lost += event.iterations_lost or 0
+    result.append(
+        _histogram(
+            "castor_recovery_phase_seconds",
+            "Duration of each phase of recovered failures (detect, classify, replace, restore, resume).",
+            "phase",
+            by_phase,
+        )
+    )
+    result.append(
+        _histogram(
+            "castor_recovery_seconds",
+            "From a failure to training resumed, over recovered failures.",
+            "kind",
+            by_kind,
+        )
+    )
+    counter = CounterMetricFamily(
+        "castor_iterations_lost", "Iterations lost (rolled back) by recovered failures."
+    )
+    counter.add_metric([], lost)
+    result.append(counter)
+    result += _job_families(active, summaries)
+    return result
+
+
+def _job_families(
+    active: Sequence[Any], summaries: Sequence[tuple[Any, int, dict[str, Any]]]
+) -> list[Metric]:
+    names = {job.id: job.name for job in active}
+    newest = GaugeMetricFamily(
+        "castor_job_newest_iteration", "Newest iteration every rank of the job committed.", labels=["job"]
+    )
+    frequency = GaugeMetricFamily(
+        "castor_job_checkpoints_per_minute", "Effective checkpoint frequency of the job.", labels=["job"]
+    )
+    wasted = CounterMetricFamily(
+        "castor_job_wasted_seconds",
+        "Training time the job lost to failures (recoveries and rollbacks).",
+        labels=["job"],
+    )
+    for job in active:
+        if job.newest_iteration is not None:
+            newest.add_metric([job.name], job.newest_iteration)
+        if job.checkpoints_per_minute is not None:
+            frequency.add_metric([job.name], job.checkpoints_per_minute)
+        wasted.add_metric([job.name], job.wasted_time_s)
+
+    committed = CounterMetricFamily(
+        "castor_checkpoints_committed",
+        "Checkpoints the machine's agent committed to its memory (since the agent started).",
+        labels=["job", "machine"],
+    )
+    replicated = CounterMetricFamily(
+        "castor_checkpoints_replicated",
+        "Checkpoints of the machine that its peers verified and committed (since the agent started).",
+        labels=["job", "machine"],
+    )
+    skipped = CounterMetricFamily(
+        "castor_checkpoints_skipped",
+        "Saves the machine skipped because replication lagged (since the agent started).",
+        labels=["job", "machine"],
+    )
+    lag = GaugeMetricFamily(
+        "castor_replication_lag_seconds",
+        "Worst replication lag over the job's machines: newest commit to the peer's verified replica.",
+        labels=["job"],
+    )
+    worst: dict[Any, float] = {}
+    for job_id, rank, summary in summaries:
+        labels = [names[job_id], str(rank)]
+        committed.add_metric(labels, _number(summary.get("committed")) or 0)
+        replicated.add_metric(labels, _number(summary.get("replicated")) or 0)
+        skipped.add_metric(labels, _number(summary.get("skipped")) or 0)
+        value = _number(summary.get("replication_lag_s"))
+        if value is not None:
+            worst[job_id] = max(value, worst.get(job_id, 0.0))
+    for job_id, value in worst.items():
+        lag.add_metric([names[job_id]], value)
+    return [newest, frequency, wasted, committed, replicated, skipped, lag]
+
+
+class _Snapshot:
+    """A collector that yields families gathered beforehand (the database is read asynchronously)."""
+
+    def __init__(self, families: Iterable[Metric]):
+        self.families = list(families)
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+router = APIRouter(include_in_schema=False)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = request.app.state
+    families: list[Metric] = []
+    up = GaugeMetricFamily("castor_database_up", "Whether this scrape could read the database.")
+    try:
+        families += await database_families(state.castor.database)
+        up.add_metric([], 1)
+    except Exception as exc:
+        log.warning("metrics: reading the database failed: %s", exc)
+        up.add_metric([], 0)
+    leader = GaugeMetricFamily("castor_leader", "1 if this root replica is the leader (runs recoveries).")
+    leader.add_metric([], 1 if state.castor.orchestrator.is_leader else 0)
+    families += [up, leader, *state.castor_metrics.registry.collect()]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(families))
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def install(app: FastAPI) -> None:
+    """Time every request and serve /metrics."""
+    app.state.castor_metrics = ProcessMetrics()
+    app.add_middleware(LatencyMiddleware, metrics=app.state.castor_metrics)
+    app.include_router(router)

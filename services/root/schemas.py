@@ -1,0 +1,365 @@
+"""Wire models of the REST API (requests and responses). ORM rows never leave the service directly."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
+
+
+class LaunchSpec(BaseModel):
+    """How the local cloud operator starts a machine of this job: `castor agent ... -- <command>`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    command: list[str] = Field(min_length=1, description='The training command, e.g. ["python", "train.py"].')
+    cwd: str | None = Field(None, description="Working directory of the training processes.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables.")
+
+
+class JobCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=JOB_NAME_PATTERN, description="Unique name: letters, digits, '.', '_', '-'.")
+    machines: int = Field(ge=1, le=100_000, description="Number of machines N.")
+    replicas: int = Field(2, ge=1, le=16, description="Copies of each checkpoint m, the local one included.")
+    procs_per_machine: int = Field(1, ge=1, le=64, description="Training processes per machine.")
+    persist_every: int = Field(
+        100, ge=0, description="Upload to the persistent tier every K iterations; 0 disables it."
+    )
+    keep_persisted: int = Field(3, ge=1, le=1000, description="Persisted checkpoints kept per job.")
+    placement: Literal["auto", "group", "mixed", "ring"] = Field(
+        "auto", description="auto: group when m divides N, mixed otherwise (the paper's choice)."
+    )
+    launch: LaunchSpec | None = Field(
+        None,
+        description="Local cloud operator only: start the job's machines as agent processes on the root's "
+        "host, and start a fresh one to replace a failed machine. Without it, machines are started "
+        "outside Castor (an Auto Scaling Group's boot script, or by hand).",
+    )
+
+    @model_validator(mode="after")
+    def _replicas_fit(self) -> JobCreate:
+        if self.replicas > self.machines:
+            raise ValueError(f"replicas ({self.replicas}) cannot exceed machines ({self.machines})")
+        if self.placement == "group" and self.machines % self.replicas:
+            raise ValueError("group placement needs replicas to divide machines; use auto or mixed")
+        return self
+
+
+class JobOut(BaseModel):
+    id: uuid.UUID
+    name: str
+    state: str
+    machines: int
+    replicas: int
+    procs_per_machine: int
+    persist_every: int
+    keep_persisted: int
+    placement_strategy: str
+    machines_healthy: int
+    newest_iteration: int | None
+    checkpoints_committed: int
+    checkpoints_skipped: int
+    checkpoints_per_minute: float | None
+    failures: int
+    wasted_time_s: float
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class JobCreated(JobOut):
+    worker_token: str = Field(description="Bearer token for this job's agents; shown once, stored hashed.")
+
+
+class JobPage(BaseModel):
+    items: list[JobOut]
+    total: int
+    limit: int
+    offset: int
+
+
+class MachineOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    rank: int
+    instance_id: str
+    hostname: str
+    address: str
+    data_port: int
+    state: str
+    registered_at: datetime
+    last_heartbeat_at: datetime | None
+    summary: dict[str, Any]
+
+
+class PlacementGroupOut(BaseModel):
+    index: int
+    kind: Literal["group", "ring"]
+    members: list[int]
+
+
+class RankPlacement(BaseModel):
+    rank: int
+    holders: list[int] = Field(description="Machines holding this rank's checkpoint, its own first.")
+    sends_to: list[int] = Field(description="Peers receiving a replica of this rank's checkpoint.")
+
+
+class PlacementOut(BaseModel):
+    strategy: Literal["group", "mixed", "ring"]
+    machines: int
+    replicas: int
+    groups: list[PlacementGroupOut]
+    ranks: list[RankPlacement]
+    recovery_probability: dict[str, float] = Field(
+        description="k -> probability of recovering from CPU memory when k machines fail at once (exact)."
+    )
+
+
+class FailureOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    job_id: uuid.UUID
+    rank: int | None
+    kind: str
+    state: str
+    cause: str
+    detected_at: datetime
+    classified_at: datetime | None
+    replaced_at: datetime | None
+    restored_at: datetime | None
+    resumed_at: datetime | None
+    plan_id: int | None
+    tier: str | None
+    iterations_lost: int | None
+    details: dict[str, Any]
+
+
+class PlanSource(BaseModel):
+    rank: int
+    tier: Literal["local", "peer", "persistent"]
+    source_rank: int | None = Field(None, description="Machine to fetch from (peer tier).")
+    address: str | None = None
+    data_port: int | None = None
+    location: str | None = Field(None, description="Object location (persistent tier).")
+    digest: str | None = Field(None, description="Expected content digest of the checkpoint.")
+
+
+class RecoveryPlanOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    job_id: uuid.UUID
+    generation: int
+    iteration: int | None = Field(description="Iteration every rank resumes from; null: start fresh.")
+    reason: str
+    created_at: datetime
+    sources: list[PlanSource]
+
+
+class PersistedShardOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    rank: int
+    key: str
+    digest: str
+    nbytes: int
+
+
+class PersistedCheckpointOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    iteration: int
+    location: str
+    created_at: datetime
+    complete: bool
+    shards: list[PersistedShardOut]
+
+
+# ---- worker surface -------------------------------------------------------------------------------------
+
+
+class RegisterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    instance_id: str = Field(min_length=1, max_length=128, description="Cloud instance id or host identity.")
+    address: str = Field(min_length=1, max_length=255, description="Address peers reach the agent at.")
+    data_port: int = Field(ge=1, le=65535, description="Port of the agent's checkpoint data plane.")
+    rendezvous_port: int | None = Field(
+        None, ge=1, le=65535, description="A free port for torch.distributed's store if this is machine 0."
+    )
+    hostname: str = Field("", max_length=255)
+    rank: int | None = Field(
+        None, ge=0, description="Ask for this machine rank (default: the next free one)."
+    )
+    embedded: bool = Field(
+        False,
+        description="Embedded mode (training launched by torchrun): the root records failures but leaves "
+        "restarts to torchrun instead of orchestrating recoveries.",
+    )
+
+
+class Peer(BaseModel):
+    rank: int
+    address: str | None
+    data_port: int | None
+    state: str | None
+
+
+class HeartbeatConfig(BaseModel):
+    mode: Literal["rest", "etcd"]
+    interval_s: float
+    timeout_s: float
+    etcd_endpoints: list[str] = []
+    etcd_key: str | None = None
+
+
+class RegisterResponse(BaseModel):
+    machine_id: int
+    rank: int
+    job_id: uuid.UUID
+    machines: int
+    replicas: int
+    procs_per_machine: int
+    persist_every: int
+    placement: PlacementOut
+    peers: list[Peer] = Field(description="Members of this machine's placement group.")
+    heartbeat: HeartbeatConfig
+    plan_generation: int | None
+    persistent: PersistentTier = Field(description="Where agents upload every persist_every iterations.")
+
+
+class CheckpointSummary(BaseModel):
+    """What an agent holds, in brief (the full inventory is asked for only during a recovery)."""
+
+    local: dict[int, int] = Field(default_factory=dict, description="rank -> newest committed iteration.")
+    replicas: dict[int, int] = Field(
+        default_factory=dict, description="peer rank -> newest replicated iteration."
+    )
+    committed: int = Field(0, ge=0, description="Checkpoints committed since the agent started.")
+    skipped: int = Field(0, ge=0, description="Saves skipped because replication lagged.")
+    per_minute: float | None = Field(None, ge=0, description="Effective checkpoint frequency.")
+    replicated: int = Field(0, ge=0, description="Checkpoints peers verified and committed.")
+    replication_lag_s: float | None = Field(
+        None, ge=0, description="From the newest replicated commit to the peer's verified replica."
+    )
+    uploaded: int = Field(0, ge=0, description="Checkpoints uploaded to the persistent tier.")
+    warm_spares: int | None = Field(
+        None, ge=0, description="Warm interpreters (torch imported) ready for the next restart."
+    )
+
+
+class HeartbeatRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    instance_id: str = Field(min_length=1, max_length=128)
+    summary: CheckpointSummary = Field(default_factory=CheckpointSummary)
+
+
+class HeartbeatResponse(BaseModel):
+    state: str = Field(description="This machine's state as the root sees it.")
+    job_state: str
+    plan_generation: int | None
+    peers: list[Peer]
+
+
+class ExitReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    instance_id: str = Field(min_length=1, max_length=128)
+    local_rank: int = Field(ge=0)
+    global_rank: int = Field(ge=0)
+    exit_code: int = Field(description="Process exit code; negative: killed by that signal.")
+
+
+class ExitAck(BaseModel):
+    failure_id: int | None = Field(description="The failure event opened for this exit, if it was one.")
+
+
+class Rendezvous(BaseModel):
+    master_addr: str
+    master_port: int | None
+
+
+class DirectiveOut(BaseModel):
+    """What every agent of the job must do now."""
+
+    revision: int = Field(description="Increases whenever the directive changes; long-poll with after=.")
+    job_state: str
+    status: Literal["pending", "collecting", "ready", "finished"] = Field(
+        description="pending: wait for all machines; collecting: stop training and report inventory; "
+        "ready: train from `iteration`; finished: the job ended, stop and exit."
+    )
+    generation: int
+    iteration: int | None = Field(description="Iteration every rank resumes from; null: from scratch.")
+    world_size: int
+    procs_per_machine: int
+    rendezvous: Rendezvous | None
+    sources: list[PlanSource]
+    machines: list[Peer] = Field(description="Every live machine: where its agent's data plane listens.")
+
+
+class ProgressReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    instance_id: str = Field(min_length=1, max_length=128)
+    generation: int = Field(ge=1)
+    event: Literal["restored", "resumed", "finished", "restore_failed"] = Field(
+        description="restored: this machine's ranks hold the plan's iteration locally and training "
+        "restarted; resumed: its first iteration after the restore completed; finished: every process "
+        "exited cleanly; restore_failed: a source could not deliver (details say why)."
+    )
+    iteration: int | None = None
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class Holding(BaseModel):
+    """A committed checkpoint this machine holds in shared memory."""
+
+    rank: int = Field(ge=0)
+    iteration: int = Field(ge=0)
+    tier: Literal["local", "replica"]
+    digest: str = Field(max_length=64)
+    data_bytes: int = Field(ge=0)
+    verified: bool | None = Field(description="The checksums of every stripe matched (None: not checked).")
+    generation: int = Field(1, ge=1, description="The plan generation whose training made it.")
+    problem: str | None = Field(None, max_length=2000)
+
+
+class InventoryReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    instance_id: str = Field(min_length=1, max_length=128)
+    generation: int = Field(ge=1, description="The recovery generation being collected.")
+    holdings: list[Holding]
+    rendezvous_port: int | None = Field(None, ge=1, le=65535)
+
+
+class PersistedReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    instance_id: str = Field(min_length=1, max_length=128)
+    rank: int = Field(ge=0, description="Global rank whose checkpoint was uploaded.")
+    iteration: int = Field(ge=0)
+    generation: int = Field(1, ge=1)
+    key: str = Field(min_length=1, max_length=1000)
+    location: str = Field(min_length=1, max_length=1000)
+    digest: str = Field(max_length=64)
+    nbytes: int = Field(ge=0)
+
+
+class PersistentTier(BaseModel):
+    kind: Literal["s3", "local"]
+    prefix: str
+    bucket: str | None = None
+    region: str | None = None
+    endpoint_url: str | None = None
+    path: str | None = None

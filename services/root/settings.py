@@ -1,0 +1,127 @@
+"""Root-service settings, read from CASTOR_* environment variables.
+
+The defaults are the embedded one-machine mode: a SQLite file in the state directory, REST heartbeats
+instead of etcd, local "machines" instead of an Auto Scaling Group, a local directory as persistent tier.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CASTOR_", extra="ignore")
+
+    state_dir: Path = Field(
+        Path(".castor"),
+        description="Directory for the embedded defaults: the SQLite database, the admin token, the local "
+        "persistent tier.",
+    )
+    database_url: str | None = Field(
+        None,
+        description="SQLAlchemy async URL. Default: sqlite+aiosqlite:///<state_dir>/castor.db. Production: "
+        "postgresql+asyncpg://user:password@host:5432/castor.",
+    )
+    migrate_on_start: bool = Field(True, description="Apply database migrations when the service starts.")
+    admin_token: str | None = Field(
+        None,
+        description="Bearer token of the public API and the status pages. Default: generated once and kept "
+        "in <state_dir>/admin-token.",
+    )
+    host: str = Field("127.0.0.1", description="Address the API binds to.")
+    port: int = Field(8080, description="Port the API binds to.")
+    public_url: str | None = Field(
+        None, description="URL agents use to reach this service. Default: http://<host>:<port>."
+    )
+    root_urls: str | None = Field(
+        None,
+        description="Every root replica's URL, comma-separated, for the agents the local operator starts (so "
+        "they fail over between replicas). Default: public_url.",
+    )
+
+    etcd_endpoints: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="etcd v3 endpoints as host:port, comma-separated. Empty: agents heartbeat over REST and "
+        "this replica is the only leader.",
+    )
+    etcd_prefix: str = Field("/castor", description="Key prefix for heartbeats and leader election in etcd.")
+    lease_ttl_s: int = Field(1, ge=1, description="TTL of an agent's etcd lease: failure detection latency.")
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="How often agents heartbeat.")
+    heartbeat_timeout_s: float = Field(
+        3.0, gt=0, description="REST mode: a machine whose last heartbeat is older than this has failed."
+    )
+
+    inventory_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A machine that does not report what it holds within this long after a "
+        "recovery starts is treated as failed.",
+    )
+    restore_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="A machine that does not resume training within this long after a plan "
+        "is ready is treated as failed.",
+    )
+    local_shm_base: Path = Field(
+        Path("/dev/shm/castor"),
+        description="Local cloud operator: where the machines it starts keep their "
+        "shared memory (one directory per machine).",
+    )
+    use_standby: bool = Field(
+        True,
+        description="AWS: replace a failed instance with a Standby instance of the group when there is "
+        "one (seconds), else terminate it and wait for the group to launch a new one (minutes).",
+    )
+    cloud: Literal["local", "aws"] = Field(
+        "local",
+        description="Cloud operator that replaces failed machines: local agent processes on this host, or an "
+        "AWS Auto Scaling Group.",
+    )
+    aws_region: str = Field("us-east-1", description="AWS region of the Auto Scaling Group and S3 bucket.")
+    aws_endpoint_url: str | None = Field(
+        None, description="AWS endpoint override (a moto server in tests). Default: the real AWS endpoints."
+    )
+    asg_name: str | None = Field(None, description="Auto Scaling Group whose instances run the job.")
+    s3_bucket: str | None = Field(
+        None, description="Bucket of the persistent tier. Empty: a local directory (<state_dir>/persistent)."
+    )
+    s3_prefix: str = Field("castor", description="Key prefix of persisted checkpoints in the bucket.")
+    s3_endpoint_url: str | None = Field(None, description="S3 endpoint override. Default: aws_endpoint_url.")
+
+    @field_validator("etcd_endpoints", mode="before")
+    @classmethod
+    def _split_endpoints(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite+aiosqlite:///{self.state_dir.resolve() / 'castor.db'}"
+
+    @property
+    def resolved_public_url(self) -> str:
+        return self.public_url or f"http://{self.host}:{self.port}"
+
+    @property
+    def persistent_dir(self) -> Path:
+        return self.state_dir.resolve() / "persistent"
+
+    def resolved_admin_token(self) -> str:
+        """The configured admin token, or the one generated on first use and kept in the state dir."""
+        if self.admin_token:
+            return self.admin_token
+        path = self.state_dir / "admin-token"
+        if path.exists():
+            return path.read_text().strip()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        token = "castor-admin." + secrets.token_urlsafe(24)
+        path.touch(mode=0o600)
+        path.write_text(token + "\n")
+        return token

@@ -1,0 +1,66 @@
+"""The root app on a real database: Postgres (from the harness) and the embedded SQLite default.
+
+Every API test runs on both backends. The app starts once per backend (migrations applied by its
+lifespan, as in production); each test starts from empty tables."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import delete
+
+from services.root.app import create_app
+from services.root.db.models import Base
+from services.root.settings import Settings
+
+ADMIN_TOKEN = "castor-admin.test-token"
+
+
+@pytest.fixture(scope="session", params=["postgres", "sqlite"])
+def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    if request.param == "postgres":
+        server = request.getfixturevalue("postgres_server")
+        return server.create_database(f"api_{uuid.uuid4().hex[:8]}")
+    return f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('sqlite') / 'castor.db'}"
+
+
+@pytest.fixture(scope="session")
+async def root_app(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[FastAPI]:
+    state_dir: Path = tmp_path_factory.mktemp("state")
+    # No heartbeats in these tests: a long timeout keeps the failure detector out of them.
+    settings = Settings(
+        database_url=database_url, admin_token=ADMIN_TOKEN, state_dir=state_dir, heartbeat_timeout_s=3600
+    )
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        yield app
+
+
+@pytest.fixture
+async def client(root_app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    async with root_app.state.castor.database.session() as session:
+        for table in reversed(Base.metadata.sorted_tables):
+            await session.execute(delete(table))
+    transport = httpx.ASGITransport(app=root_app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://castor.test") as http:
+        yield http
+
+
+def admin() -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def create_job(client: httpx.AsyncClient, **fields: object) -> dict[str, object]:
+    body = {"name": f"job-{uuid.uuid4().hex[:8]}", "machines": 4, **fields}
+    response = await client.post("/api/v1/jobs", json=body, headers=admin())
+    assert response.status_code == 201, response.text
+    return response.json()  # type: ignore[no-any-return]

@@ -1,0 +1,67 @@
+"""The etcd coordinator on a real etcd: one leader among candidates, hand-over when it dies, and agents'
+lease-bound heartbeat keys seen (and their expiry watched) by the root."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+from services.root.clients.etcd import EtcdCoordinator, MachineKey, machine_key
+from tests import harness
+from worker_lib.agent.heartbeat import etcd_heartbeats
+
+
+async def test_one_leader_and_a_hand_over(etcd_server: harness.Etcd) -> None:
+    prefix = f"/test-{uuid.uuid4().hex[:6]}"
+    first, second = (
+        EtcdCoordinator([etcd_server.endpoint], prefix),
+        EtcdCoordinator([etcd_server.endpoint], prefix),
+    )
+    elected = [asyncio.Event(), asyncio.Event()]
+    lost = [asyncio.Event(), asyncio.Event()]
+    campaign_a = asyncio.create_task(first.lead("a", elected[0], lost[0]))
+    await asyncio.wait_for(elected[0].wait(), 5)
+    campaign_b = asyncio.create_task(second.lead("b", elected[1], lost[1]))
+    await asyncio.sleep(1.5)
+    assert not elected[1].is_set(), "one leader at a time"
+    assert await second.leader() == "a"
+
+    started = time.monotonic()
+    campaign_a.cancel()  # the leader steps down (or dies: its lease expires)
+    with contextlib.suppress(asyncio.CancelledError):
+        await campaign_a
+    await asyncio.wait_for(elected[1].wait(), 10)
+    assert time.monotonic() - started < 5 and await first.leader() == "b"
+    campaign_b.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await campaign_b
+    await first.close()
+    await second.close()
+
+
+async def test_heartbeat_keys_and_their_expiry(etcd_server: harness.Etcd) -> None:
+    prefix = f"/test-{uuid.uuid4().hex[:6]}"
+    job = uuid.uuid4()
+    coordinator = EtcdCoordinator([etcd_server.endpoint], prefix)
+    key = machine_key(prefix, job, 3, "i-abc")
+    heartbeat = asyncio.create_task(
+        etcd_heartbeats([etcd_server.endpoint], key, 1, 0.3, lambda: {"local": {3: 7}})
+    )
+    await asyncio.sleep(1.0)
+    assert await coordinator.machine_keys() == {MachineKey(job, 3, "i-abc"): {"local": {"3": 7}}}
+
+    async def first_delete() -> MachineKey:
+        async for kind, found, _ in coordinator.watch_machines():
+            if kind == "delete":
+                return found
+        raise AssertionError("watch ended")
+
+    watcher = asyncio.create_task(first_delete())
+    await asyncio.sleep(0.3)
+    heartbeat.cancel()  # the agent dies: its lease (TTL 1 s) is no longer refreshed
+    stopped = time.monotonic()
+    assert await asyncio.wait_for(watcher, 10) == MachineKey(job, 3, "i-abc")
+    assert time.monotonic() - stopped < 3.5
+    await coordinator.close()

@@ -1,0 +1,209 @@
+"""The agents' data plane on real sockets: authenticated push and fetch, refusal of peers without the
+job's secret, corruption detected before anything is exposed, and a receiver killed mid-transfer keeping
+its previous replica."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker_lib import Checkpointer
+from worker_lib.agent.dataplane import (
+    AuthenticationFailed,
+    DataPlaneError,
+    DataPlaneServer,
+    PeerConnection,
+    data_plane_key,
+    recv_message,
+    send_message,
+)
+from worker_lib.agent.holdings import Holdings
+from worker_lib.store.slots import SlotStore
+
+JOB = "job-under-test"
+TOKEN = "castor-job.abc.secret"
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    path = Path("/dev/shm") / f"castor-test-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def save_checkpoints(directory: Path, iterations: list[int], numel: int = 1 << 20) -> None:
+    """Checkpoints with recognisable content (every value is the iteration) in a local store."""
+    with Checkpointer(directory, blocking=True) as checkpointer:
+        for iteration in iterations:
+            state = {"w": torch.full((numel,), float(iteration)), "step": iteration}
+            checkpointer.save(iteration, state)
+
+
+def replica_bytes(store: SlotStore, iteration: int | None = None) -> tuple[int, bytes]:
+    with store.open_read(iteration) as (manifest, data):
+        return manifest.iteration, bytes(data)
+
+
+@pytest.fixture
+def sender(shm: Path) -> Holdings:
+    holdings = Holdings(shm / "sender")
+    save_checkpoints(holdings.directory("local", 0), [1, 2])
+    return holdings
+
+
+@pytest.fixture
+def receiver(shm: Path) -> Iterator[DataPlaneServer]:
+    server = DataPlaneServer(
+        Holdings(shm / "receiver"),
+        data_plane_key(TOKEN),
+        JOB,
+        host="127.0.0.1",
+        accepts_replica_of=lambda r: r == 0,
+    ).start()
+    yield server
+    server.stop()
+
+
+def test_push_then_fetch_is_bit_exact(sender: Holdings, receiver: DataPlaneServer, shm: Path) -> None:
+    with (
+        sender.open_read(0) as (manifest, data),
+        PeerConnection("127.0.0.1", receiver.port, data_plane_key(TOKEN), JOB) as peer,
+    ):
+        peer.put(0, manifest, data)
+        source = bytes(data)
+    assert replica_bytes(receiver.holdings.replica_store(0)) == (2, source)
+    assert receiver.counters.replicas_received == 1
+
+    # A replacement machine fetches rank 0 back from the replica holder, verified as it arrives.
+    fresh = SlotStore(shm / "replacement" / "local" / "rank-0")
+    with PeerConnection("127.0.0.1", receiver.port, data_plane_key(TOKEN), JOB) as peer:
+        fetched = peer.get(0, fresh, iteration=2)
+    assert fetched.digest == manifest.digest
+    assert replica_bytes(fresh) == (2, source)
+    restored = Checkpointer(shm / "replacement" / "local" / "rank-0").restore()
+    assert restored is not None and restored.state["step"] == 2 and torch.all(restored.state["w"] == 2.0)
+
+
+def test_peer_without_the_secret_gets_nothing_and_writes_nothing(
+    sender: Holdings, receiver: DataPlaneServer
+) -> None:
+    with pytest.raises(AuthenticationFailed):
+        PeerConnection("127.0.0.1", receiver.port, data_plane_key("castor-job.abc.guessed"), JOB)
+    assert receiver.counters.auth_failures == 1
+    assert receiver.holdings.ranks("replica") == [], "nothing was written"
+    # Nor does a fake server learn anything: the client checks the server's proof before sending.
+    impostor = DataPlaneServer(
+        Holdings(receiver.holdings.root.parent / "impostor"), b"x" * 32, JOB, host="127.0.0.1"
+    )
+    impostor.start()
+    try:
+        with pytest.raises(AuthenticationFailed):
+            PeerConnection("127.0.0.1", impostor.port, data_plane_key(TOKEN), JOB)
+        assert impostor.holdings.ranks("replica") == []
+    finally:
+        impostor.stop()
+
+
+def test_receiver_refuses_ranks_it_does_not_hold(sender: Holdings, receiver: DataPlaneServer) -> None:
+    save_checkpoints(sender.directory("local", 5), [1], numel=16)
+    with (
+        sender.open_read(5) as (manifest, data),
+        PeerConnection("127.0.0.1", receiver.port, data_plane_key(TOKEN), JOB) as peer,
+        pytest.raises(DataPlaneError) as refused,
+    ):
+        peer.put(5, manifest, data)
+    assert refused.value.code == "not_a_replica_holder"
+    assert receiver.holdings.ranks("replica") == []
+
+
+def test_corrupted_chunk_is_detected_and_not_exposed(sender: Holdings, receiver: DataPlaneServer) -> None:
+    key = data_plane_key(TOKEN)
+    with (
+        sender.open_read(0, iteration=1) as (manifest, data),
+        PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer,
+    ):
+        peer.put(0, manifest, data)
+    with sender.open_read(0, iteration=2) as (manifest, data):
+        corrupted = bytearray(data)
+        corrupted[len(corrupted) // 2] ^= 0x40  # one bit flipped in transit
+        with PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer:
+            with pytest.raises(DataPlaneError) as failed:
+                peer.put(0, manifest, memoryview(corrupted))
+            assert failed.value.code == "checksum_mismatch" and "stripe" in str(failed.value)
+            # The connection stays usable: the intact checkpoint goes through afterwards.
+            peer.put(0, manifest, data)
+    store = receiver.holdings.replica_store(0)
+    assert [m.iteration for m in store.committed()] == [2, 1]
+    assert receiver.counters.replicas_rejected == 1
+
+
+RECEIVER_SCRIPT = """
+import sys, time
+from worker_lib.agent.dataplane import DataPlaneServer, data_plane_key
+from worker_lib.agent.holdings import Holdings
+holdings, key, job = Holdings(sys.argv[1]), data_plane_key(sys.argv[2]), sys.argv[3]
+server = DataPlaneServer(holdings, key, job, host="127.0.0.1").start()
+print(server.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_receiver_killed_mid_transfer_keeps_its_previous_replica(shm: Path) -> None:
+    sender = Holdings(shm / "sender")
+    save_checkpoints(sender.directory("local", 0), [1, 2], numel=48 << 20)  # 192 MiB each
+    receiver_root = shm / "receiver"
+    process = subprocess.Popen(
+        [sys.executable, "-c", RECEIVER_SCRIPT, str(receiver_root), TOKEN, JOB],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        port = int(process.stdout.readline())
+        key = data_plane_key(TOKEN)
+        with (
+            sender.open_read(0, iteration=1) as (manifest, data),
+            PeerConnection("127.0.0.1", port, key, JOB) as peer,
+        ):
+            peer.put(0, manifest, data)
+            first = bytes(data)
+        with (
+            sender.open_read(0, iteration=2) as (manifest, data),
+            PeerConnection("127.0.0.1", port, key, JOB) as peer,
+        ):
+            half = manifest.data_bytes // 2
+            send_message(peer.sock, {"op": "put", "rank": 0, "manifest": json.loads(manifest.to_json())})
+            assert recv_message(peer.sock)["ok"]
+            peer.sock.sendall(data[:half])
+            time.sleep(0.2)
+            os.kill(process.pid, signal.SIGKILL)  # the receiving machine dies mid-transfer
+            process.wait()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    store = SlotStore(receiver_root / "replicas" / "rank-0")
+    assert [m.iteration for m in store.committed()] == [1], "the torn replica never became visible"
+    assert replica_bytes(store) == (1, first)
+
+
+def test_an_older_checkpoint_never_replaces_a_newer_replica(
+    sender: Holdings, receiver: DataPlaneServer
+) -> None:
+    key = data_plane_key(TOKEN)
+    with PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer:
+        for iteration in (2, 1):  # a slow, superseded transfer arriving last
+            with sender.open_read(0, iteration=iteration) as (manifest, data):
+                peer.put(0, manifest, data)
+    assert [m.iteration for m in receiver.holdings.replica_store(0).committed()] == [2]
