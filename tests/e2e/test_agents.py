@@ -1,0 +1,109 @@
+"""Agents with real training processes (torch.distributed, gloo on CPU), several "machines" on this host."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from services.root.domain.placement import plan_placement
+from tests.e2e.cluster import WORKLOAD, LocalCluster, read_events, wait_until
+from worker_lib import Checkpointer
+from worker_lib.agent.holdings import Holdings
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize(("machines", "strategy"), [(4, "group"), (5, "mixed")])
+def test_every_machine_holds_exactly_the_replicas_the_placement_says(
+    cluster: LocalCluster, tmp_path: Path, machines: int, strategy: str
+) -> None:
+    iterations = 6
+    cluster.start_root()
+    job = cluster.create_job(machines=machines, replicas=2)
+    assert job["placement_strategy"] == strategy
+    command = cluster.training_command(tmp_path / "logs", iterations=iterations)
+    for index in range(machines):
+        cluster.start_machine(index, command, rank=index)
+    assert cluster.wait_for_machines(timeout=240) == [0] * machines, cluster.logs()
+
+    events = read_events(tmp_path / "logs")
+    assert sorted(events) == list(range(machines))
+    assert all(e[-1]["iteration"] == iterations - 1 for e in events.values()), (
+        "every rank saved every iteration"
+    )
+
+    placement = plan_placement(machines, 2)
+    holdings = {m.index: Holdings(m.shm_dir) for m in cluster.machines}
+    for machine, held in holdings.items():
+        expected = set(placement.held_by(machine)) - {machine}
+        assert set(held.ranks("replica")) == expected, f"machine {machine} holds the replicas of {expected}"
+        assert held.ranks("local") == [machine]
+        for rank in expected:
+            with (
+                held.open_read(rank, tier="replica") as (replica, replica_data),
+                holdings[rank].open_read(rank, tier="local") as (source, source_data),
+            ):
+                assert replica.iteration == source.iteration == iterations - 1
+                assert replica.digest == source.digest
+                assert bytes(replica_data) == bytes(source_data), "bit-exact with the source"
+        assert all(h.verified for h in held.inventory(verify_checksums=True))
+    job_state = cluster.api("GET", f"/api/v1/jobs/{job['id']}")
+    assert job_state["state"] == "completed"
+
+
+def test_killed_training_process_is_reported_at_once_and_its_checkpoint_survives(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    cluster.start_root()
+    job = cluster.create_job(machines=2, replicas=2)
+    command = cluster.training_command(tmp_path / "logs", iterations=10_000, sleep=0.2)
+    for index in range(2):
+        cluster.start_machine(index, command, rank=index)
+    events = wait_until(
+        lambda: (e := read_events(tmp_path / "logs")) and len(e.get(1, [])) >= 4 and e, 180, "four iterations"
+    )
+    os.kill(events[1][-1]["pid"], signal.SIGKILL)
+    killed_at = time.time()
+    failures = wait_until(
+        lambda: cluster.api("GET", f"/api/v1/jobs/{job['id']}/failures"), 10, "the failure event"
+    )
+    reported = failures[-1]
+    assert reported["kind"] == "software" and reported["rank"] == 1 and "SIGKILL" in reported["cause"]
+    detected = datetime.fromisoformat(reported["detected_at"]).timestamp()
+    assert detected - killed_at < 2.0, "reported at once, not after a heartbeat timeout"
+
+    # The checkpoint lives in the agent's shared memory, not in the dead process: intact and restorable.
+    logged = {
+        e["iteration"]: e["digest"] for e in read_events(tmp_path / "logs")[1] if e["event"] == "iteration"
+    }
+    restored = Checkpointer(cluster.machines[1].shm_dir / "local" / "rank-1").restore()
+    assert restored is not None and restored.iteration >= max(logged) - 1
+    assert restored.state["iteration"] == restored.iteration
+
+
+def test_unmodified_torchrun_code_runs_under_the_agent(cluster: LocalCluster, tmp_path: Path) -> None:
+    cluster.start_root()
+    cluster.create_job(machines=2, replicas=2, procs_per_machine=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    command = [sys.executable, str(Path(WORKLOAD).with_name("plain_torchrun.py")), str(out)]
+    for index in range(2):
+        cluster.start_machine(index, command, rank=index)
+    assert cluster.wait_for_machines(timeout=180) == [0, 0], cluster.logs()
+    seen = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob("rank-*.json")}
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert all(s["sum_of_ranks"] == 6.0 for s in seen.values()), "all four ranks met in one process group"
+    assert seen[3]["env"] == {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+    }

@@ -1,0 +1,30 @@
+"""The replication and recovery benchmarks run (in their quick modes) and end with their JSON line; their
+figures are for the README, not for assertions here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.mark.parametrize(
+    ("script", "keys"),
+    [
+        ("replication.py", {"raw_socket_gbps", "replicate_gbps", "peer_fetch_gbps", "training_slowdown_pct"}),
+        ("recovery.py", {"software", "etcd_detect_s"}),
+    ],
+)
+def test_benchmark_runs(script: str, keys: set[str]) -> None:
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--quick"], capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert keys <= set(figures)

@@ -1,0 +1,123 @@
+"""Failure recovery end to end: a real data-parallel training job (torch.distributed with gloo on CPU, a
+checkpoint every iteration) on 4 local machines started by the root's local cloud operator, m = 2."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import LocalCluster, read_events, wait_until
+from tests.e2e.recovery_checks import (
+    check_consistent_restore,
+    check_event,
+    kill_training_process,
+    newest_iteration,
+    recovered_events,
+    wait_for_iteration,
+)
+from worker_lib.agent.holdings import Holdings
+
+pytestmark = pytest.mark.slow
+
+ITERATIONS = 100_000  # the test ends the job, not the loop
+SLEEP = 0.2  # per iteration: a few iterations a second
+
+
+def start_job(cluster: LocalCluster, log_dir: Path, machines: int = 4, **fields: object) -> None:
+    cluster.launch_job(
+        cluster.training_command(log_dir, iterations=ITERATIONS, sleep=SLEEP),
+        machines=machines,
+        replicas=2,
+        **fields,
+    )
+    cluster.wait_until_warm()
+    wait_for_iteration(log_dir, 3)
+
+
+def test_software_failure_restores_from_local_memory(cluster: LocalCluster, tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    cluster.start_root()
+    start_job(cluster, logs)
+    kill_training_process(logs, rank=1)
+    reached = newest_iteration(logs)
+    (event,) = recovered_events(cluster, 1)
+    check_event(event, kind="software", tier="local")
+    assert "SIGKILL" in event["cause"] and event["rank"] == 1
+    assert set(event["details"]["tiers"].values()) == {"local"}
+    iteration = check_consistent_restore(logs, 4, reached, max_lost=1)
+    wait_for_iteration(logs, iteration + 3)  # and training goes on
+
+
+def test_machine_loss_restores_the_replacement_from_its_group_peer(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    logs = tmp_path / "logs"
+    cluster.start_root()
+    start_job(cluster, logs)
+    lost = cluster.root_machine(2)
+    cluster.kill_machine(lost)  # agent, training process and shared memory: the machine is gone
+    reached = newest_iteration(logs)
+    (event,) = recovered_events(cluster, 1)
+    check_event(event, kind="hardware", tier="peer", replaced=True)
+    assert event["rank"] == 2 and event["details"]["replacement"]["status"] == "launched"
+    assert event["details"]["tiers"] == {"0": "local", "1": "local", "2": "peer", "3": "local"}
+    machines = cluster.api("GET", f"/api/v1/jobs/{cluster.job['id']}/machines?history=true")
+    rank2 = [(m["instance_id"], m["state"]) for m in machines if m["rank"] == 2]
+    assert (lost.instance_id, "replaced") in rank2 and len(rank2) == 2
+    assert event["details"]["replaced_by"] in {i for i, s in rank2 if s != "replaced"}
+    iteration = check_consistent_restore(logs, 4, reached, max_lost=1)
+    wait_for_iteration(logs, iteration + 3)
+
+
+def test_loss_of_a_whole_group_restores_everyone_from_the_persistent_tier(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    logs = tmp_path / "logs"
+    cluster.start_root()
+    start_job(cluster, logs, persist_every=5)
+    # Kill when the newest persisted checkpoint is no longer in anybody's two memory slots.
+    wait_until(lambda: (n := newest_iteration(logs)) >= 12 and n % 5 == 2, 120, "iteration 5k+2", 0.02)
+    for rank in (2, 3):  # machines 2 and 3 form one placement group
+        cluster.kill_machine(cluster.root_machine(rank))
+    reached = newest_iteration(logs)
+    events = recovered_events(cluster, 2)
+    assert len(events) == 2 and len({e["plan_id"] for e in events}) == 1, "close failures, one recovery"
+    for event in events:
+        check_event(event, kind="hardware", tier="persistent", replaced=True)
+    iteration = check_consistent_restore(logs, 4, reached, max_lost=None)
+    persisted = cluster.api("GET", f"/api/v1/jobs/{cluster.job['id']}/checkpoints")
+    newest_complete = max(c["iteration"] for c in persisted if c["complete"] and c["iteration"] <= reached)
+    assert iteration == newest_complete and iteration % 5 == 0
+    assert set(events[0]["details"]["tiers"].values()) == {"persistent"}
+
+
+def test_corrupted_memory_checkpoint_falls_back_to_the_next_tier(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    logs = tmp_path / "logs"
+    cluster.start_root()
+    start_job(cluster, logs, machines=2)
+    kill_training_process(logs, rank=1, signum=signal.SIGSTOP)  # frozen: it commits nothing more
+    time.sleep(1.5)  # its newest checkpoint reaches the peer; rank 0 waits in the next all-reduce
+    machine = cluster.root_machine(1)
+    store = Holdings(machine.shm_dir).local_store(1)
+    newest = store.committed()[0]
+    slot = next(p for p in machine.shm_dir.glob("local/rank-1/slot-*.json") if newest.digest in p.read_text())
+    with open(slot.with_suffix(".bin"), "r+b") as data:  # one bit flips in the machine's memory
+        data.seek(newest.tensors[0].offset)
+        byte = data.read(1)
+        data.seek(newest.tensors[0].offset)
+        data.write(bytes([byte[0] ^ 0x01]))
+    kill_training_process(logs, rank=1)
+    reached = newest_iteration(logs)
+    (event,) = recovered_events(cluster, 1)
+    check_event(event, kind="software", tier="peer")
+    assert event["details"]["tiers"] == {"0": "local", "1": "peer"}
+    corrupt = event["details"]["corrupt"]
+    assert {(c["machine"], c["rank"], c["iteration"]) for c in corrupt} == {(1, 1, newest.iteration)}
+    iteration = check_consistent_restore(logs, 2, reached, max_lost=1)
+    assert iteration == newest.iteration, "the same iteration, from the peer's intact replica"
+    assert read_events(logs)[1][-1]["event"] in ("start", "iteration")

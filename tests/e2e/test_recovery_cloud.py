@@ -1,0 +1,171 @@
+"""Recovery with the production-shaped parts: two root replicas on Postgres with etcd leader election and
+etcd heartbeats, and the AWS operator against a moto server (Auto Scaling Group replacement, S3 tier)."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aioboto3
+import httpx
+import pytest
+
+from tests import harness
+from tests.e2e.cluster import LocalCluster, wait_until
+from tests.e2e.recovery_checks import (
+    check_consistent_restore,
+    check_event,
+    kill_training_process,
+    newest_iteration,
+    recovered_events,
+    wait_for_iteration,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def leader(cluster: LocalCluster) -> int | None:
+    for index, root in enumerate(cluster.roots):
+        if root.process.poll() is not None:
+            continue
+        try:
+            if httpx.get(root.url + "/healthz", timeout=2).json()["leader"]:
+                return index
+        except httpx.HTTPError:
+            continue
+    return None
+
+
+def test_root_leader_loss_does_not_stop_training_and_a_later_failure_is_recovered(
+    cluster: LocalCluster, tmp_path: Path, postgres_server: harness.Postgres, etcd_server: harness.Etcd
+) -> None:
+    logs = tmp_path / "logs"
+    database = postgres_server.create_database(f"ha_{uuid.uuid4().hex[:8]}")
+    ports = [harness.free_port(), harness.free_port()]
+    shared = {
+        "database_url": database,
+        "etcd_endpoints": etcd_server.endpoint,
+        "etcd_prefix": f"/castor-{ports[0]}",
+        "root_urls": ",".join(f"http://127.0.0.1:{p}" for p in ports),
+        "lease_ttl_s": "1",
+    }
+    for port in ports:
+        cluster.start_root(port=port, **shared)
+    first = wait_until(lambda: (found := leader(cluster)) is not None and [found], 30, "a leader")[0]
+    cluster.roots = [cluster.roots[first], cluster.roots[1 - first]]  # create the job through the leader
+    cluster.launch_job(cluster.training_command(logs, iterations=100_000, sleep=0.2), machines=4, replicas=2)
+    cluster.wait_until_warm()
+    wait_for_iteration(logs, 3)
+
+    cluster.roots[0].kill()  # the leader dies (SIGKILL): no clean hand-over
+    killed_at, before = time.monotonic(), newest_iteration(logs)
+    wait_until(lambda: leader(cluster) == 1, 30, "the other replica to take over")
+    takeover_s = time.monotonic() - killed_at
+    assert takeover_s < 10, f"leadership moved in {takeover_s:.1f}s"
+    wait_for_iteration(logs, before + 10)  # training went on without a leader, and goes on under the new one
+    assert cluster.failures() == [], "losing the root is not a training failure"
+
+    kill_training_process(logs, rank=2)
+    reached = newest_iteration(logs)
+    (event,) = recovered_events(cluster, 1)
+    check_event(event, kind="software", tier="local")
+    check_consistent_restore(logs, 4, reached, max_lost=1)
+
+
+async def create_group(moto: harness.Moto, name: str, size: int) -> list[str]:
+    session = aioboto3.Session(region_name="us-east-1")
+    async with (
+        session.client("ec2", endpoint_url=moto.url) as ec2,
+        session.client("autoscaling", endpoint_url=moto.url) as autoscaling,
+        session.client("s3", endpoint_url=moto.url) as s3,
+    ):
+        image = (await ec2.describe_images(Owners=["amazon"]))["Images"][0]["ImageId"]
+        subnet = (await ec2.describe_subnets())["Subnets"][0]["SubnetId"]
+        await ec2.create_launch_template(
+            LaunchTemplateName=name, LaunchTemplateData={"ImageId": image, "InstanceType": "p4d.24xlarge"}
+        )
+        await autoscaling.create_auto_scaling_group(
+            AutoScalingGroupName=name,
+            MinSize=0,
+            MaxSize=size + 2,
+            DesiredCapacity=size,
+            LaunchTemplate={"LaunchTemplateName": name, "Version": "$Latest"},
+            VPCZoneIdentifier=subnet,
+        )
+        await s3.create_bucket(Bucket=name)
+    return sorted(await group_instances(moto, name))
+
+
+async def group_instances(moto: harness.Moto, name: str) -> dict[str, dict[str, Any]]:
+    async with aioboto3.Session(region_name="us-east-1").client(
+        "autoscaling", endpoint_url=moto.url
+    ) as autoscaling:
+        groups = await autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[name])
+    return {i["InstanceId"]: i for i in groups["AutoScalingGroups"][0]["Instances"]}
+
+
+async def instance_state(moto: harness.Moto, instance_id: str) -> str:
+    async with aioboto3.Session(region_name="us-east-1").client("ec2", endpoint_url=moto.url) as ec2:
+        reservations = (await ec2.describe_instances(InstanceIds=[instance_id]))["Reservations"]
+    return str(reservations[0]["Instances"][0]["State"]["Name"])
+
+
+async def test_aws_replaces_the_failed_instance_through_its_auto_scaling_group(
+    cluster: LocalCluster, tmp_path: Path, moto_server: harness.Moto
+) -> None:
+    logs = tmp_path / "logs"
+    group = f"castor-{uuid.uuid4().hex[:8]}"
+    instances = await create_group(moto_server, group, 2)
+    cluster.start_root(
+        cloud="aws",
+        asg_name=group,
+        aws_endpoint_url=moto_server.url,
+        s3_bucket=group,
+        s3_endpoint_url=moto_server.url,
+    )
+    cluster.create_job(machines=2, replicas=2, persist_every=5)
+    command = cluster.training_command(logs, iterations=100_000, sleep=0.2)
+    # Each instance's boot script starts the agent with the instance id as the machine's identity.
+    for rank, instance in enumerate(instances):
+        cluster.start_machine(rank, command, instance_id=instance, rank=rank)
+    cluster.wait_until_warm()
+    wait_for_iteration(logs, 6)
+
+    victim = next(m for m in cluster.machines if m.instance_id == instances[1])
+    cluster.kill_machine(victim)
+    reached = newest_iteration(logs)
+
+    async def replacement() -> str | None:
+        fresh = [i for i in await group_instances(moto_server, group) if i not in instances]
+        return fresh[0] if fresh else None
+
+    deadline = time.monotonic() + 60
+    while (new_instance := await replacement()) is None:
+        assert time.monotonic() < deadline, f"no replacement instance\n{cluster.logs()}"
+        await asyncio_sleep(0.5)
+    assert await instance_state(moto_server, instances[1]) == "terminated"
+    cluster.start_machine(2, command, instance_id=new_instance)  # the new instance boots its agent
+
+    events = recovered_events(cluster, 1)
+    assert len(events) == 1, events
+    (event,) = events
+    check_event(event, kind="hardware", tier="peer", replaced=True)
+    assert event["details"]["replacement"]["instance"] == new_instance
+    assert event["details"]["replaced_by"] == new_instance
+    machines = cluster.api("GET", f"/api/v1/jobs/{cluster.job['id']}/machines")
+    assert {m["rank"]: m["instance_id"] for m in machines} == {0: instances[0], 1: new_instance}
+    check_consistent_restore(logs, 2, reached, max_lost=1)
+    persisted = cluster.api("GET", f"/api/v1/jobs/{cluster.job['id']}/checkpoints")
+    assert persisted and persisted[0]["location"].startswith(f"s3://{group}/"), "the S3 tier got checkpoints"
+
+
+async def asyncio_sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
+
+
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")

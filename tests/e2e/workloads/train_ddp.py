@@ -1,0 +1,99 @@
+"""A small data-parallel training job written for torchrun (reads RANK/WORLD_SIZE, gloo on CPU) that
+checkpoints every iteration with Castor. Batches depend only on (iteration, rank), so a run resumed from
+iteration I computes exactly what an uninterrupted run computes. Each rank appends JSON events to
+--log-dir/rank-<r>.jsonl: "start" (with the restored iteration and the state digest right after the
+restore) and "iteration" (the state digest right after that iteration's optimizer step)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch.nn.parallel import DistributedDataParallel
+
+from worker_lib import Checkpointer, attach
+
+
+def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """xxh3 over the bytes of every parameter and every optimizer state tensor: equal iff bit-exact."""
+    hasher = xxhash.xxh3_64()
+    for tensor in model.state_dict().values():
+        hasher.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    for state in optimizer.state_dict()["state"].values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                hasher.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per iteration")
+    parser.add_argument("--log-dir", type=Path, required=True)
+    parser.add_argument("--embedded", action="store_true", help="plain torchrun: attach to Castor here")
+    parser.add_argument("--crash-at", type=int, default=None, help="rank 1 exits once at this iteration")
+    args = parser.parse_args()
+    if args.embedded:
+        env = os.environ
+        attach(env["CASTOR_ROOT_URL"], env["CASTOR_JOB_ID"], env["CASTOR_WORKER_TOKEN"])
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(args.width, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, 1)
+    )
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    log = (args.log_dir / f"rank-{rank}.jsonl").open("a", buffering=1)
+
+    def event(**fields: object) -> None:
+        log.write(json.dumps({"rank": rank, "time": time.time(), "pid": os.getpid(), **fields}) + "\n")
+
+    with Checkpointer() as checkpointer:
+        restored = checkpointer.restore(into={"model": model, "optimizer": optimizer})
+        start = 0 if restored is None else restored.iteration + 1
+        event(
+            event="start",
+            restored=None if restored is None else restored.iteration,
+            digest=state_digest(model, optimizer),
+            generation=os.environ.get("CASTOR_GENERATION"),
+        )
+        for iteration in range(start, args.iterations):
+            generator = torch.Generator().manual_seed(10_000 * iteration + rank)
+            inputs = torch.randn(32, args.width, generator=generator)
+            targets = inputs.sum(dim=1, keepdim=True)
+            loss = torch.nn.functional.mse_loss(ddp(inputs), targets)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            checkpointer.save(iteration, {"model": model, "optimizer": optimizer, "iteration": iteration})
+            checkpointer.wait()
+            event(
+                event="iteration",
+                iteration=iteration,
+                digest=state_digest(model, optimizer),
+                loss=loss.item(),
+            )
+            if args.sleep:
+                time.sleep(args.sleep)
+            crash_marker = args.log_dir / "crashed"
+            if args.crash_at == iteration and rank == 1 and not crash_marker.exists():
+                crash_marker.touch()
+                os._exit(17)  # a software failure, once
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

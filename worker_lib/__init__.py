@@ -1,0 +1,67 @@
+"""Castor's training-side library: per-iteration in-memory checkpoints that survive a crashed process.
+
+from worker_lib import Checkpointer
+
+with Checkpointer() as checkpointer:
+    if (restored := checkpointer.restore(into={"model": model, "optimizer": optimizer})) is not None:
+        start = restored.iteration + 1
+    for iteration in range(start, steps):
+        ...  # forward, backward, optimizer.step()
+        checkpointer.save(iteration, {"model": model, "optimizer": optimizer})
+
+Names are imported on first use: the root service uses parts of this package (the persistent tier)
+without paying for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from worker_lib.checkpointer import Checkpointer, Restored
+    from worker_lib.embedded import attach
+    from worker_lib.errors import (
+        CheckpointCorruptError,
+        CheckpointError,
+        CheckpointNotFoundError,
+        ShmCapacityError,
+    )
+    from worker_lib.restore import load_state
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "Checkpointer",
+    "Restored",
+    "ShmCapacityError",
+    "__version__",
+    "attach",
+    "load_state",
+]
+
+_HOMES = {
+    "Checkpointer": "worker_lib.checkpointer",
+    "Restored": "worker_lib.checkpointer",
+    "attach": "worker_lib.embedded",
+    "load_state": "worker_lib.restore",
+    "CheckpointCorruptError": "worker_lib.errors",
+    "CheckpointError": "worker_lib.errors",
+    "CheckpointNotFoundError": "worker_lib.errors",
+    "ShmCapacityError": "worker_lib.errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'worker_lib' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,334 @@
+"""The worker agent (`castor agent`): one per machine. On top of the machine services (registration,
+data plane, replication, heartbeats) it runs the training processes as the root's directives say: train
+from an iteration, stop, exit. A crashed process is reported to the root at once, while its checkpoints
+stay in the agent's shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from worker_lib.agent.dataplane import PeerConnection
+from worker_lib.agent.heartbeat import Replaced
+from worker_lib.agent.launcher import LaunchSpec, ProcessExit, WorkerGroup
+from worker_lib.agent.services import MachineIdentity, MachineServices, free_port
+from worker_lib.client import RootClient, RootRejected, RootUnavailable
+from worker_lib.errors import CheckpointNotFoundError
+from worker_lib.persistent import object_store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AgentConfig:
+    root_urls: list[str]
+    job_id: str
+    token: str
+    command: list[str]
+    instance_id: str = field(default_factory=socket.gethostname)
+    address: str = "127.0.0.1"
+    bind: str = "0.0.0.0"
+    data_port: int = 0
+    machine_rank: int | None = None
+    procs_per_machine: int | None = None
+    shm_root: Path | None = None
+    stop_grace_s: float = 5.0
+    keep_shm: bool = False  # keep the checkpoints in shared memory after the job completed
+    warm_start: bool = True  # keep warm interpreters (torch imported) ready for (re)starts
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def resolved_shm_root(self) -> Path:
+        return self.shm_root or Path("/dev/shm/castor") / self.job_id / self.instance_id
+
+
+def exit_status(codes: list[int]) -> int:
+    """One exit code for the machine: 0 when every process succeeded, else the first failure's code
+    (a signal as 128 + its number, like a shell)."""
+    failed = next((code for code in codes if code != 0), 0)
+    return 128 - failed if failed < 0 else failed
+
+
+class Agent:
+    def __init__(self, config: AgentConfig):
+        self.config = config
+        identity = MachineIdentity(
+            instance_id=config.instance_id,
+            address=config.address,
+            bind=config.bind,
+            data_port=config.data_port,
+            machine_rank=config.machine_rank,
+        )
+        self.client = RootClient(config.root_urls, config.job_id, config.token)
+        self.machine = MachineServices(self.client, config.token, identity, config.resolved_shm_root())
+        self.exits: asyncio.Queue[ProcessExit] = asyncio.Queue()
+        self.workers = WorkerGroup(
+            self.exits, warm=config.warm_start, pid_dir=self.machine.holdings.root / "pids"
+        )
+        self.generation = 0  # the plan generation whose training runs here
+        self.collected = 0  # the last recovery generation this machine reported its inventory for
+        self.resuming: tuple[int, int | None, set[int]] | None = (
+            None  # generation, iteration, ranks to commit
+        )
+        self.machine.on_commit = self._on_commit
+        self.machine.extra_summary = lambda: {"warm_spares": self.workers.warm_spares}
+        self.completed = False
+        self.done: asyncio.Future[int] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self.done = loop.create_future()
+        try:
+            await self.machine.start()
+            expected = self.config.procs_per_machine
+            if expected is not None and expected != self.machine.procs:
+                raise SystemExit(
+                    f"--nproc-per-node {expected} does not match the job's {self.machine.procs} processes "
+                    "per machine"
+                )
+            await self.workers.prewarm(self.machine.procs)
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, self._on_signal, signum)
+            tasks = [
+                asyncio.create_task(self._heartbeats(), name="heartbeats"),
+                asyncio.create_task(self._follow_directives(), name="directives"),
+                asyncio.create_task(self._watch_exits(), name="exits"),
+            ]
+            try:
+                return await self.done
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                await self.workers.stop(self.config.stop_grace_s)
+                await self.workers.discard_spares()
+        finally:
+            await self.machine.close()
+            if self.completed and not self.config.keep_shm:
+                self.machine.holdings.remove()  # the job is over: give the memory back
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._background.discard)
+
+    def _finish(self, code: int) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_result(code)
+
+    def _on_signal(self, signum: int) -> None:
+        """Forward SIGINT/SIGTERM to the training processes; the agent exits with their exit status."""
+        log.info("received %s: stopping training", signal.Signals(signum).name)
+        self.workers.signal(signum)
+        self._in_background(self._exit_after_workers())
+
+    async def _exit_after_workers(self) -> None:
+        try:
+            codes = await asyncio.wait_for(self.workers.wait(), self.config.stop_grace_s)
+        except TimeoutError:
+            self.workers.signal(signal.SIGKILL)
+            codes = await self.workers.wait()
+        self._finish(exit_status(codes) if codes else 128 + signal.SIGTERM)
+
+    async def _heartbeats(self) -> None:
+        try:
+            await self.machine.heartbeats()
+        except Replaced as exc:
+            log.error("this machine was replaced (%s); stopping", exc)
+            self._finish(1)
+
+    # -- directives ----------------------------------------------------------------------------------------
+
+    async def _follow_directives(self) -> None:
+        revision = -1
+        while True:
+            try:
+                directive = await self.client.directive(after=revision, wait_s=10)
+            except RootUnavailable as exc:
+                log.warning("no directive from the root (%s); training continues", exc)
+                continue
+            except RootRejected as exc:
+                if exc.code == "job_not_found":
+                    log.error("the job was deleted; stopping")
+                    self._finish(1)
+                    return
+                raise
+            if directive["revision"] <= revision:
+                continue
+            revision = directive["revision"]
+            self.machine.update_addresses(directive["machines"])
+            await self._act_on(directive)
+
+    async def _act_on(self, directive: dict[str, Any]) -> None:
+        status, generation = directive["status"], directive["generation"]
+        if status == "finished":
+            await self.workers.stop(self.config.stop_grace_s)
+            self.completed = directive["job_state"] == "completed"
+            self._finish(0 if self.completed else 1)
+        elif status == "collecting" and generation != self.collected:
+            # A recovery: stop training (the survivors too: every rank rolls back together), then say
+            # what this machine holds, every checksum verified.
+            self.resuming = None
+            await self.workers.stop(self.config.stop_grace_s)
+            await self._report_inventory(generation)
+            self.collected = generation
+        elif status == "ready" and generation != self.generation:
+            await self.workers.stop(self.config.stop_grace_s)
+            try:
+                restored = await self._restore(directive)
+            except Exception as exc:
+                log.error("restoring generation %d failed: %s", generation, exc)
+                await self._progress(generation, "restore_failed", {"error": str(exc)[:1000]})
+                return
+            self.generation = generation
+            self.resuming = (generation, directive["iteration"], set(self.machine.local_ranks()))
+            await self.workers.start(self._launch_spec(directive))
+            await self._progress(generation, "restored", restored)
+
+    async def _report_inventory(self, generation: int) -> None:
+        holdings = await asyncio.to_thread(self.machine.holdings.inventory, True)
+        body = {
+            "instance_id": self.config.instance_id,
+            "generation": generation,
+            "holdings": [h.to_json() for h in holdings],
+            "rendezvous_port": free_port(),  # the old store's port may linger in TIME_WAIT
+        }
+        try:
+            await self.client.report_inventory(self.machine.machine_rank, body)
+        except (RootUnavailable, RootRejected) as exc:
+            log.error("could not report the inventory of generation %d: %s", generation, exc)
+
+    async def _restore(self, directive: dict[str, Any]) -> dict[str, Any]:
+        """Make the plan's iteration present in each local rank's store: it is there (local), or comes from
+        a peer's memory, or from the persistent tier; verified on arrival either way."""
+        iteration = directive["iteration"]
+        if iteration is None:
+            return {"from_scratch": True}
+        sources = {int(s["rank"]): s for s in directive["sources"]}
+
+        async def restore_rank(rank: int) -> tuple[str, dict[str, Any]]:
+            source, started = sources[rank], time.monotonic()
+            holdings = self.machine.holdings
+            if source["tier"] == "local":
+                if not any(m.iteration == iteration for m in holdings.local_store(rank).committed()):
+                    raise CheckpointNotFoundError(
+                        f"rank {rank} no longer holds iteration {iteration} locally"
+                    )
+            elif source["tier"] == "peer":
+                await asyncio.to_thread(self._fetch_from_peer, rank, iteration, source)
+            else:
+                store = object_store(self.machine.registration["persistent"])
+                await store.get(source["location"], holdings.local_store(rank), iteration)
+            seconds = time.monotonic() - started
+            log.info("rank %d: iteration %d ready (%s, %.2fs)", rank, iteration, source["tier"], seconds)
+            return str(rank), {
+                "tier": source["tier"],
+                "seconds": round(seconds, 3),
+                "source": source.get("source_rank"),
+            }
+
+        return dict(await asyncio.gather(*(restore_rank(r) for r in self.machine.local_ranks())))
+
+    def _fetch_from_peer(self, rank: int, iteration: int, source: dict[str, Any]) -> None:
+        with PeerConnection(
+            source["address"], int(source["data_port"]), self.machine.key, self.config.job_id
+        ) as peer:
+            peer.get(rank, self.machine.holdings.local_store(rank), iteration)
+
+    def _on_commit(self, rank: int, iteration: int) -> None:
+        """The first iteration after a restore completed on every local rank: training resumed."""
+        if self.resuming is None:
+            return
+        generation, restored, waiting = self.resuming
+        if restored is None or iteration > restored:
+            waiting.discard(rank)
+        if not waiting:
+            self.resuming = None
+            self._in_background(self._progress(generation, "resumed", {"iteration": iteration}))
+            # Training runs again: now warm up the spares for the next restart.
+            self._in_background(self.workers.prewarm(self.machine.procs))
+
+    async def _progress(self, generation: int, event: str, details: dict[str, Any]) -> None:
+        body = {
+            "instance_id": self.config.instance_id,
+            "generation": generation,
+            "event": event,
+            "details": details,
+        }
+        try:
+            await self.client.report_progress(self.machine.machine_rank, body)
+        except (RootUnavailable, RootRejected) as exc:
+            log.error("could not report %s for generation %d: %s", event, generation, exc)
+
+    def _launch_spec(self, directive: dict[str, Any]) -> LaunchSpec:
+        rendezvous = directive["rendezvous"]
+        holdings = self.machine.holdings
+        return LaunchSpec(
+            command=self.config.command,
+            machine_rank=self.machine.machine_rank,
+            procs_per_machine=self.machine.procs,
+            world_size=directive["world_size"],
+            master_addr=rendezvous["master_addr"],
+            master_port=int(rendezvous["master_port"]),
+            generation=directive["generation"],
+            restore_iteration=directive["iteration"],
+            shm_dir_of={rank: str(holdings.directory("local", rank)) for rank in self.machine.local_ranks()},
+            notify_socket=str(self.machine.notify_socket),
+            job_id=self.config.job_id,
+            extra_env=self.config.extra_env,
+        )
+
+    # -- process exits -------------------------------------------------------------------------------------
+
+    async def _watch_exits(self) -> None:
+        clean: set[int] = set()
+        while True:
+            ended = await self.exits.get()
+            if ended.expected or ended.generation != self.generation:
+                continue
+            log.log(
+                logging.INFO if ended.exit_code == 0 else logging.WARNING,
+                "training process rank %d exited with %d",
+                ended.global_rank,
+                ended.exit_code,
+            )
+            self._in_background(self._report_exit(ended))
+            if ended.exit_code == 0:
+                clean.add(ended.global_rank)
+                if clean >= set(self.machine.local_ranks()):
+                    await self._report_finished(ended.generation)
+
+    async def _report_exit(self, ended: ProcessExit) -> None:
+        try:
+            await self.client.report_exit(
+                self.machine.machine_rank,
+                self.config.instance_id,
+                local_rank=ended.local_rank,
+                global_rank=ended.global_rank,
+                exit_code=ended.exit_code,
+            )
+        except (RootUnavailable, RootRejected) as exc:
+            log.error("could not report the exit of rank %d: %s", ended.global_rank, exc)
+
+    async def _report_finished(self, generation: int) -> None:
+        # Peers must hold the last checkpoints before the job may complete (and the agents exit).
+        replicator = self.machine.replicator
+        if replicator is not None and not await asyncio.to_thread(
+            replicator.flush, self.machine.local_ranks()
+        ):
+            log.warning("the last checkpoints did not reach every peer in time")
+        try:
+            await self.client.report_progress(
+                self.machine.machine_rank,
+                {"instance_id": self.config.instance_id, "generation": generation, "event": "finished"},
+            )
+        except (RootUnavailable, RootRejected) as exc:
+            log.error("could not report that training finished: %s; exiting", exc)
+            self._finish(0)

@@ -1,0 +1,390 @@
+"""The agents' checkpoint data plane: TCP between agents, a framed protocol, mutual authentication.
+
+Wire format: control messages are a 4-byte big-endian length and a JSON object; checkpoint data follows a
+control message as raw bytes (exactly the manifest's `data_bytes`). Every connection starts with a
+challenge-response handshake in both directions, keyed with HMAC-SHA256 by a key derived from the job's
+worker token, so a peer that cannot prove it knows the secret receives nothing and can write nothing.
+
+Operations after the handshake:
+* put: push a checkpoint (manifest, then data) into the receiver's replica store for that rank. The receiver
+  writes straight into its slot, verifies each stripe's checksum as it arrives, and commits only after
+  every byte arrived and verified; a bad stripe aborts the transfer and the slot stays empty.
+* get: fetch a checkpoint the server holds (its own or a replica), manifest first so the receiver verifies
+  as it goes.
+* inventory: what the server holds (rank, iteration, tier, digest, verified).
+
+Transfers run in threads with blocking sockets: sendall/recv_into on a memoryview of the shared-memory slot
+move bytes with no Python-level copy, and both release the GIL, as xxh3 hashing does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import xxhash
+
+from worker_lib.agent.holdings import Holdings, manifest_generation
+from worker_lib.errors import CheckpointError, CheckpointNotFoundError
+from worker_lib.store.manifest import Manifest
+from worker_lib.store.slots import SlotStore
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "castor-dataplane/1"
+_HEADER = struct.Struct("!I")
+_MAX_MESSAGE = 64 << 20  # manifests of states with very many tensors stay far below this
+_RECV_CHUNK = 8 << 20
+
+
+class DataPlaneError(Exception):
+    """A transfer failed: the peer refused it, the connection broke, or the bytes did not verify."""
+
+    def __init__(self, message: str, code: str = "transfer_failed"):
+        super().__init__(message)
+        self.code = code
+
+
+class AuthenticationFailed(DataPlaneError):
+    def __init__(self, message: str):
+        super().__init__(message, code="authentication_failed")
+
+
+def data_plane_key(worker_token: str) -> bytes:
+    """The HMAC key agents share: derived from the job's worker token, never the token itself on the wire."""
+    return hmac.new(worker_token.encode(), b"castor data plane v1", hashlib.sha256).digest()
+
+
+# -- framing --------------------------------------------------------------------------------------------
+
+
+def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
+    payload = json.dumps(message, separators=(",", ":")).encode()
+    sock.sendall(_HEADER.pack(len(payload)) + payload)
+
+
+def recv_message(sock: socket.socket) -> dict[str, Any]:
+    (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if length > _MAX_MESSAGE:
+        raise DataPlaneError(f"control message of {length} bytes exceeds the {_MAX_MESSAGE} byte limit")
+    message = json.loads(_recv_exact(sock, length))
+    if not isinstance(message, dict):
+        raise DataPlaneError("control message is not a JSON object")
+    return message
+
+
+def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
+    buffer = bytearray(nbytes)
+    _recv_into(sock, memoryview(buffer))
+    return bytes(buffer)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    received = 0
+    while received < len(view):
+        count = sock.recv_into(view[received : received + _RECV_CHUNK])
+        if count == 0:
+            raise DataPlaneError("connection closed by the peer mid-message", code="connection_closed")
+        received += count
+
+
+def _expect_ok(sock: socket.socket) -> dict[str, Any]:
+    reply = recv_message(sock)
+    if not reply.get("ok"):
+        raise DataPlaneError(str(reply.get("error", "refused")), code=str(reply.get("code", "refused")))
+    return reply
+
+
+# -- authentication -------------------------------------------------------------------------------------
+
+
+def _proof(key: bytes, role: bytes, *nonces: bytes) -> str:
+    return hmac.new(key, role + b"".join(nonces), hashlib.sha256).hexdigest()
+
+
+def _client_handshake(sock: socket.socket, key: bytes, job_id: str) -> None:
+    hello = recv_message(sock)
+    if hello.get("protocol") != PROTOCOL or hello.get("job") != job_id:
+        raise DataPlaneError(f"peer speaks {hello.get('protocol')!r} for job {hello.get('job')!r}")
+    server_nonce = bytes.fromhex(str(hello["nonce"]))
+    client_nonce = os.urandom(32)
+    send_message(
+        sock, {"nonce": client_nonce.hex(), "proof": _proof(key, b"client", server_nonce, client_nonce)}
+    )
+    reply = recv_message(sock)
+    if not reply.get("ok"):
+        raise AuthenticationFailed(f"peer refused us: {reply.get('error', 'authentication failed')}")
+    if not hmac.compare_digest(
+        str(reply.get("proof", "")), _proof(key, b"server", client_nonce, server_nonce)
+    ):
+        raise AuthenticationFailed("peer could not prove it knows the job's secret")
+
+
+def _server_handshake(sock: socket.socket, key: bytes, job_id: str, on_failure: Callable[[], None]) -> bool:
+    server_nonce = os.urandom(32)
+    send_message(sock, {"protocol": PROTOCOL, "job": job_id, "nonce": server_nonce.hex()})
+    answer = recv_message(sock)
+    client_nonce = bytes.fromhex(str(answer.get("nonce", "")))
+    expected = _proof(key, b"client", server_nonce, client_nonce)
+    if len(client_nonce) != 32 or not hmac.compare_digest(str(answer.get("proof", "")), expected):
+        on_failure()  # counted before the peer hears about it
+        send_message(sock, {"ok": False, "code": "authentication_failed", "error": "authentication failed"})
+        return False
+    send_message(sock, {"ok": True, "proof": _proof(key, b"server", client_nonce, server_nonce)})
+    return True
+
+
+# -- client side ----------------------------------------------------------------------------------------
+
+
+class PeerConnection:
+    """An authenticated connection to another agent's data plane."""
+
+    def __init__(self, address: str, port: int, key: bytes, job_id: str, timeout_s: float = 30.0):
+        self.peer = f"{address}:{port}"
+        self.sock = socket.create_connection((address, port), timeout=timeout_s)
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _client_handshake(self.sock, key, job_id)
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def __enter__(self) -> PeerConnection:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def put(self, rank: int, manifest: Manifest, data: memoryview) -> None:
+        """Push `rank`'s checkpoint; returns once the peer verified and committed it."""
+        send_message(self.sock, {"op": "put", "rank": rank, "manifest": json.loads(manifest.to_json())})
+        try:
+            _expect_ok(self.sock)
+        except DataPlaneError as exc:
+            if exc.code == "stale":
+                return  # the peer already holds this checkpoint or a newer one
+            raise
+        for stripe in manifest.stripes:
+            self.sock.sendall(data[stripe.start : stripe.end])
+        _expect_ok(self.sock)
+
+    def get(
+        self, rank: int, destination: SlotStore, iteration: int | None = None, tier: str = "any"
+    ) -> Manifest:
+        """Fetch `rank`'s checkpoint (the newest, or exactly `iteration`) into `destination`, verifying each
+        stripe as it arrives; nothing is committed unless all of it verified."""
+        send_message(self.sock, {"op": "get", "rank": rank, "iteration": iteration, "tier": tier})
+        reply = _expect_ok(self.sock)
+        manifest = Manifest.from_json(json.dumps(reply["manifest"]).encode())
+        receive_checkpoint(self.sock, manifest, destination)
+        return manifest
+
+    def inventory(self, verify: bool = False) -> list[dict[str, Any]]:
+        send_message(self.sock, {"op": "inventory", "verify": verify})
+        holdings: list[dict[str, Any]] = _expect_ok(self.sock)["holdings"]
+        return holdings
+
+
+def receive_checkpoint(sock: socket.socket, manifest: Manifest, destination: SlotStore) -> None:
+    """Receive `manifest.data_bytes` into a slot of `destination`, checking every stripe as it completes.
+
+    A connection dropped or a stripe that does not match aborts the slot (it stays empty, the previous
+    checkpoint untouched); the sender is told why when the connection still works."""
+    writer = destination.open_write(manifest.iteration, manifest.data_bytes, on_busy="wait")
+    assert writer is not None  # on_busy="wait" blocks instead of returning None
+    committed = False
+    try:
+        view = memoryview(writer.buffer)
+        for index, stripe in enumerate(manifest.stripes):
+            _recv_into(sock, view[stripe.start : stripe.end])
+            if xxhash.xxh3_64_hexdigest(view[stripe.start : stripe.end]) != stripe.digest:
+                # Drain the rest so the stream stays framed, then report which stripe was bad.
+                _drain(sock, manifest.data_bytes - stripe.end)
+                raise DataPlaneError(
+                    f"stripe {index} (bytes {stripe.start}..{stripe.end}) of rank checkpoint iteration "
+                    f"{manifest.iteration} failed its {manifest.checksum} check; not committed",
+                    code="checksum_mismatch",
+                )
+        writer.commit(manifest)
+        committed = True
+    finally:
+        if not committed:
+            writer.abort()
+
+
+def _drain(sock: socket.socket, nbytes: int) -> None:
+    scratch = memoryview(bytearray(min(nbytes, _RECV_CHUNK) or 1))
+    while nbytes > 0:
+        count = sock.recv_into(scratch[: min(nbytes, len(scratch))])
+        if count == 0:
+            return
+        nbytes -= count
+
+
+# -- server side ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerCounters:
+    replicas_received: int = 0
+    replicas_rejected: int = 0
+    checkpoints_served: int = 0
+    auth_failures: int = 0
+
+
+class DataPlaneServer:
+    """Accepts authenticated peers: replicas pushed to this machine, and fetches of what it holds."""
+
+    def __init__(
+        self,
+        holdings: Holdings,
+        key: bytes,
+        job_id: str,
+        *,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        accepts_replica_of: Callable[[int], bool] = lambda rank: True,
+        on_replica: Callable[[int, Manifest], None] = lambda rank, manifest: None,
+    ):
+        self.holdings = holdings
+        self.key = key
+        self.job_id = job_id
+        self.accepts_replica_of = accepts_replica_of
+        self.on_replica = on_replica
+        self.counters = ServerCounters()
+        self._rank_locks: dict[int, threading.Lock] = {}
+        self._listener = socket.create_server((host, port), reuse_port=False, backlog=64)
+        self.port: int = self._listener.getsockname()[1]
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="castor-dataplane", daemon=True)
+
+    def start(self) -> DataPlaneServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._closing.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self._thread.join(timeout=5)
+
+    def _count_auth_failure(self) -> None:
+        self.counters.auth_failures += 1
+
+    def _accept_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(
+                target=self._serve, args=(sock, peer), name=f"castor-dataplane-{peer[1]}", daemon=True
+            ).start()
+
+    def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+        with sock:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.settimeout(120)
+                if not _server_handshake(sock, self.key, self.job_id, self._count_auth_failure):
+                    log.warning("refused data-plane peer %s:%s: authentication failed", *peer)
+                    return
+                while not self._closing.is_set():
+                    try:
+                        request = recv_message(sock)
+                    except DataPlaneError as exc:
+                        if exc.code == "connection_closed":
+                            return
+                        raise
+                    self._dispatch(sock, request)
+            except (OSError, DataPlaneError, ValueError) as exc:
+                log.info("data-plane connection from %s:%s ended: %s", peer[0], peer[1], exc)
+
+    def _dispatch(self, sock: socket.socket, request: dict[str, Any]) -> None:
+        op = request.get("op")
+        if op == "put":
+            self._put(
+                sock, int(request["rank"]), Manifest.from_json(json.dumps(request["manifest"]).encode())
+            )
+        elif op == "get":
+            iteration = request.get("iteration")
+            self._get(
+                sock, int(request["rank"]), None if iteration is None else int(iteration), request["tier"]
+            )
+        elif op == "inventory":
+            holdings = self.holdings.inventory(verify_checksums=bool(request.get("verify")))
+            send_message(sock, {"ok": True, "holdings": [h.to_json() for h in holdings]})
+        else:
+            send_message(sock, {"ok": False, "code": "unknown_op", "error": f"unknown operation {op!r}"})
+
+    def _put(self, sock: socket.socket, rank: int, manifest: Manifest) -> None:
+        if not self.accepts_replica_of(rank):
+            self.counters.replicas_rejected += 1
+            send_message(
+                sock,
+                {
+                    "ok": False,
+                    "code": "not_a_replica_holder",
+                    "error": f"this machine does not hold replicas of rank {rank}",
+                },
+            )
+            return
+        # One writer per rank's replica store at a time, and never an older checkpoint over a newer one of
+        # the same history (a slow, superseded transfer arriving last must not roll the replica back).
+        with self._rank_locks.setdefault(rank, threading.Lock()):
+            held = self.holdings.newest("replica", rank)
+            if held is not None and (manifest_generation(held), held.iteration) >= (
+                manifest_generation(manifest),
+                manifest.iteration,
+            ):
+                send_message(
+                    sock,
+                    {
+                        "ok": False,
+                        "code": "stale",
+                        "error": f"already holds iteration {held.iteration} of rank {rank}",
+                    },
+                )
+                return
+            send_message(sock, {"ok": True})
+            try:
+                receive_checkpoint(sock, manifest, self.holdings.replica_store(rank))
+            except DataPlaneError as exc:
+                self.counters.replicas_rejected += 1
+                send_message(sock, {"ok": False, "code": exc.code, "error": str(exc)})
+                return
+        self.counters.replicas_received += 1
+        send_message(sock, {"ok": True, "iteration": manifest.iteration})
+        self.on_replica(rank, manifest)
+
+    def _get(
+        self, sock: socket.socket, rank: int, iteration: int | None, tier: Literal["local", "replica", "any"]
+    ) -> None:
+        try:
+            with self.holdings.open_read(rank, iteration, tier) as (manifest, data):
+                send_message(sock, {"ok": True, "manifest": json.loads(manifest.to_json())})
+                for stripe in manifest.stripes:
+                    sock.sendall(data[stripe.start : stripe.end])
+        except CheckpointNotFoundError as exc:
+            send_message(sock, {"ok": False, "code": "not_found", "error": str(exc)})
+            return
+        except CheckpointError as exc:
+            send_message(sock, {"ok": False, "code": "unreadable", "error": str(exc)})
+            return
+        self.counters.checkpoints_served += 1

@@ -1,0 +1,180 @@
+"""What one machine holds in shared memory: its own ranks' checkpoints ("local", written by its training
+processes) and the replicas its placement-group peers pushed to it ("replica").
+
+Layout under the agent's shared-memory root:
+    local/rank-<global rank>/slot-<k>.{bin,json}      (the training process's CASTOR_SHM_DIR)
+    replicas/rank-<global rank>/slot-<k>.{bin,json}
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from worker_lib.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from worker_lib.store.copy import CopyEngine
+from worker_lib.store.integrity import verify
+from worker_lib.store.manifest import Manifest
+from worker_lib.store.slots import SlotStore
+
+Tier = Literal["local", "replica"]
+_RANK_DIR = re.compile(r"^rank-(\d+)$")
+_SLOT_FILE = re.compile(r"^slot-(\d+)\.bin$")
+
+
+@dataclass(frozen=True)
+class Holding:
+    rank: int
+    iteration: int
+    tier: Tier
+    digest: str
+    data_bytes: int
+    committed_at: float
+    verified: bool | None  # None: not checked this time
+    generation: int = 1  # the recovery-plan generation whose training made it (from the manifest)
+    problem: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def manifest_generation(manifest: Manifest) -> int:
+    value = manifest.meta.get("generation", 1)
+    return value if isinstance(value, int) and value >= 1 else 1
+
+
+class Holdings:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self._stores: dict[tuple[Tier, int], SlotStore] = {}
+        self._lock = threading.Lock()
+        self._engine: CopyEngine | None = None
+
+    def directory(self, tier: Tier, rank: int) -> Path:
+        return self.root / ("local" if tier == "local" else "replicas") / f"rank-{rank}"
+
+    def local_store(self, rank: int) -> SlotStore:
+        return self._store("local", rank)
+
+    def replica_store(self, rank: int) -> SlotStore:
+        return self._store("replica", rank)
+
+    def _store(self, tier: Tier, rank: int) -> SlotStore:
+        directory = self.directory(tier, rank)
+        # The writer decides the number of slots; follow what is on disk (at least two).
+        slots = max(2, len([f for f in directory.glob("slot-*.bin") if _SLOT_FILE.match(f.name)]))
+        with self._lock:
+            store = self._stores.get((tier, rank))
+            if store is None or store.slots != slots:
+                if store is not None:
+                    store.close()
+                store = self._stores[(tier, rank)] = SlotStore(directory, slots=slots)
+            return store
+
+    def ranks(self, tier: Tier) -> list[int]:
+        base = self.root / ("local" if tier == "local" else "replicas")
+        if not base.is_dir():
+            return []
+        return sorted(int(m.group(1)) for d in base.iterdir() if (m := _RANK_DIR.match(d.name)))
+
+    def newest(self, tier: Tier, rank: int) -> Manifest | None:
+        if not self.directory(tier, rank).is_dir():
+            return None
+        try:
+            committed = self._store(tier, rank).committed()
+        except CheckpointCorruptError:
+            return None
+        return committed[0] if committed else None
+
+    @contextmanager
+    def open_read(
+        self, rank: int, iteration: int | None = None, tier: Tier | Literal["any"] = "any"
+    ) -> Iterator[tuple[Manifest, memoryview]]:
+        """A checkpoint of `rank` held here, locked for reading: the local copy first, then a replica
+        (with no iteration given and tier "any": the newer of the two)."""
+        tiers: list[Tier] = ["local", "replica"] if tier == "any" else [tier]
+        if iteration is None and tier == "any":
+            newest = [(m.iteration, t) for t in tiers if (m := self.newest(t, rank)) is not None]
+            tiers = [t for _, t in sorted(newest, key=lambda found: -found[0])] or tiers
+        with ExitStack() as stack:
+            for candidate in tiers:
+                if not self.directory(candidate, rank).is_dir():
+                    continue
+                try:
+                    opened = stack.enter_context(self._store(candidate, rank).open_read(iteration))
+                    break
+                except CheckpointNotFoundError:
+                    continue
+            else:
+                wanted = "any checkpoint" if iteration is None else f"iteration {iteration}"
+                raise CheckpointNotFoundError(f"this machine holds no {wanted} of rank {rank} ({tier})")
+            yield opened
+
+    def inventory(self, verify_checksums: bool = False) -> list[Holding]:
+        """Every committed checkpoint held here; with `verify_checksums`, each one's bytes are checked."""
+        found = []
+        tiers: tuple[Tier, ...] = ("local", "replica")
+        for tier in tiers:
+            for rank in self.ranks(tier):
+                try:
+                    manifests = self._store(tier, rank).committed()
+                except CheckpointError:
+                    continue
+                found += [self._holding(tier, rank, manifest, verify_checksums) for manifest in manifests]
+        return found
+
+    def _holding(self, tier: Tier, rank: int, manifest: Manifest, check: bool) -> Holding:
+        verified: bool | None = None
+        problem = None
+        if check:
+            try:
+                with self._store(tier, rank).open_read(manifest.iteration) as (current, data):
+                    verify(current, data, self._copy_engine())
+                verified = True
+            except CheckpointNotFoundError:
+                verified, problem = False, "overwritten while being checked"
+            except CheckpointError as exc:
+                verified, problem = False, str(exc)
+        return Holding(
+            rank=rank,
+            iteration=manifest.iteration,
+            tier=tier,
+            digest=manifest.digest,
+            data_bytes=manifest.data_bytes,
+            committed_at=manifest.committed_at,
+            verified=verified,
+            generation=manifest_generation(manifest),
+            problem=problem,
+        )
+
+    def summary(self) -> dict[str, dict[int, int]]:
+        """Newest committed iteration per rank, per tier: what heartbeats carry."""
+        out: dict[str, dict[int, int]] = {"local": {}, "replicas": {}}
+        for tier, key in (("local", "local"), ("replica", "replicas")):
+            for rank in self.ranks(tier):  # type: ignore[arg-type]
+                newest = self.newest(tier, rank)  # type: ignore[arg-type]
+                if newest is not None:
+                    out[key][rank] = newest.iteration
+        return out
+
+    def _copy_engine(self) -> CopyEngine:
+        if self._engine is None:
+            self._engine = CopyEngine()
+        return self._engine
+
+    def close(self) -> None:
+        with self._lock:
+            for store in self._stores.values():
+                store.close()
+            self._stores.clear()
+
+    def remove(self) -> None:
+        """Free the machine's shared memory (the job finished)."""
+        self.close()
+        shutil.rmtree(self.root, ignore_errors=True)

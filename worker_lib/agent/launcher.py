@@ -1,0 +1,228 @@
+"""Launches and watches a machine's training processes, the way torchrun does.
+
+Each process gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+MASTER_ADDR, MASTER_PORT, ...) so training code written for torchrun runs unchanged, plus Castor's own:
+CASTOR_SHM_DIR (the rank's checkpoint store, owned by the agent so it outlives the process),
+CASTOR_AGENT_NOTIFY (where commits are announced) and CASTOR_RESTORE_ITERATION (the iteration the
+recovery plan chose for every rank). Each process leads its own process group, so stopping it also stops
+its children (data loader workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from worker_lib.agent.warm import READY_FD_ENV
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    command: Sequence[str]
+    machine_rank: int
+    procs_per_machine: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    generation: int
+    restore_iteration: int | None
+    shm_dir_of: Mapping[int, str]  # global rank -> CASTOR_SHM_DIR
+    notify_socket: str
+    job_id: str
+    extra_env: Mapping[str, str]
+
+    def environment(self, local_rank: int) -> dict[str, str]:
+        rank = self.machine_rank * self.procs_per_machine + local_rank
+        env = {
+            **os.environ,
+            **self.extra_env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.procs_per_machine),
+            "GROUP_RANK": str(self.machine_rank),
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(self.world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(self.generation - 1),
+            "TORCHELASTIC_RUN_ID": self.job_id,
+            "CASTOR_JOB": self.job_id,
+            "CASTOR_SHM_DIR": self.shm_dir_of[rank],
+            "CASTOR_AGENT_NOTIFY": self.notify_socket,
+            "CASTOR_GENERATION": str(self.generation),
+            "CASTOR_RESTORE_ITERATION": "none"
+            if self.restore_iteration is None
+            else str(self.restore_iteration),
+        }
+        return env
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.machine_rank * self.procs_per_machine + local_rank
+
+
+@dataclass(frozen=True)
+class ProcessExit:
+    generation: int
+    local_rank: int
+    global_rank: int
+    exit_code: int  # negative: killed by that signal (subprocess convention)
+    expected: bool  # the agent stopped it on purpose
+
+
+def python_arguments(command: Sequence[str]) -> list[str] | None:
+    """The interpreter arguments of `command` when it runs this agent's Python (so a warm process of ours
+    can run it): `python train.py ...` -> ["train.py", ...], `python -m pkg ...` -> ["-m", "pkg", ...]."""
+    if not command:
+        return None
+    executable = shutil.which(command[0])
+    if executable is None or os.path.realpath(executable) != os.path.realpath(sys.executable):
+        return None
+    rest = list(command[1:])
+    if rest[:1] == ["-m"] and len(rest) >= 2:
+        return rest
+    if rest and not rest[0].startswith("-"):
+        return rest
+    return None
+
+
+class WorkerGroup:
+    """The training processes of one generation on this machine, started from warm spares when it can."""
+
+    def __init__(self, exits: asyncio.Queue[ProcessExit], *, warm: bool = True, pid_dir: Path | None = None):
+        self.exits = exits
+        self.warm = warm
+        # pids/rank-<global rank> holds each running training process's pid: for operators and for
+        # failure injection (a warm-started process's /proc environ is its spare's, not its rank's).
+        self.pid_dir = pid_dir
+        self.spec: LaunchSpec | None = None
+        self._processes: dict[int, asyncio.subprocess.Process] = {}
+        self._watchers: list[asyncio.Task[None]] = []
+        self._spares: list[asyncio.subprocess.Process] = []
+        self._stopping = False
+        self._warm_starts = 0
+        self._warm: set[int] = set()  # pids of spares whose imports are done
+
+    @property
+    def warm_spares(self) -> int:
+        """Spares whose imports are done."""
+        return sum(1 for p in self._spares if p.returncode is None and p.pid in self._warm)
+
+    async def prewarm(self, count: int) -> None:
+        """Keep `count` warm interpreters ready for the next start."""
+        if not self.warm:
+            return
+        self._spares = [p for p in self._spares if p.returncode is None]
+        while len(self._spares) < count:
+            ready_read, ready_write = os.pipe()
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "worker_lib.agent.warm",
+                *(["--machine", str(self.pid_dir.parent)] if self.pid_dir else []),
+                stdin=asyncio.subprocess.PIPE,
+                start_new_session=True,
+                pass_fds=(ready_write,),
+                env={**os.environ, READY_FD_ENV: str(ready_write)},
+            )
+            os.close(ready_write)
+            self._spares.append(process)
+            asyncio.get_running_loop().add_reader(ready_read, self._on_warm, ready_read, process.pid)
+
+    def _on_warm(self, ready_read: int, pid: int) -> None:
+        asyncio.get_running_loop().remove_reader(ready_read)
+        with contextlib.suppress(OSError):
+            if os.read(ready_read, 1) == b"1":
+                self._warm.add(pid)
+        os.close(ready_read)
+
+    async def _launch(self, spec: LaunchSpec, local_rank: int) -> asyncio.subprocess.Process:
+        env = spec.environment(local_rank)
+        arguments = python_arguments(spec.command)
+        spares = [p for p in self._spares if p.returncode is None]
+        if arguments is not None and spares:
+            process = spares[0]
+            self._spares = spares[1:]
+            assert process.stdin is not None
+            order = {"argv": arguments, "env": env, "cwd": os.getcwd()}
+            process.stdin.write(json.dumps(order).encode() + b"\n")
+            await process.stdin.drain()
+            process.stdin.close()
+            self._warm_starts += 1
+            return process
+        return await asyncio.create_subprocess_exec(*spec.command, env=env, start_new_session=True)
+
+    async def discard_spares(self) -> None:
+        for process in self._spares:
+            if process.returncode is None and process.stdin is not None:
+                process.stdin.close()  # an empty order: the spare exits
+        await asyncio.gather(*(p.wait() for p in self._spares), return_exceptions=True)
+        self._spares = []
+
+    @property
+    def running(self) -> bool:
+        return any(p.returncode is None for p in self._processes.values())
+
+    async def start(self, spec: LaunchSpec) -> None:
+        await self.stop()
+        self.spec, self._stopping, self._warm_starts = spec, False, 0
+        for local_rank in range(spec.procs_per_machine):
+            process = await self._launch(spec, local_rank)
+            self._processes[local_rank] = process
+            if self.pid_dir is not None:
+                self.pid_dir.mkdir(parents=True, exist_ok=True)
+                (self.pid_dir / f"rank-{spec.global_rank(local_rank)}").write_text(f"{process.pid}\n")
+            self._watchers.append(asyncio.create_task(self._watch(spec, local_rank, process)))
+        log.info(
+            "started %d training processes (%d warm; generation %d, ranks %d..%d, restore %s)",
+            spec.procs_per_machine,
+            self._warm_starts,
+            spec.generation,
+            spec.global_rank(0),
+            spec.global_rank(spec.procs_per_machine - 1),
+            spec.restore_iteration,
+        )
+
+    async def _watch(self, spec: LaunchSpec, local_rank: int, process: asyncio.subprocess.Process) -> None:
+        code = await process.wait()
+        await self.exits.put(
+            ProcessExit(spec.generation, local_rank, spec.global_rank(local_rank), code, self._stopping)
+        )
+
+    def signal(self, signum: int) -> None:
+        for process in self._processes.values():
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signum)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop every process: SIGTERM to each process group, SIGKILL after the grace period."""
+        if not self._processes:
+            return
+        self._stopping = True
+        self.signal(signal.SIGTERM)
+        waits = [asyncio.create_task(p.wait()) for p in self._processes.values()]
+        _, pending = await asyncio.wait(waits, timeout=grace_s)
+        if pending:
+            self.signal(signal.SIGKILL)
+            await asyncio.wait(pending)
+        for watcher in self._watchers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        self._processes.clear()
+        self._watchers.clear()
+
+    async def wait(self) -> list[int]:
+        """Exit codes of every process once all have ended."""
+        return [await p.wait() for p in self._processes.values()]

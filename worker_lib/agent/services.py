@@ -1,0 +1,323 @@
+"""A machine's Castor services, shared by the agent and the embedded mode: registration with the root,
+the data plane (replicas in, checkpoints out), replication of local commits to placement peers, commit
+notices from the training processes, and heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from worker_lib.agent.dataplane import DataPlaneServer, data_plane_key
+from worker_lib.agent.heartbeat import etcd_heartbeats, rest_heartbeats
+from worker_lib.agent.holdings import Holdings, manifest_generation
+from worker_lib.agent.replication import Replicator
+from worker_lib.client import RootClient, RootRejected, RootUnavailable
+from worker_lib.errors import CheckpointNotFoundError
+from worker_lib.persistent import ObjectStore, object_store, shard_key
+from worker_lib.store.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+NOTIFY_SOCKET = "agent.sock"
+PEERS_REFRESH_S = 10.0
+PEERS_REFRESH_MISSING_S = 1.0
+
+
+@dataclass
+class MachineIdentity:
+    """Who this machine is and where its peers reach it."""
+
+    instance_id: str
+    address: str = "127.0.0.1"
+    bind: str = "0.0.0.0"
+    data_port: int = 0
+    machine_rank: int | None = None  # ask for this rank; default: the root picks
+    embedded: bool = False  # torchrun runs the training processes (see worker_lib.embedded)
+
+
+class MachineServices:
+    def __init__(self, client: RootClient, token: str, identity: MachineIdentity, shm_root: Path):
+        self.client = client
+        self.identity = identity
+        self.key = data_plane_key(token)
+        self.holdings = Holdings(shm_root)
+        self.registration: dict[str, Any] = {}
+        self.addresses: dict[int, tuple[str, int]] = {}
+        self.server: DataPlaneServer | None = None
+        self.replicator: Replicator | None = None
+        self.commits: dict[int, deque[float]] = {}  # rank -> commit times in the last minute
+        self.committed = 0
+        self.skipped = 0
+        self.on_commit: Callable[[int, int], None] | None = None  # the agent watches for resumption
+        self.extra_summary: Callable[[], dict[str, Any]] = dict
+        self.uploads = Uploads(self)
+        self._notices: asyncio.DatagramTransport | None = None
+
+    @property
+    def job_id(self) -> str:
+        return self.client.job_id
+
+    @property
+    def notify_socket(self) -> Path:
+        return self.holdings.root / NOTIFY_SOCKET
+
+    async def start(self) -> None:
+        """Listen on the data plane, register, start replicating and listening for commits."""
+        self.holdings.root.mkdir(parents=True, exist_ok=True)
+        self.server = DataPlaneServer(
+            self.holdings,
+            self.key,
+            self.job_id,
+            host=self.identity.bind,
+            port=self.identity.data_port,
+            accepts_replica_of=self.holds_replicas_of,
+        ).start()
+        await self.register()
+        self.replicator = Replicator(
+            self.holdings, self.key, self.job_id, self.sends_to(), self.addresses.get
+        ).start()
+        self._notices = await self._listen_for_commits()
+
+    async def close(self) -> None:
+        await self.uploads.close()
+        if self._notices is not None:
+            self._notices.close()
+        if self.replicator is not None:
+            # Not through an executor: at interpreter exit (the embedded mode's atexit) none is left.
+            self.replicator.stop()
+        if self.server is not None:
+            self.server.stop()
+        await self.client.close()
+
+    # -- registration and placement ----------------------------------------------------------------------
+
+    async def register(self) -> dict[str, Any]:
+        assert self.server is not None
+        self.registration = await self.client.register(
+            instance_id=self.identity.instance_id,
+            address=self.identity.address,
+            data_port=self.server.port,
+            hostname=socket.gethostname(),
+            rank=self.identity.machine_rank,
+            rendezvous_port=free_port(),
+            embedded=self.identity.embedded,
+        )
+        self.update_addresses(self.registration["peers"])
+        log.info("registered as machine %d of job %s", self.machine_rank, self.job_id)
+        return self.registration
+
+    @property
+    def machine_rank(self) -> int:
+        return int(self.registration["rank"])
+
+    @property
+    def procs(self) -> int:
+        return int(self.registration["procs_per_machine"])
+
+    def local_ranks(self) -> list[int]:
+        return [self.machine_rank * self.procs + local for local in range(self.procs)]
+
+    def _placement_of(self, machine: int) -> dict[str, Any]:
+        ranks: list[dict[str, Any]] = self.registration["placement"]["ranks"]
+        return ranks[machine]
+
+    def sends_to(self) -> list[int]:
+        return list(self._placement_of(self.machine_rank)["sends_to"])
+
+    def holds_replicas_of(self, global_rank: int) -> bool:
+        """Whether the placement puts replicas of `global_rank` on this machine."""
+        if not self.registration:
+            return False
+        machine = global_rank // self.procs
+        return (
+            0 <= machine < self.registration["machines"]
+            and machine != self.machine_rank
+            and self.machine_rank in self._placement_of(machine)["holders"]
+        )
+
+    def update_addresses(self, machines: list[dict[str, Any]]) -> None:
+        for machine in machines:
+            if machine.get("address") and machine.get("data_port"):
+                self.addresses[int(machine["rank"])] = (machine["address"], int(machine["data_port"]))
+
+    # -- commits from the training processes -------------------------------------------------------------
+
+    async def _listen_for_commits(self) -> asyncio.DatagramTransport:
+        path = str(self.notify_socket)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        services = self
+
+        class Notices(asyncio.DatagramProtocol):
+            def datagram_received(self, data: bytes, addr: Any) -> None:
+                services.on_notice(data)
+
+        transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+            Notices, local_addr=path, family=socket.AF_UNIX
+        )
+        return transport
+
+    def on_notice(self, data: bytes) -> None:
+        try:
+            notice = json.loads(data)
+            rank, iteration = int(notice["rank"]), int(notice["iteration"])
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignored a malformed notice from a training process")
+            return
+        if notice.get("event") == "skip":
+            self.skipped += 1
+            return
+        self.committed += 1
+        now = time.monotonic()
+        recent = self.commits.setdefault(rank, deque())
+        recent.append(now)
+        while recent and recent[0] < now - 60:
+            recent.popleft()
+        if self.replicator is not None:
+            self.replicator.notice_commit(rank, iteration)
+        self.uploads.notice_commit(rank, iteration)
+        if self.on_commit is not None:
+            self.on_commit(rank, iteration)
+
+    def summary(self) -> dict[str, Any]:
+        """What heartbeats carry: newest iteration per rank held here, saves taken and skipped, rate."""
+        held = self.holdings.summary()
+        # Commits per minute over the last minute's commits (not their count: a machine that started a
+        # few seconds ago is not checkpointing slowly).
+        rates = [
+            60 * (len(times) - 1) / (times[-1] - times[0])
+            for times in self.commits.values()
+            if len(times) >= 2 and times[-1] > times[0]
+        ]
+        return {
+            "local": held["local"],
+            "replicas": held["replicas"],
+            "committed": self.committed,
+            "skipped": self.skipped + (self.replicator.stats.skipped if self.replicator else 0),
+            "per_minute": min(rates) if rates else None,
+            "replicated": self.replicator.stats.sent if self.replicator else 0,
+            "replication_lag_s": self.replicator.stats.last_lag_s if self.replicator else None,
+            "uploaded": self.uploads.uploaded,
+            **self.extra_summary(),
+        }
+
+    async def heartbeats(self) -> None:
+        """Heartbeat forever (raises heartbeat.Replaced when the root gave this rank to another machine),
+        and keep the peers' addresses current: a peer registers late, or is replaced."""
+        config = self.registration["heartbeat"]
+        peers = asyncio.create_task(self._refresh_peers())
+        try:
+            if config["mode"] == "etcd":
+                await etcd_heartbeats(
+                    config["etcd_endpoints"],
+                    config["etcd_key"],
+                    config["timeout_s"],
+                    config["interval_s"],
+                    self.summary,
+                )
+            else:
+                await rest_heartbeats(
+                    self.client,
+                    self.machine_rank,
+                    self.identity.instance_id,
+                    config["interval_s"],
+                    self.summary,
+                )
+        finally:
+            peers.cancel()
+
+    async def _refresh_peers(self) -> None:
+        while True:
+            missing = any(machine not in self.addresses for machine in self.sends_to())
+            await asyncio.sleep(PEERS_REFRESH_MISSING_S if missing else PEERS_REFRESH_S)
+            try:
+                self.update_addresses((await self.client.directive(after=-1, wait_s=0))["machines"])
+            except (RootUnavailable, RootRejected) as exc:
+                log.info("could not refresh the peers' addresses: %s", exc)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+class Uploads:
+    """Every persist_every iterations, each local rank's committed checkpoint goes to the persistent tier.
+
+    The agent, not the training process, does it: it copies the slot into its own staging buffer (so the
+    training process can overwrite the slot at its next-but-one save), uploads from there and reports the
+    shard to the root. One upload per rank at a time; a due upload that finds the previous one still
+    running is skipped (the next one is K iterations away)."""
+
+    def __init__(self, services: MachineServices):
+        self.services = services
+        self.uploaded = 0
+        self.skipped = 0
+        self.failed = 0
+        self._running: dict[int, asyncio.Task[None]] = {}
+        self._staging: dict[int, bytearray] = {}
+        self._store: ObjectStore | None = None
+
+    def notice_commit(self, rank: int, iteration: int) -> None:
+        registration = self.services.registration
+        every = int(registration.get("persist_every", 0)) if registration else 0
+        if every <= 0 or iteration % every != 0:
+            return
+        if rank in self._running and not self._running[rank].done():
+            self.skipped += 1
+            return
+        self._running[rank] = asyncio.get_running_loop().create_task(self._upload(rank, iteration))
+
+    async def _upload(self, rank: int, iteration: int) -> None:
+        services = self.services
+        try:
+            manifest, data = await asyncio.to_thread(self._stage, rank, iteration)
+            if self._store is None:
+                self._store = object_store(services.registration["persistent"])
+            key = shard_key(services.registration["persistent"]["prefix"], services.job_id, iteration, rank)
+            shard = await self._store.put(key, manifest, data)
+            await services.client.report_persisted(
+                services.machine_rank,
+                {
+                    "instance_id": services.identity.instance_id,
+                    "rank": rank,
+                    "iteration": iteration,
+                    "generation": manifest_generation(manifest),
+                    "key": shard.key,
+                    "location": shard.location,
+                    "digest": shard.digest,
+                    "nbytes": shard.nbytes,
+                },
+            )
+            self.uploaded += 1
+            log.info("persisted rank %d iteration %d (%d bytes)", rank, iteration, shard.nbytes)
+        except CheckpointNotFoundError:
+            self.skipped += 1  # overwritten before we got to it: the training is faster than the upload
+        except Exception as exc:  # the persistent tier is best effort: training goes on, the next one retries
+            self.failed += 1
+            log.warning("uploading rank %d iteration %d failed: %s", rank, iteration, exc)
+
+    def _stage(self, rank: int, iteration: int) -> tuple[Manifest, memoryview]:
+        with self.services.holdings.open_read(rank, iteration, tier="local") as (manifest, data):
+            staging = self._staging.get(rank)
+            if staging is None or len(staging) < manifest.data_bytes:
+                staging = self._staging[rank] = bytearray(manifest.data_bytes)
+            view = memoryview(staging)[: manifest.data_bytes]
+            view[:] = data  # one memcpy, then the slot is the training process's again
+        return manifest, view
+
+    async def close(self) -> None:
+        for task in self._running.values():
+            task.cancel()
+        await asyncio.gather(*self._running.values(), return_exceptions=True)

@@ -1,0 +1,146 @@
+"""Async client of the root service's worker API, used by the agent.
+
+Training must not stop because the root is briefly gone (restarting, or leadership moving to another
+replica), so transport errors and 5xx answers are retried with backoff, across every root URL given; a
+4xx is the root's considered answer and is raised at once as RootRejected with its error code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+class RootUnavailable(Exception):
+    """No root replica answered within the retry budget."""
+
+
+class RootRejected(Exception):
+    """The root answered with a 4xx: `status`, `code` (stable, machine-readable) and its message."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.message = status, code, message
+
+
+class RootClient:
+    def __init__(
+        self,
+        root_urls: str | Sequence[str],
+        job_id: str,
+        token: str,
+        *,
+        timeout_s: float = 10.0,
+        retry_for_s: float = 60.0,
+    ):
+        urls = root_urls.split(",") if isinstance(root_urls, str) else list(root_urls)
+        self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
+        if not self.urls:
+            raise ValueError("at least one root URL is needed")
+        self.job_id = job_id
+        self.retry_for_s = retry_for_s
+        self._current = 0  # index of the replica that answered last
+        self._http = httpx.AsyncClient(
+            headers={"Authorization": f"Bearer {token}"}, timeout=httpx.Timeout(timeout_s, connect=3.0)
+        )
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> RootClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    # -- worker API --------------------------------------------------------------------------------------
+
+    async def register(self, **body: Any) -> dict[str, Any]:
+        return await self._call("POST", "/machines", json=body)
+
+    async def heartbeat(self, rank: int, instance_id: str, summary: dict[str, Any]) -> dict[str, Any]:
+        # A heartbeat is worth nothing once the next one is due: retry briefly only.
+        body = {"instance_id": instance_id, "summary": summary}
+        return await self._call("POST", f"/machines/{rank}/heartbeat", json=body, retry_for_s=2.0)
+
+    async def report_exit(
+        self, rank: int, instance_id: str, *, local_rank: int, global_rank: int, exit_code: int
+    ) -> dict[str, Any]:
+        body = {
+            "instance_id": instance_id,
+            "local_rank": local_rank,
+            "global_rank": global_rank,
+            "exit_code": exit_code,
+        }
+        return await self._call("POST", f"/machines/{rank}/exits", json=body)
+
+    async def directive(self, after: int, wait_s: float = 10.0) -> dict[str, Any]:
+        """The job's current directive, once its generation is newer than `after` (long poll)."""
+        params = {"after": after, "wait": wait_s}
+        return await self._call("GET", "/directive", params=params, timeout_s=wait_s + 10)
+
+    async def report_inventory(self, rank: int, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call("POST", f"/machines/{rank}/inventory", json=body)
+
+    async def report_progress(self, rank: int, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call("POST", f"/machines/{rank}/progress", json=body)
+
+    async def report_persisted(self, rank: int, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call("POST", f"/machines/{rank}/persisted", json=body)
+
+    # -- transport ---------------------------------------------------------------------------------------
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        retry_for_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        budget = self.retry_for_s if retry_for_s is None else retry_for_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget
+        delay = 0.1
+        attempt = 0
+        while True:
+            url = f"{self.urls[self._current]}/api/v1/worker/jobs/{self.job_id}{path}"
+            try:
+                timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
+                response = await self._http.request(method, url, json=json, params=params, timeout=timeout)
+                if response.status_code < 500:
+                    return _decode(response)
+                problem = f"{response.status_code} from {url}"
+            except httpx.TransportError as exc:
+                problem = f"{type(exc).__name__} for {url}"
+            attempt += 1
+            # Try the next replica right away; back off once all of them failed.
+            self._current = (self._current + 1) % len(self.urls)
+            if loop.time() >= deadline:
+                raise RootUnavailable(f"root unreachable after {attempt} attempts: {problem}")
+            if attempt % len(self.urls) == 0:
+                log.info("root not answering (%s); retrying in %.1fs", problem, delay)
+                await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+                delay = min(delay * 2, 2.0) * (0.75 + random.random() / 2)
+
+
+def _decode(response: httpx.Response) -> dict[str, Any]:
+    if response.status_code >= 400:
+        try:
+            error = response.json()["error"]
+            raise RootRejected(response.status_code, error["code"], error["message"])
+        except (ValueError, KeyError, TypeError):
+            raise RootRejected(response.status_code, "http_error", response.text[:500]) from None
+    if response.status_code == 204 or not response.content:
+        return {}
+    body: dict[str, Any] = response.json()
+    return body

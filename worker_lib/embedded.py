@@ -1,0 +1,113 @@
+"""Embedded mode, for training launched by plain torchrun instead of `castor agent`.
+
+Each training process calls `attach(root_url, job_id, token)` once, before creating its Checkpointer.
+Local rank 0 of each machine then runs the machine's Castor services (registration, heartbeats,
+replication to placement peers, serving checkpoints) on a background thread; every local rank's
+checkpoints go to the machine's shared memory, so torchrun's restart of a crashed worker group finds them.
+
+What this mode gives up compared with `castor agent`: a crashed process is noticed only through torchrun's
+restart and a missed heartbeat (the agent reports the exit at once), the services restart with local rank
+0, and the root's recovery directives (stop, restore a planned iteration, replace a machine) are not
+followed: torchrun restarts the workers and every rank restores the newest iteration all ranks hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import socket
+import threading
+from pathlib import Path
+
+from worker_lib.agent.heartbeat import Replaced
+from worker_lib.agent.services import MachineIdentity, MachineServices
+from worker_lib.client import RootClient
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddedServices:
+    """The machine services on a daemon thread with its own event loop (local rank 0 only)."""
+
+    def __init__(self, services: MachineServices):
+        self.services = services
+        self.loop = asyncio.new_event_loop()
+        self.registered = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="castor-embedded-agent", daemon=True)
+        self._stop: asyncio.Event | None = None
+
+    def start(self, timeout_s: float) -> None:
+        self._thread.start()
+        if not self.registered.wait(timeout_s):
+            raise TimeoutError(f"the root did not register this machine within {timeout_s}s")
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self._main())
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        try:
+            await self.services.start()
+        except BaseException as exc:  # reported to the caller of start()
+            self.error = exc
+            self.registered.set()
+            return
+        self.registered.set()
+        heartbeats = asyncio.create_task(self.services.heartbeats())
+        stop = asyncio.create_task(self._stop.wait())
+        done, _ = await asyncio.wait({heartbeats, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if heartbeats in done and isinstance(heartbeats.exception(), Replaced):
+            log.error("the root gave this machine's rank to another machine: %s", heartbeats.exception())
+        heartbeats.cancel()
+        await self.services.close()
+
+    def close(self) -> None:
+        """Stop the services (flushing nothing: replicas in flight are simply not committed)."""
+        if self._stop is not None and self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout=15)
+
+
+def attach(
+    root_url: str,
+    job_id: str,
+    token: str,
+    *,
+    instance_id: str | None = None,
+    address: str | None = None,
+    shm_root: str | os.PathLike[str] | None = None,
+    timeout_s: float = 60.0,
+) -> EmbeddedServices | None:
+    """Connect this torchrun-launched training process to Castor.
+
+    Points this process's Checkpointer at the machine's shared memory (CASTOR_SHM_DIR) and at the
+    machine services (CASTOR_AGENT_NOTIFY). On local rank 0 it also starts the services and returns
+    them (they stop at exit); other local ranks get None.
+    """
+    env = os.environ
+    rank, local_rank = int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0"))
+    machine_rank = int(env.get("GROUP_RANK", env.get("NODE_RANK", "0")))
+    instance = instance_id or env.get("CASTOR_INSTANCE_ID") or socket.gethostname()
+    root = Path(shm_root or env.get("CASTOR_AGENT_SHM_DIR") or Path("/dev/shm/castor") / job_id / instance)
+    env["CASTOR_JOB"] = job_id
+    env["CASTOR_SHM_DIR"] = str(root / "local" / f"rank-{rank}")
+    env["CASTOR_AGENT_NOTIFY"] = str(root / "agent.sock")
+    if local_rank != 0:
+        return None
+    identity = MachineIdentity(
+        instance_id=instance,
+        address=address or env.get("CASTOR_ADDRESS") or "127.0.0.1",
+        data_port=int(env.get("CASTOR_DATA_PORT", "0")),
+        machine_rank=machine_rank,
+        embedded=True,
+    )
+    embedded = EmbeddedServices(MachineServices(RootClient(root_url, job_id, token), token, identity, root))
+    embedded.start(timeout_s)
+    atexit.register(embedded.close)
+    return embedded

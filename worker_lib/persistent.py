@@ -1,0 +1,218 @@
+"""The persistent tier: S3 (production, aioboto3 multipart uploads) or a local directory (embedded mode).
+
+A persisted checkpoint of one rank is two objects under `<prefix>/<job>/iteration-<I>/rank-<r>/`:
+`data.bin` (the slot's data region, byte for byte) and `manifest.json` (written last: a rank's shard is
+complete only when its manifest exists). Downloads go straight into a slot of the destination store,
+every stripe verified against the manifest before the slot is committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import xxhash
+
+from worker_lib.errors import CheckpointCorruptError, CheckpointNotFoundError
+from worker_lib.store.manifest import Manifest
+from worker_lib.store.slots import SlotStore
+
+PART_BYTES = 16 << 20  # multipart part size: S3 needs >= 5 MiB parts, bigger parts mean fewer requests
+UPLOAD_CONCURRENCY = 4
+
+
+def shard_key(prefix: str, job_id: str, iteration: int, rank: int) -> str:
+    return f"{prefix.strip('/')}/{job_id}/iteration-{iteration}/rank-{rank}"
+
+
+@dataclass(frozen=True)
+class PersistedShard:
+    key: str  # the shard's key prefix (data.bin and manifest.json below it)
+    location: str  # URI of the checkpoint (all ranks), e.g. s3://bucket/prefix/job/iteration-20
+    digest: str
+    nbytes: int
+
+
+class ObjectStore(Protocol):
+    async def put(self, key: str, manifest: Manifest, data: memoryview) -> PersistedShard: ...
+
+    async def get(self, key: str, destination: SlotStore, iteration: int | None = None) -> Manifest: ...
+
+    async def delete(self, key: str) -> None:
+        """Delete everything under `key` (a shard or a whole checkpoint)."""
+
+
+def object_store(config: dict[str, Any]) -> ObjectStore:
+    """The store the root describes at registration: {"kind": "s3", "bucket", "region", "endpoint_url"} or
+    {"kind": "local", "path"}."""
+    if config["kind"] == "s3":
+        return S3Store(config["bucket"], region=config.get("region"), endpoint_url=config.get("endpoint_url"))
+    return LocalDirStore(Path(config["path"]))
+
+
+def _verify_stripe(view: memoryview, manifest: Manifest, index: int) -> None:
+    stripe = manifest.stripes[index]
+    if xxhash.xxh3_64_hexdigest(view[stripe.start : stripe.end]) != stripe.digest:
+        raise CheckpointCorruptError(
+            f"persisted checkpoint of iteration {manifest.iteration}: stripe {index} (bytes "
+            f"{stripe.start}..{stripe.end}) does not match its checksum",
+            ranges=[(stripe.start, stripe.end)],
+        )
+
+
+class LocalDirStore:
+    """A directory as the persistent tier (embedded one-machine mode)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if not path.is_relative_to(self.root.resolve()):
+            raise ValueError(f"key {key!r} escapes the persistent directory")
+        return path
+
+    async def put(self, key: str, manifest: Manifest, data: memoryview) -> PersistedShard:
+        await asyncio.to_thread(self._put, key, manifest, data)
+        location = f"file://{self._path(key).parent}"
+        return PersistedShard(key, location, manifest.digest, manifest.data_bytes)
+
+    def _put(self, key: str, manifest: Manifest, data: memoryview) -> None:
+        directory = self._path(key)
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / "data.bin.tmp", "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(directory / "data.bin.tmp", directory / "data.bin")
+        (directory / "manifest.json.tmp").write_bytes(manifest.to_json())
+        os.replace(directory / "manifest.json.tmp", directory / "manifest.json")  # complete only now
+
+    async def get(self, key: str, destination: SlotStore, iteration: int | None = None) -> Manifest:
+        return await asyncio.to_thread(self._get, key, destination)
+
+    def _get(self, key: str, destination: SlotStore) -> Manifest:
+        directory = self._path(key)
+        try:
+            manifest = Manifest.from_json((directory / "manifest.json").read_bytes())
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no persisted checkpoint at {directory}") from None
+        writer = destination.open_write(manifest.iteration, manifest.data_bytes, on_busy="wait")
+        assert writer is not None
+        try:
+            view = memoryview(writer.buffer)
+            with open(directory / "data.bin", "rb") as source:
+                for index, stripe in enumerate(manifest.stripes):
+                    if source.readinto(view[stripe.start : stripe.end]) != stripe.end - stripe.start:
+                        raise CheckpointCorruptError(
+                            f"{directory}/data.bin is shorter than its manifest says"
+                        )
+                    _verify_stripe(view, manifest, index)
+            writer.commit(manifest)
+        except BaseException:
+            writer.abort()
+            raise
+        return manifest
+
+    async def delete(self, key: str) -> None:
+        await asyncio.to_thread(shutil.rmtree, self._path(key), True)
+
+
+class S3Store:
+    """An S3 bucket as the persistent tier, through aioboto3 (multipart uploads, streamed ranged reads)."""
+
+    def __init__(self, bucket: str, *, region: str | None = None, endpoint_url: str | None = None):
+        import aioboto3
+
+        self.bucket = bucket
+        self.endpoint_url = endpoint_url
+        self._session = aioboto3.Session(region_name=region)
+
+    def _client(self) -> Any:
+        return self._session.client("s3", endpoint_url=self.endpoint_url)
+
+    async def put(self, key: str, manifest: Manifest, data: memoryview) -> PersistedShard:
+        async with self._client() as s3:
+            await self._put_data(s3, f"{key}/data.bin", data)
+            await s3.put_object(Bucket=self.bucket, Key=f"{key}/manifest.json", Body=manifest.to_json())
+        location = f"s3://{self.bucket}/{key.rsplit('/', 1)[0]}"
+        return PersistedShard(key, location, manifest.digest, manifest.data_bytes)
+
+    async def _put_data(self, s3: Any, key: str, data: memoryview) -> None:
+        if len(data) <= PART_BYTES:
+            await s3.put_object(Bucket=self.bucket, Key=key, Body=bytes(data))
+            return
+        upload = await s3.create_multipart_upload(Bucket=self.bucket, Key=key)
+        upload_id = upload["UploadId"]
+        try:
+            offsets = list(range(0, len(data), PART_BYTES))
+            limit = asyncio.Semaphore(UPLOAD_CONCURRENCY)
+
+            async def part(number: int, offset: int) -> dict[str, Any]:
+                async with limit:
+                    body = bytes(
+                        data[offset : offset + PART_BYTES]
+                    )  # botocore needs bytes, one part at a time
+                    result = await s3.upload_part(
+                        Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
+                    )
+                    return {"ETag": result["ETag"], "PartNumber": number}
+
+            parts = await asyncio.gather(*(part(n, o) for n, o in enumerate(offsets, start=1)))
+            await s3.complete_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": list(parts)}
+            )
+        except BaseException:
+            await s3.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            raise
+
+    async def get(self, key: str, destination: SlotStore, iteration: int | None = None) -> Manifest:
+        async with self._client() as s3:
+            try:
+                response = await s3.get_object(Bucket=self.bucket, Key=f"{key}/manifest.json")
+            except s3.exceptions.NoSuchKey:
+                raise CheckpointNotFoundError(
+                    f"no persisted checkpoint at s3://{self.bucket}/{key}"
+                ) from None
+            async with response["Body"] as body:
+                manifest = Manifest.from_json(await body.read())
+            writer = destination.open_write(manifest.iteration, manifest.data_bytes, on_busy="wait")
+            assert writer is not None
+            try:
+                view = memoryview(writer.buffer)
+                response = await s3.get_object(Bucket=self.bucket, Key=f"{key}/data.bin")
+                position, stripe = 0, 0
+                stream = response["Body"]
+                try:
+                    async for chunk in stream.iter_chunks(8 << 20):
+                        end = position + len(chunk)
+                        if end > manifest.data_bytes:
+                            raise CheckpointCorruptError(f"s3://{self.bucket}/{key}/data.bin is too long")
+                        view[position:end] = chunk
+                        position = end
+                        while stripe < len(manifest.stripes) and manifest.stripes[stripe].end <= position:
+                            _verify_stripe(view, manifest, stripe)
+                            stripe += 1
+                finally:
+                    stream.close()
+                if position != manifest.data_bytes:
+                    raise CheckpointCorruptError(
+                        f"s3://{self.bucket}/{key}/data.bin is shorter than its manifest"
+                    )
+                writer.commit(manifest)
+            except BaseException:
+                writer.abort()
+                raise
+        return manifest
+
+    async def delete(self, key: str) -> None:
+        async with self._client() as s3:
+            paginator = s3.get_paginator("list_objects_v2")
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=key.rstrip("/") + "/"):
+                objects = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+                if objects:
+                    await s3.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
