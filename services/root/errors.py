@@ -14,8 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.root.db.database import is_transient_conflict
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +74,14 @@ _DESCRIPTIONS = {
     404: "No such resource",
     409: "Conflicts with the current state",
     422: "The request is malformed",
+    503: "A concurrent change got in the way; retry after the Retry-After seconds",
 }
 
 _HTTP_CODES = {401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
 
 
 def _body(status: int, code: str, message: str, details: dict[str, Any] | None = None) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": "1"}}.get(status)
     content = {"error": {"code": code, "message": message, "details": details or {}}}
     return JSONResponse(content, status_code=status, headers=headers)
 
@@ -110,3 +113,19 @@ def install_error_handlers(app: FastAPI) -> None:
         # A race that slipped past the flows' own checks (e.g. two creates with one name at once).
         log.info("integrity conflict: %s", exc.orig)
         return _body(409, "conflict", "the request conflicts with existing data; retry or change it")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug or an outage (database down), never bad input: logged with its traceback, answered in the
+        # same shape so clients still parse one format.
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return _body(500, "internal_error", "the server failed to handle the request; see its log")
+
+    @app.exception_handler(DBAPIError)
+    async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
+        if not is_transient_conflict(exc):
+            return await _unexpected(request, exc)
+        # Two transactions waited on each other (e.g. a job deleted while the leader recovers it): the
+        # database rolled this one back, nothing was changed, and the same request will go through.
+        log.info("transient database conflict: %s", exc.orig)
+        return _body(503, "retry", "a concurrent change got in the way; nothing was changed, retry")

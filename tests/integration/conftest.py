@@ -5,6 +5,7 @@ lifespan, as in production); each test starts from empty tables."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,8 +14,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from sqlalchemy import delete
+from sqlalchemy.exc import DBAPIError
 
 from services.root.app import create_app
+from services.root.db.database import Database, is_transient_conflict
 from services.root.db.models import Base
 from services.root.settings import Settings
 
@@ -41,11 +44,24 @@ async def root_app(database_url: str, tmp_path_factory: pytest.TempPathFactory) 
         yield app
 
 
+async def empty_tables(database: Database) -> None:
+    # The leader may still be driving a recovery of the previous test's job; Postgres then aborts one of
+    # the two transactions as a deadlock. Retry ours, as the orchestrator retries its own.
+    for attempt in range(10):
+        try:
+            async with database.session() as session:
+                for table in reversed(Base.metadata.sorted_tables):
+                    await session.execute(delete(table))
+            return
+        except DBAPIError as exc:
+            if not is_transient_conflict(exc) or attempt == 9:
+                raise
+            await asyncio.sleep(0.1)
+
+
 @pytest.fixture
 async def client(root_app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    async with root_app.state.castor.database.session() as session:
-        for table in reversed(Base.metadata.sorted_tables):
-            await session.execute(delete(table))
+    await empty_tables(root_app.state.castor.database)
     transport = httpx.ASGITransport(app=root_app)
     async with httpx.AsyncClient(transport=transport, base_url="http://castor.test") as http:
         yield http

@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 
@@ -35,6 +36,21 @@ class ChangeSignals:
 def mark_changed(session: AsyncSession, job_id: uuid.UUID) -> None:
     """Wake this job's long-polls once the session's transaction commits."""
     session.info.setdefault("changed_jobs", set()).add(job_id)
+
+
+# Postgres aborts one of two transactions that wait on each other (deadlock_detected) or that cannot be
+# serialized; SQLite gives up waiting for its single writer lock. Retrying the whole transaction is right.
+_TRANSIENT_SQLSTATES = {"40P01", "40001"}
+
+
+def is_transient_conflict(exc: BaseException) -> bool:
+    """Whether a database error is a concurrency conflict that a retry of the transaction resolves."""
+    if not isinstance(exc, DBAPIError):
+        return False
+    for error in (exc.orig, getattr(exc.orig, "__cause__", None)):
+        if getattr(error, "sqlstate", None) in _TRANSIENT_SQLSTATES:
+            return True
+    return "database is locked" in str(exc.orig)
 
 
 class Database:
