@@ -53,7 +53,7 @@ class Restored:
 @dataclass(frozen=True)
 class CheckpointerStats:
     saves_committed: int = 0
-    saves_skipped: int = 0  # a reader held every slot that could be written (on_busy="skip")
+    saves_skipped: int = 0  # a reader held the slot until training needed the state back (on_busy="skip")
     last_save_s: float = 0.0  # how long the last save() call blocked its caller
     last_wait_s: float = 0.0  # how long the last wait() that found a copy running blocked (async mode)
     last_copy_s: float = 0.0  # copy + checksums + commit of the last committed checkpoint
@@ -100,6 +100,7 @@ class Checkpointer:
         self._layout: tuple[Signature, Layout] | None = None  # the last layout and what it was planned for
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="castor-save")
         self._pending: Future[None] | None = None
+        self._give_up: threading.Event | None = None  # set: the pending save stops waiting for its slot
         self._stats = CheckpointerStats()
         self._stats_lock = threading.Lock()
         # Hooks hold only a weak reference, so a forgotten Checkpointer does not keep itself alive.
@@ -115,27 +116,39 @@ class Checkpointer:
             return self._stats
 
     def save(self, iteration: int, state: Any) -> bool:
-        """Checkpoint `state` as iteration `iteration`. Returns False when the save was skipped (on_busy)."""
+        """Checkpoint `state` as iteration `iteration`.
+
+        Returns False when the save was skipped because a reader (the agent streaming the slot to a peer)
+        held the slot it needs (`on_busy="skip"`, blocking mode). In the default asynchronous mode such a
+        save keeps trying in the background until training needs the state again (the next optimizer step,
+        forward of a saved module, or save), and is skipped only then: it returns True and the skip shows in
+        `stats.saves_skipped`.
+        """
         self._check_open()
         if type(iteration) is not int or iteration < 0:
             raise ValueError(f"iteration must be a non-negative int, not {iteration!r}")
         started = time.perf_counter()
-        self.wait()
+        self._settle()
         flat = flatten(state)
         layout = self._layout_for(flat.tensors, flat.keys)
         writer = self._store.open_write(iteration, layout.data_bytes, self._on_busy)
-        if writer is None:
-            self._update(
-                saves_skipped=self.stats.saves_skipped + 1, last_save_s=time.perf_counter() - started
-            )
-            self._notify("skip", iteration, None)
+        if writer is None and self._blocking:
+            self._skipped(iteration)
+            self._update(last_save_s=time.perf_counter() - started)
             return False
         try:
             sources, ready = self._stager.stage([blob_source(blob, flat.tensors) for blob in layout.blobs])
         except BaseException:
-            writer.abort()
+            if writer is not None:
+                writer.abort()
             raise
-        write = partial(self._write, writer, layout, flat.tree, sources, ready)
+        if writer is None:
+            self._give_up = threading.Event()
+            write = partial(
+                self._write_when_free, iteration, layout, flat.tree, sources, ready, self._give_up
+            )
+        else:
+            write = partial(self._write, writer, layout, flat.tree, sources, ready)
         if self._blocking:
             write()
         else:
@@ -147,9 +160,10 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until the last save is committed; raises CheckpointError if it failed.
 
-        Call it before changing saved tensors in place anywhere but in an optimizer step.
+        Call it before changing saved tensors in place anywhere but in an optimizer step. A save whose slot
+        a reader holds is waited for too, up to BUSY_WAIT_LIMIT_S, then skipped.
         """
-        pending, self._pending = self._pending, None
+        pending, self._pending, self._give_up = self._pending, None, None
         if pending is None:
             return
         started = time.perf_counter()
@@ -161,6 +175,13 @@ class Checkpointer:
             raise CheckpointError(f"saving a checkpoint failed: {exc!r}") from exc
         finally:
             self._update(last_wait_s=time.perf_counter() - started)
+
+    def _settle(self) -> None:
+        """Training needs the saved state again: wait for the last save's copy, but give up a save that is
+        still waiting for its slot (skipping it) rather than hold training up for a reader."""
+        if self._give_up is not None:
+            self._give_up.set()
+        self.wait()
 
     def restore(self, into: Any = None, iteration: int | None = None) -> Restored | None:
         """Read back the newest committed checkpoint, or exactly `iteration`; None when there is none.
@@ -231,6 +252,29 @@ class Checkpointer:
         if self._layout is None or self._layout[0] != current:
             self._layout = (current, plan(tensors, keys))
         return self._layout[1]
+
+    def _write_when_free(
+        self,
+        iteration: int,
+        layout: Layout,
+        tree: JsonValue,
+        sources: list[torch.Tensor],
+        ready: list[torch.cuda.Event],
+        give_up: threading.Event,
+    ) -> None:
+        """Background: wait for a reader to let go of the slot, then write; skip when training needs the
+        state back first (`give_up`) or the reader holds on for longer than BUSY_WAIT_LIMIT_S."""
+        deadline = time.monotonic() + BUSY_WAIT_LIMIT_S
+        while (writer := self._store.open_write(iteration, layout.data_bytes, "skip")) is None:
+            if give_up.wait(_BUSY_POLL_S) or time.monotonic() > deadline:
+                self._skipped(iteration)
+                return
+        self._write(writer, layout, tree, sources, ready)
+
+    def _skipped(self, iteration: int) -> None:
+        with self._stats_lock:
+            self._stats = replace(self._stats, saves_skipped=self._stats.saves_skipped + 1)
+        self._notify("skip", iteration, None)
 
     def _write(
         self,
@@ -316,6 +360,10 @@ class Checkpointer:
 
 
 NOT_DISTRIBUTED = -1
+# How long a save whose slot is being read keeps trying when nothing in training needs the state back
+# (an explicit wait() or close()): a replication stream lets go within a stripe once it is superseded.
+BUSY_WAIT_LIMIT_S = 10.0
+_BUSY_POLL_S = 0.002
 
 
 def newest_common_iteration(held: list[int]) -> int | None:
@@ -344,9 +392,9 @@ def _wait_before_step(
     checkpointer: weakref.ref[Checkpointer], optimizer: object, args: object, kwargs: object
 ) -> None:
     if (alive := checkpointer()) is not None:
-        alive.wait()
+        alive._settle()
 
 
 def _wait_before_forward(checkpointer: weakref.ref[Checkpointer], module: object, args: object) -> None:
     if (alive := checkpointer()) is not None:
-        alive.wait()
+        alive._settle()

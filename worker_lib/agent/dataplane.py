@@ -172,15 +172,36 @@ class PeerConnection:
 
     def put(self, rank: int, manifest: Manifest, data: memoryview) -> None:
         """Push `rank`'s checkpoint; returns once the peer verified and committed it."""
+        if self.send_put(rank, manifest, data) == "sent":
+            self.finish_put()
+
+    def send_put(
+        self,
+        rank: int,
+        manifest: Manifest,
+        data: memoryview,
+        superseded: Callable[[], bool] = lambda: False,
+    ) -> Literal["sent", "stale", "superseded"]:
+        """The part of a put that reads `data`: the request, then every stripe. "stale": the peer already
+        holds this checkpoint or a newer one. "superseded": `superseded()` turned true between stripes and
+        the transfer was abandoned; the caller must close the connection (the peer then drops the partial
+        replica and keeps its previous one). After "sent", `finish_put()` waits for the peer's verdict while
+        the caller's slot is already free again."""
         send_message(self.sock, {"op": "put", "rank": rank, "manifest": json.loads(manifest.to_json())})
         try:
             _expect_ok(self.sock)
         except DataPlaneError as exc:
             if exc.code == "stale":
-                return  # the peer already holds this checkpoint or a newer one
+                return "stale"
             raise
         for stripe in manifest.stripes:
+            if superseded():
+                return "superseded"
             self.sock.sendall(data[stripe.start : stripe.end])
+        return "sent"
+
+    def finish_put(self) -> None:
+        """Wait until the peer verified and committed the checkpoint `send_put` sent."""
         _expect_ok(self.sock)
 
     def get(

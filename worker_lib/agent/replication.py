@@ -4,7 +4,8 @@ One sender thread per peer machine. A commit notice marks the rank as pending fo
 takes the rank's newest committed checkpoint at the moment it starts (so when commits arrive faster than
 a peer can take them, the newest wins and the ones in between are skipped and counted) and streams it
 straight from shared memory, holding the slot's shared lock so the training process cannot overwrite it
-mid-transfer.
+mid-transfer. The lock is held only while the bytes are read, and a transfer that a newer commit
+superseded is abandoned between stripes, so the training process gets the slot back within a stripe.
 """
 
 from __future__ import annotations
@@ -81,17 +82,32 @@ class _PeerSender:
 
     def _send(self, rank: int, address: PeerAddress) -> None:
         replicator = self.replicator
+        # The slot is held (shared lock) only while its bytes are read: the training process writes its
+        # next checkpoint into the other slot, and the one after into this one, which it can then do as
+        # soon as a newer commit made this transfer pointless (the newest wins).
         with replicator.holdings.open_read(rank, tier="local") as (manifest, data):
             if self.sent.get(rank) == manifest.iteration:
                 return
             if self.connection is None:
                 self.connection = PeerConnection(*address, replicator.key, replicator.job_id)
-            self.connection.put(rank, manifest, data)
+            outcome = self.connection.send_put(
+                rank, manifest, data, superseded=lambda: self._superseded(rank, manifest.iteration)
+            )
+        if outcome == "superseded":
+            self._disconnect()  # the peer drops the partial replica and keeps its previous one
+            replicator.stats.skipped += 1
+            return
+        if outcome == "sent":
+            self.connection.finish_put()
         self.sent[rank] = manifest.iteration
         replicator.stats.sent += 1
         replicator.stats.bytes_sent += manifest.data_bytes
         replicator.stats.last_lag_s = max(0.0, time.time() - manifest.committed_at)
         replicator.on_replicated(self.machine, rank, manifest.iteration)
+
+    def _superseded(self, rank: int, iteration: int) -> bool:
+        with self.condition:
+            return self.pending.get(rank, -1) > iteration
 
     def _retry_later(self, rank: int, iteration: int, delay: float) -> None:
         if self.replicator.stopping.wait(delay):

@@ -2,7 +2,7 @@
 checkpoints every iteration with Castor. Batches depend only on (iteration, rank), so a run resumed from
 iteration I computes exactly what an uninterrupted run computes. Each rank appends JSON events to
 --log-dir/rank-<r>.jsonl: "start" (with the restored iteration and the state digest right after the
-restore) and "iteration" (the state digest right after that iteration's optimizer step)."""
+restore) and "iteration" (the state digest right after that iteration's optimizer step, before its save)."""
 
 from __future__ import annotations
 
@@ -77,14 +77,16 @@ def main() -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            checkpointer.save(iteration, {"model": model, "optimizer": optimizer, "iteration": iteration})
-            checkpointer.wait()
+            # Logged before the save: a process killed at any instant has logged every iteration it may
+            # have committed, so a restored iteration can always be checked against its logged digest.
             event(
                 event="iteration",
                 iteration=iteration,
                 digest=state_digest(model, optimizer),
                 loss=loss.item(),
             )
+            checkpointer.save(iteration, {"model": model, "optimizer": optimizer, "iteration": iteration})
+            checkpointer.wait()
             if args.sleep:
                 time.sleep(args.sleep)
             crash_marker = args.log_dir / "crashed"

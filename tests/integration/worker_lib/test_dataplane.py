@@ -207,3 +207,35 @@ def test_an_older_checkpoint_never_replaces_a_newer_replica(
             with sender.open_read(0, iteration=iteration) as (manifest, data):
                 peer.put(0, manifest, data)
     assert [m.iteration for m in receiver.holdings.replica_store(0).committed()] == [2]
+
+
+def test_a_superseded_transfer_is_abandoned_and_the_previous_replica_stays(
+    sender: Holdings, receiver: DataPlaneServer
+) -> None:
+    key = data_plane_key(TOKEN)
+    with (
+        sender.open_read(0, iteration=2) as (manifest, data),
+        PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer,
+    ):
+        peer.put(0, manifest, data)
+    save_checkpoints(sender.directory("local", 0), [3], numel=5 << 20)  # 20 MiB: several stripes
+    checks: list[int] = []
+
+    def superseded() -> bool:  # a newer commit arrives while the first stripe is on its way
+        checks.append(1)
+        return len(checks) > 1
+
+    with sender.open_read(0, iteration=3) as (manifest, data):
+        assert len(manifest.stripes) >= 2
+        peer = PeerConnection("127.0.0.1", receiver.port, key, JOB)
+        assert peer.send_put(0, manifest, data, superseded) == "superseded"
+        peer.close()
+    store = receiver.holdings.replica_store(0)
+    assert [m.iteration for m in store.committed()] == [2], "the partial transfer is never exposed"
+    # The receiver let go of the partial slot: the next transfer goes through.
+    with (
+        sender.open_read(0, iteration=3) as (manifest, data),
+        PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer,
+    ):
+        peer.put(0, manifest, data)
+    assert [m.iteration for m in store.committed()] == [3, 2]

@@ -244,6 +244,57 @@ def test_a_save_is_skipped_while_the_agent_reads_the_slot_it_needs(shm_dir: Path
         assert [m.iteration for m in SlotStore(shm_dir).committed()] == [4, 2]
 
 
+def test_an_async_save_waits_in_the_background_for_a_reader_to_let_go(shm_dir: Path) -> None:
+    """The agent streams the older slot; the save lands as soon as it lets go, without blocking save()."""
+    context = forkserver()
+    held, release = context.Event(), context.Event()
+    with Checkpointer(shm_dir) as checkpointer:
+        checkpointer.save(1, {"x": torch.full((4,), 1.0)})
+        checkpointer.save(2, {"x": torch.full((4,), 2.0)})
+        checkpointer.wait()
+        reader = context.Process(target=hold_newest_for_reading, args=(str(shm_dir), held, release))
+        reader.start()
+        try:
+            assert held.wait(60)
+            assert checkpointer.save(3, {"x": torch.full((4,), 3.0)}) is True
+            threading.Timer(0.2, release.set).start()
+            checkpointer.wait()  # an explicit wait() waits for the slot, then for the copy
+        finally:
+            release.set()
+            reader.join(60)
+        assert (checkpointer.stats.saves_committed, checkpointer.stats.saves_skipped) == (3, 0)
+        restored = checkpointer.restore()
+    assert restored is not None and restored.iteration == 3
+    assert torch.equal(restored.state["x"], torch.full((4,), 3.0))
+
+
+def test_an_async_save_is_skipped_when_the_optimizer_step_comes_first(shm_dir: Path) -> None:
+    """Training never waits for a reader: the next optimizer step gives the busy save up."""
+    context = forkserver()
+    held, release = context.Event(), context.Event()
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    with Checkpointer(shm_dir) as checkpointer:
+        checkpointer.save(1, {"model": model})
+        checkpointer.save(2, {"model": model})
+        checkpointer.wait()
+        reader = context.Process(target=hold_newest_for_reading, args=(str(shm_dir), held, release))
+        reader.start()
+        try:
+            assert held.wait(60)
+            checkpointer.save(3, {"model": model})
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()  # the reader still holds the slot: save 3 is skipped, the step goes ahead
+            assert checkpointer.stats.saves_skipped == 1
+        finally:
+            release.set()
+            reader.join(60)
+        assert [m.iteration for m in SlotStore(shm_dir).committed()] == [2, 1]
+        checkpointer.save(4, {"model": model})
+        checkpointer.wait()
+        assert [m.iteration for m in SlotStore(shm_dir).committed()] == [4, 2]
+
+
 @pytest.fixture
 def agent_socket(tmp_path: Path) -> Iterator[tuple[socket.socket, Path]]:
     path = tmp_path / "agent.sock"
