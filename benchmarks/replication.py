@@ -1,7 +1,7 @@
 """Benchmark of checkpoint replication between agents; the last line printed is JSON.
 
     .venv/bin/python benchmarks/replication.py           # 1 GiB checkpoints, 3 repetitions (best)
-    .venv/bin/python benchmarks/replication.py --quick   # 64 MiB, 1 repetition: checks that it runs
+    .venv/bin/python benchmarks/replication.py --quick   # 64 MiB, 2 repetitions: checks that it runs
 
 * raw_socket_gbps: two processes, plain blocking sockets (sendall of 8 MiB pieces / recv_into a
   preallocated buffer): the loopback limit on this host.
@@ -115,16 +115,25 @@ def make_checkpoint(directory: Path, size: int, iterations: int = 1) -> None:
 
 def replicate_gbps(scratch: Path, size: int, reps: int) -> float:
     sender = Holdings(scratch / "sender")
-    make_checkpoint(sender.directory("local", 0), size)
+    tensors = {f"t{i}": torch.randn(size // 4 // 16) for i in range(16)}
     process, port = spawn(DATAPLANE_PEER, str(scratch / "receiver"), TOKEN, JOB)
     best = 0.0
     try:
-        with PeerConnection("127.0.0.1", port, data_plane_key(TOKEN), JOB) as peer:
-            for _ in range(reps):
+        with (
+            Checkpointer(sender.directory("local", 0), blocking=True) as checkpointer,
+            PeerConnection("127.0.0.1", port, data_plane_key(TOKEN), JOB) as peer,
+        ):
+            for iteration in range(reps):
+                # A new commit every repetition: the peer would refuse a checkpoint it already holds.
+                checkpointer.save(iteration, tensors)
                 with sender.open_read(0) as (manifest, data):
+                    assert manifest.iteration == iteration
                     start = time.perf_counter()
-                    peer.put(0, manifest, data)  # returns once the peer verified and committed it
-                    best = max(best, manifest.data_bytes / (time.perf_counter() - start) / 1e9)
+                    outcome = peer.send_put(0, manifest, data)
+                    assert outcome == "sent", f"the peer did not take the checkpoint: {outcome}"
+                    peer.finish_put()  # the peer verified and committed it
+                    seconds = time.perf_counter() - start
+                best = max(best, manifest.data_bytes / seconds / 1e9)
     finally:
         stop(process)
         sender.close()
@@ -237,11 +246,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--quick", action="store_true", help="64 MiB checkpoints, 1 repetition, short training"
+        "--quick", action="store_true", help="64 MiB checkpoints, 2 repetitions, short training"
     )
     args = parser.parse_args()
     size = 64 * MiB if args.quick else 1024 * MiB
-    reps = 1 if args.quick else 3
+    reps = 2 if args.quick else 3  # more than one: every repetition must move the bytes again
     with tempfile.TemporaryDirectory(prefix="castor-bench-", dir="/dev/shm") as scratch_dir:
         scratch = Path(scratch_dir)
         results: dict[str, object] = {"checkpoint_bytes": size, "reps": reps, "statistic": "best"}

@@ -35,7 +35,8 @@ from typing import Any, Literal
 import xxhash
 
 from worker_lib.agent.holdings import Holdings, manifest_generation
-from worker_lib.errors import CheckpointError, CheckpointNotFoundError
+from worker_lib.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from worker_lib.store.integrity import check_structure
 from worker_lib.store.manifest import Manifest
 from worker_lib.store.slots import SlotStore
 
@@ -226,7 +227,12 @@ def receive_checkpoint(sock: socket.socket, manifest: Manifest, destination: Slo
 
     A connection dropped or a stripe that does not match aborts the slot (it stays empty, the previous
     checkpoint untouched); the sender is told why when the connection still works."""
-    writer = destination.open_write(manifest.iteration, manifest.data_bytes, on_busy="wait")
+    _check_manifest(manifest)
+    try:
+        writer = destination.open_write(manifest.iteration, manifest.data_bytes, on_busy="wait")
+    except CheckpointError as exc:  # no room in shared memory, typically: the sender hears why
+        _drain(sock, manifest.data_bytes)
+        raise DataPlaneError(f"cannot store the checkpoint here: {exc}", code="store_failed") from exc
     assert writer is not None  # on_busy="wait" blocks instead of returning None
     committed = False
     try:
@@ -246,6 +252,14 @@ def receive_checkpoint(sock: socket.socket, manifest: Manifest, destination: Slo
     finally:
         if not committed:
             writer.abort()
+
+
+def _check_manifest(manifest: Manifest) -> None:
+    """Per-stripe checksums alone would let a malformed manifest leave bytes of the slot unchecked."""
+    try:
+        check_structure(manifest)
+    except CheckpointCorruptError as exc:
+        raise DataPlaneError(str(exc), code="invalid_manifest") from exc
 
 
 def _drain(sock: socket.socket, nbytes: int) -> None:
@@ -336,6 +350,8 @@ class DataPlaneServer:
                     self._dispatch(sock, request)
             except (OSError, DataPlaneError, ValueError) as exc:
                 log.info("data-plane connection from %s:%s ended: %s", peer[0], peer[1], exc)
+            except Exception:  # e.g. shared memory full while writing a replica: say so, drop the peer
+                log.exception("data-plane connection from %s:%s failed", peer[0], peer[1])
 
     def _dispatch(self, sock: socket.socket, request: dict[str, Any]) -> None:
         op = request.get("op")
@@ -368,6 +384,12 @@ class DataPlaneServer:
             return
         # One writer per rank's replica store at a time, and never an older checkpoint over a newer one of
         # the same history (a slow, superseded transfer arriving last must not roll the replica back).
+        try:
+            _check_manifest(manifest)  # refused before any data is sent, so the stream stays framed
+        except DataPlaneError as exc:
+            self.counters.replicas_rejected += 1
+            send_message(sock, {"ok": False, "code": exc.code, "error": str(exc)})
+            return
         with self._rank_locks.setdefault(rank, threading.Lock()):
             held = self.holdings.newest("replica", rank)
             if held is not None and (manifest_generation(held), held.iteration) >= (

@@ -17,12 +17,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from worker_lib.agent.dataplane import DataPlaneError, PeerConnection
-from worker_lib.agent.holdings import Holdings
+from worker_lib.agent.holdings import Holdings, manifest_generation
 from worker_lib.errors import CheckpointError
+from worker_lib.store.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
 PeerAddress = tuple[str, int]
+Version = tuple[int, int]  # (plan generation, iteration): after a rollback an iteration number recurs
+
+
+def version(manifest: Manifest) -> Version:
+    return manifest_generation(manifest), manifest.iteration
 
 
 @dataclass
@@ -40,7 +46,7 @@ class _PeerSender:
         self.replicator = replicator
         self.machine = machine
         self.pending: dict[int, int] = {}  # rank -> newest iteration noticed
-        self.sent: dict[int, int] = {}  # rank -> iteration this peer holds
+        self.sent: dict[int, Version] = {}  # rank -> the checkpoint this peer holds
         self.condition = threading.Condition()
         self.connection: PeerConnection | None = None
         self.thread = threading.Thread(target=self._run, name=f"castor-replicate-to-{machine}", daemon=True)
@@ -72,9 +78,16 @@ class _PeerSender:
             try:
                 self._send(rank, address)
                 backoff = 0.2
-            except (OSError, DataPlaneError, CheckpointError) as exc:
+            except Exception as exc:  # the thread must outlive any one transfer, a bug's too
                 self.replicator.stats.failed += 1
-                log.warning("replicating rank %d to machine %d failed: %s", rank, self.machine, exc)
+                expected = isinstance(exc, OSError | DataPlaneError | CheckpointError)
+                log.warning(
+                    "replicating rank %d to machine %d failed: %s",
+                    rank,
+                    self.machine,
+                    exc,
+                    exc_info=None if expected else exc,
+                )
                 self._disconnect()
                 self._retry_later(rank, iteration, backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -86,7 +99,7 @@ class _PeerSender:
         # next checkpoint into the other slot, and the one after into this one, which it can then do as
         # soon as a newer commit made this transfer pointless (the newest wins).
         with replicator.holdings.open_read(rank, tier="local") as (manifest, data):
-            if self.sent.get(rank) == manifest.iteration:
+            if self.sent.get(rank) == version(manifest):
                 return
             if self.connection is None:
                 self.connection = PeerConnection(*address, replicator.key, replicator.job_id)
@@ -99,7 +112,7 @@ class _PeerSender:
             return
         if outcome == "sent":
             self.connection.finish_put()
-        self.sent[rank] = manifest.iteration
+        self.sent[rank] = version(manifest)
         replicator.stats.sent += 1
         replicator.stats.bytes_sent += manifest.data_bytes
         replicator.stats.last_lag_s = max(0.0, time.time() - manifest.committed_at)
@@ -161,19 +174,17 @@ class Replicator:
         timeout): a machine whose training finished replicates its last checkpoint before it says so."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            newest = {
-                rank: m.iteration for rank in ranks if (m := self.holdings.newest("local", rank)) is not None
-            }
+            newest = {rank: m for rank in ranks if (m := self.holdings.newest("local", rank)) is not None}
             if all(
-                sender.sent.get(rank) == iteration
+                sender.sent.get(rank) == version(manifest)
                 for sender in self._senders
-                for rank, iteration in newest.items()
+                for rank, manifest in newest.items()
             ):
                 return True
             for sender in self._senders:
-                for rank, iteration in newest.items():
-                    if sender.sent.get(rank) != iteration:
-                        sender.notice(rank, iteration)
+                for rank, manifest in newest.items():
+                    if sender.sent.get(rank) != version(manifest):
+                        sender.notice(rank, manifest.iteration)
             time.sleep(0.05)
         return False
 

@@ -11,15 +11,10 @@ from worker_lib.store.manifest import Manifest, content_digest
 _NAMED = 10  # tensors named in an error message; the exception carries them all
 
 
-def verify(manifest: Manifest, data: memoryview | np.ndarray, engine: CopyEngine) -> None:
-    """Check every stripe checksum of `data` (the slot's data region); raise CheckpointCorruptError naming
-    the tensors whose bytes overlap a bad stripe."""
+def check_structure(manifest: Manifest) -> None:
+    """The manifest is self-consistent: its stripes cover the data region exactly, in order, and its
+    content digest is the digest of their checksums. Checked before trusting any of its checksums."""
     what = f"checkpoint of iteration {manifest.iteration}"
-    region = np.frombuffer(data, dtype=np.uint8)
-    if region.size < manifest.data_bytes:
-        raise CheckpointCorruptError(
-            f"{what}: {region.size} data bytes, the manifest says {manifest.data_bytes}"
-        )
     covered = 0
     for stripe in manifest.stripes:
         if stripe.start != covered or stripe.end < stripe.start:
@@ -29,6 +24,18 @@ def verify(manifest: Manifest, data: memoryview | np.ndarray, engine: CopyEngine
         raise CheckpointCorruptError(f"{what}: its stripes do not cover the data region")
     if content_digest(s.digest for s in manifest.stripes) != manifest.digest:
         raise CheckpointCorruptError(f"{what}: the manifest's digest does not match its stripe checksums")
+
+
+def verify(manifest: Manifest, data: memoryview | np.ndarray, engine: CopyEngine) -> None:
+    """Check every stripe checksum of `data` (the slot's data region); raise CheckpointCorruptError naming
+    the tensors whose bytes overlap a bad stripe."""
+    what = f"checkpoint of iteration {manifest.iteration}"
+    region = np.frombuffer(data, dtype=np.uint8)
+    if region.size < manifest.data_bytes:
+        raise CheckpointCorruptError(
+            f"{what}: {region.size} data bytes, the manifest says {manifest.data_bytes}"
+        )
+    check_structure(manifest)
 
     actual = engine.hash(region, [(s.start, s.end) for s in manifest.stripes])
     bad = [(s.start, s.end) for s, digest in zip(manifest.stripes, actual, strict=True) if digest != s.digest]

@@ -4,6 +4,7 @@ its previous replica."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ from worker_lib.agent.dataplane import (
     send_message,
 )
 from worker_lib.agent.holdings import Holdings
+from worker_lib.agent.replication import Replicator
 from worker_lib.store.slots import SlotStore
 
 JOB = "job-under-test"
@@ -239,3 +241,40 @@ def test_a_superseded_transfer_is_abandoned_and_the_previous_replica_stays(
     ):
         peer.put(0, manifest, data)
     assert [m.iteration for m in store.committed()] == [3, 2]
+
+
+def test_a_malformed_manifest_is_refused_before_any_data(sender: Holdings, receiver: DataPlaneServer) -> None:
+    with (
+        sender.open_read(0, iteration=2) as (manifest, data),
+        PeerConnection("127.0.0.1", receiver.port, data_plane_key(TOKEN), JOB) as peer,
+    ):
+        # Stripe checksums all valid, but the last stripe is left out: its bytes would go unchecked.
+        truncated = dataclasses.replace(manifest, stripes=manifest.stripes[:-1])
+        with pytest.raises(DataPlaneError) as refused:
+            peer.put(0, truncated, data)
+        assert refused.value.code == "invalid_manifest" and "do not cover" in str(refused.value)
+        peer.put(0, manifest, data)  # the stream stayed framed: the intact one goes through
+    assert [m.iteration for m in receiver.holdings.replica_store(0).committed()] == [2]
+
+
+def test_after_a_rollback_the_same_iteration_number_is_replicated_again(
+    shm: Path, receiver: DataPlaneServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Generation 2 resumed from iteration 4 and committed its own iteration 5: the peer's replica of
+    generation 1's iteration 5 is another history and must be replaced."""
+    holdings = Holdings(shm / "sender")
+    replicator = Replicator(
+        holdings, data_plane_key(TOKEN), JOB, [1], lambda machine: ("127.0.0.1", receiver.port)
+    ).start()
+    try:
+        for generation in (1, 2):
+            monkeypatch.setenv("CASTOR_GENERATION", str(generation))
+            with Checkpointer(holdings.directory("local", 0), blocking=True) as checkpointer:
+                checkpointer.save(5, {"w": torch.full((16,), float(generation))})
+            replicator.notice_commit(0, 5)
+            assert replicator.flush([0], timeout_s=30)
+            with receiver.holdings.open_read(0, tier="replica") as (manifest, _):
+                assert (manifest.iteration, manifest.meta["generation"]) == (5, generation)
+    finally:
+        replicator.stop()
+        holdings.close()
