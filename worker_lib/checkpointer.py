@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -108,6 +109,7 @@ class Checkpointer:
         self._step_hook = register_optimizer_step_pre_hook(partial(_wait_before_step, this))
         self._forward_hooks: list[RemovableHandle] = []
         self._hooked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._wrapper_hook = False
         self._closed = False
 
     @property
@@ -338,7 +340,9 @@ class Checkpointer:
             pass
 
     def _hook_forward(self, modules: list[nn.Module]) -> None:
-        """Make the forward of submodules that update buffers (BatchNorm statistics) wait for the copy."""
+        """Make the forward of submodules that update buffers (BatchNorm statistics) wait for the copy, and
+        the forward of a DistributedDataParallel wrapping a saved module: it overwrites the buffers with rank
+        0's (broadcast_buffers) before any submodule's hook runs."""
         this = weakref.ref(self)
         for root in modules:
             if root in self._hooked:
@@ -349,6 +353,12 @@ class Checkpointer:
                     self._forward_hooks.append(
                         module.register_forward_pre_hook(partial(_wait_before_forward, this))
                     )
+                    if not self._wrapper_hook:
+                        # The wrapper is not in the saved state; only a global hook sees it.
+                        self._forward_hooks.append(
+                            register_module_forward_pre_hook(partial(_wait_before_wrapper_forward, this))
+                        )
+                        self._wrapper_hook = True
 
     def _update(self, **changes: Any) -> None:
         with self._stats_lock:
@@ -397,4 +407,15 @@ def _wait_before_step(
 
 def _wait_before_forward(checkpointer: weakref.ref[Checkpointer], module: object, args: object) -> None:
     if (alive := checkpointer()) is not None:
+        alive._settle()
+
+
+def _wait_before_wrapper_forward(
+    checkpointer: weakref.ref[Checkpointer], module: nn.Module, args: object
+) -> None:
+    # Duck-typed DistributedDataParallel: `module` wraps a saved module and syncs buffers before forward.
+    inner = getattr(module, "module", None)
+    if not getattr(module, "broadcast_buffers", False) or not isinstance(inner, nn.Module):
+        return
+    if (alive := checkpointer()) is not None and inner in alive._hooked:
         alive._settle()

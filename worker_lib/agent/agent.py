@@ -102,7 +102,16 @@ class Agent:
                 asyncio.create_task(self._watch_exits(), name="exits"),
             ]
             try:
-                return await self.done
+                watched: set[asyncio.Future[Any]] = {self.done, *tasks}
+                await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+                if not self.done.done():
+                    # One of the agent's loops ended on a bug: heartbeats alone would keep a machine that
+                    # does nothing looking healthy, so the agent stops and the root sees it go.
+                    crashed = next(task for task in tasks if task.done())
+                    error = None if crashed.cancelled() else crashed.exception()
+                    log.error("the agent's %s loop failed; stopping", crashed.get_name(), exc_info=error)
+                    return 1
+                return self.done.result()
             finally:
                 for task in tasks:
                     task.cancel()
@@ -189,7 +198,14 @@ class Agent:
                 return
             self.generation = generation
             self.resuming = (generation, directive["iteration"], set(self.machine.local_ranks()))
-            await self.workers.start(self._launch_spec(directive))
+            try:
+                await self.workers.start(self._launch_spec(directive))
+            except Exception as exc:  # e.g. the training command does not exist
+                log.error("starting the training processes of generation %d failed: %s", generation, exc)
+                await self._progress(
+                    generation, "restore_failed", {"error": f"cannot start training: {exc}"[:1000]}
+                )
+                return
             await self._progress(generation, "restored", restored)
 
     async def _report_inventory(self, generation: int) -> None:

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.modules.module import _global_forward_pre_hooks
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 from tests.unit.worker_lib.helpers import assert_bit_equal, forkserver
@@ -67,14 +70,42 @@ def test_a_forward_that_updates_buffers_waits_for_the_copy(shm_dir: Path, slow_c
     assert not torch.equal(model[1].running_mean, before["1.running_mean"])
 
 
+def test_distributed_data_parallel_syncs_buffers_only_after_the_copy(
+    shm_dir: Path, slow_copies: None, tmp_path: Path
+) -> None:
+    """DDP overwrites the buffers with rank 0's before any submodule's forward hook: it must wait too."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+        ddp = DistributedDataParallel(model)
+        copy_done_at_sync: list[bool] = []
+        sync = ddp._sync_buffers
+
+        def observed_sync() -> None:
+            copy_done_at_sync.append(checkpointer._pending is None or checkpointer._pending.done())
+            sync()
+
+        ddp._sync_buffers = observed_sync  # type: ignore[method-assign]
+        with Checkpointer(shm_dir) as checkpointer:
+            checkpointer.save(1, {"model": model})
+            ddp(torch.randn(16, 8))
+        assert copy_done_at_sync == [True]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_close_removes_the_hooks(shm_dir: Path) -> None:
     hooks = _global_optimizer_pre_hooks
     count = len(hooks)
     model = nn.BatchNorm1d(4)
+    module_hooks = _global_forward_pre_hooks
+    module_count = len(module_hooks)
     with Checkpointer(shm_dir) as checkpointer:
         checkpointer.save(1, {"model": model})
         assert len(hooks) == count + 1 and model._forward_pre_hooks
+        assert len(module_hooks) == module_count + 1
     assert len(hooks) == count and not model._forward_pre_hooks
+    assert len(module_hooks) == module_count
 
 
 def test_a_failed_background_save_is_reported_by_wait(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
