@@ -4,11 +4,29 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
+
+# Numbers that end up in INTEGER / BIGINT columns: larger ones would be refused by the database with a
+# server error, so they are refused here, as bad input, with a 422 naming the field.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]  # ranks, iterations, generations, counters
+ByteCount = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Rate = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    return value
+
+
+# Text stored in the database: Postgres refuses NUL characters in text columns.
+Text = Annotated[str, AfterValidator(_no_nul)]
 
 
 class LaunchSpec(BaseModel):
@@ -16,9 +34,11 @@ class LaunchSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    command: list[str] = Field(min_length=1, description='The training command, e.g. ["python", "train.py"].')
-    cwd: str | None = Field(None, description="Working directory of the training processes.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables.")
+    command: list[Text] = Field(
+        min_length=1, description='The training command, e.g. ["python", "train.py"].'
+    )
+    cwd: Text | None = Field(None, description="Working directory of the training processes.")
+    env: dict[Text, Text] = Field(default_factory=dict, description="Extra environment variables.")
 
 
 class JobCreate(BaseModel):
@@ -29,7 +49,10 @@ class JobCreate(BaseModel):
     replicas: int = Field(2, ge=1, le=16, description="Copies of each checkpoint m, the local one included.")
     procs_per_machine: int = Field(1, ge=1, le=64, description="Training processes per machine.")
     persist_every: int = Field(
-        100, ge=0, description="Upload to the persistent tier every K iterations; 0 disables it."
+        100,
+        ge=0,
+        le=INT32_MAX,
+        description="Upload to the persistent tier every K iterations; 0 disables it.",
     )
     keep_persisted: int = Field(3, ge=1, le=1000, description="Persisted checkpoints kept per job.")
     placement: Literal["auto", "group", "mixed", "ring"] = Field(
@@ -190,15 +213,15 @@ class PersistedCheckpointOut(BaseModel):
 class RegisterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    instance_id: str = Field(min_length=1, max_length=128, description="Cloud instance id or host identity.")
-    address: str = Field(min_length=1, max_length=255, description="Address peers reach the agent at.")
+    instance_id: Text = Field(min_length=1, max_length=128, description="Cloud instance id or host identity.")
+    address: Text = Field(min_length=1, max_length=255, description="Address peers reach the agent at.")
     data_port: int = Field(ge=1, le=65535, description="Port of the agent's checkpoint data plane.")
     rendezvous_port: int | None = Field(
         None, ge=1, le=65535, description="A free port for torch.distributed's store if this is machine 0."
     )
-    hostname: str = Field("", max_length=255)
+    hostname: Text = Field("", max_length=255)
     rank: int | None = Field(
-        None, ge=0, description="Ask for this machine rank (default: the next free one)."
+        None, ge=0, le=INT32_MAX, description="Ask for this machine rank (default: the next free one)."
     )
     embedded: bool = Field(
         False,
@@ -240,27 +263,27 @@ class RegisterResponse(BaseModel):
 class CheckpointSummary(BaseModel):
     """What an agent holds, in brief (the full inventory is asked for only during a recovery)."""
 
-    local: dict[int, int] = Field(default_factory=dict, description="rank -> newest committed iteration.")
-    replicas: dict[int, int] = Field(
+    local: dict[Count, Count] = Field(default_factory=dict, description="rank -> newest committed iteration.")
+    replicas: dict[Count, Count] = Field(
         default_factory=dict, description="peer rank -> newest replicated iteration."
     )
-    committed: int = Field(0, ge=0, description="Checkpoints committed since the agent started.")
-    skipped: int = Field(0, ge=0, description="Saves skipped because replication lagged.")
-    per_minute: float | None = Field(None, ge=0, description="Effective checkpoint frequency.")
-    replicated: int = Field(0, ge=0, description="Checkpoints peers verified and committed.")
-    replication_lag_s: float | None = Field(
-        None, ge=0, description="From the newest replicated commit to the peer's verified replica."
+    committed: Count = Field(0, description="Checkpoints committed since the agent started.")
+    skipped: Count = Field(0, description="Saves skipped because replication lagged.")
+    per_minute: Rate | None = Field(None, description="Effective checkpoint frequency.")
+    replicated: Count = Field(0, description="Checkpoints peers verified and committed.")
+    replication_lag_s: Rate | None = Field(
+        None, description="From the newest replicated commit to the peer's verified replica."
     )
-    uploaded: int = Field(0, ge=0, description="Checkpoints uploaded to the persistent tier.")
-    warm_spares: int | None = Field(
-        None, ge=0, description="Warm interpreters (torch imported) ready for the next restart."
+    uploaded: Count = Field(0, description="Checkpoints uploaded to the persistent tier.")
+    warm_spares: Count | None = Field(
+        None, description="Warm interpreters (torch imported) ready for the next restart."
     )
 
 
 class HeartbeatRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    instance_id: str = Field(min_length=1, max_length=128)
+    instance_id: Text = Field(min_length=1, max_length=128)
     summary: CheckpointSummary = Field(default_factory=CheckpointSummary)
 
 
@@ -274,10 +297,10 @@ class HeartbeatResponse(BaseModel):
 class ExitReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    instance_id: str = Field(min_length=1, max_length=128)
-    local_rank: int = Field(ge=0)
-    global_rank: int = Field(ge=0)
-    exit_code: int = Field(description="Process exit code; negative: killed by that signal.")
+    instance_id: Text = Field(min_length=1, max_length=128)
+    local_rank: Count
+    global_rank: Count
+    exit_code: int = Field(ge=-128, le=255, description="Process exit code; negative: killed by that signal.")
 
 
 class ExitAck(BaseModel):
@@ -310,35 +333,35 @@ class DirectiveOut(BaseModel):
 class ProgressReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    instance_id: str = Field(min_length=1, max_length=128)
-    generation: int = Field(ge=1)
+    instance_id: Text = Field(min_length=1, max_length=128)
+    generation: int = Field(ge=1, le=INT32_MAX)
     event: Literal["restored", "resumed", "finished", "restore_failed"] = Field(
         description="restored: this machine's ranks hold the plan's iteration locally and training "
         "restarted; resumed: its first iteration after the restore completed; finished: every process "
         "exited cleanly; restore_failed: a source could not deliver (details say why)."
     )
-    iteration: int | None = None
+    iteration: Count | None = None
     details: dict[str, Any] = Field(default_factory=dict)
 
 
 class Holding(BaseModel):
     """A committed checkpoint this machine holds in shared memory."""
 
-    rank: int = Field(ge=0)
-    iteration: int = Field(ge=0)
+    rank: Count
+    iteration: Count
     tier: Literal["local", "replica"]
-    digest: str = Field(max_length=64)
-    data_bytes: int = Field(ge=0)
+    digest: Text = Field(max_length=64)
+    data_bytes: ByteCount
     verified: bool | None = Field(description="The checksums of every stripe matched (None: not checked).")
-    generation: int = Field(1, ge=1, description="The plan generation whose training made it.")
-    problem: str | None = Field(None, max_length=2000)
+    generation: int = Field(1, ge=1, le=INT32_MAX, description="The plan generation whose training made it.")
+    problem: Text | None = Field(None, max_length=2000)
 
 
 class InventoryReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    instance_id: str = Field(min_length=1, max_length=128)
-    generation: int = Field(ge=1, description="The recovery generation being collected.")
+    instance_id: Text = Field(min_length=1, max_length=128)
+    generation: int = Field(ge=1, le=INT32_MAX, description="The recovery generation being collected.")
     holdings: list[Holding]
     rendezvous_port: int | None = Field(None, ge=1, le=65535)
 
@@ -346,14 +369,14 @@ class InventoryReport(BaseModel):
 class PersistedReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    instance_id: str = Field(min_length=1, max_length=128)
-    rank: int = Field(ge=0, description="Global rank whose checkpoint was uploaded.")
-    iteration: int = Field(ge=0)
-    generation: int = Field(1, ge=1)
-    key: str = Field(min_length=1, max_length=1000)
-    location: str = Field(min_length=1, max_length=1000)
-    digest: str = Field(max_length=64)
-    nbytes: int = Field(ge=0)
+    instance_id: Text = Field(min_length=1, max_length=128)
+    rank: Count = Field(description="Global rank whose checkpoint was uploaded.")
+    iteration: Count
+    generation: int = Field(1, ge=1, le=INT32_MAX)
+    key: Text = Field(min_length=1, max_length=1000)
+    location: Text = Field(min_length=1, max_length=1000)
+    digest: Text = Field(max_length=64)
+    nbytes: ByteCount
 
 
 class PersistentTier(BaseModel):

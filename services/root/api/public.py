@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, BackgroundTasks, Query, Response, status
+from fastapi import APIRouter, BackgroundTasks, Path, Query, Response, status
 
 from services.root import schemas
 from services.root.api.deps import AdminDep, AdminJobDep, SessionDep, StateDep
@@ -44,7 +44,7 @@ async def list_jobs(
     db: SessionDep,
     state: Annotated[JobState | None, Query(description="Only jobs in this state.")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=schemas.INT32_MAX)] = 0,
 ) -> schemas.JobPage:
     """List jobs, newest first."""
     jobs, total = await repo.list_jobs(db, state=state, limit=limit, offset=offset)
@@ -99,7 +99,11 @@ async def list_failures(job: AdminJobDep, db: SessionDep) -> list[schemas.Failur
 @router.get(
     "/jobs/{job_id}/failures/{failure_id}", response_model=schemas.FailureOut, responses=error_responses(404)
 )
-async def get_failure(job: AdminJobDep, failure_id: int, db: SessionDep) -> schemas.FailureOut:
+async def get_failure(
+    job: AdminJobDep,
+    failure_id: Annotated[int, Path(ge=1, le=schemas.INT32_MAX, description="The failure event's id.")],
+    db: SessionDep,
+) -> schemas.FailureOut:
     """One failure event with its phase timestamps."""
     event = await repo.get_failure(db, job.id, failure_id)
     if event is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, BackgroundTasks, Query, Response, status
+from fastapi import APIRouter, BackgroundTasks, Path, Query, Response, status
 
 from services.root import schemas
 from services.root.api.deps import AuthorizedJobIdDep, SessionDep, StateDep, WorkerJobDep
@@ -13,6 +13,8 @@ from services.root.errors import NotFound, error_responses
 from services.root.flows import directives, failures, persistence, recovery
 from services.root.flows import machines as machine_flows
 from services.root.persistent_store import delete_persisted
+
+RankPath = Annotated[int, Path(ge=0, le=schemas.INT32_MAX, description="The machine's rank.")]
 
 router = APIRouter(
     prefix="/api/v1/worker/jobs/{job_id}", tags=["worker"], responses=error_responses(401, 403, 404, 422)
@@ -31,7 +33,7 @@ async def register_machine(
     "/machines/{rank}/heartbeat", response_model=schemas.HeartbeatResponse, responses=error_responses(409)
 )
 async def heartbeat(
-    rank: int, body: schemas.HeartbeatRequest, job: WorkerJobDep, db: SessionDep
+    rank: RankPath, body: schemas.HeartbeatRequest, job: WorkerJobDep, db: SessionDep
 ) -> schemas.HeartbeatResponse:
     """Liveness plus a summary of the checkpoints this machine holds (REST heartbeat mode)."""
     return await machine_flows.record_heartbeat(db, job, rank, body)
@@ -44,7 +46,7 @@ async def heartbeat(
     responses=error_responses(409),
 )
 async def report_exit(
-    rank: int, body: schemas.ExitReport, job: WorkerJobDep, db: SessionDep
+    rank: RankPath, body: schemas.ExitReport, job: WorkerJobDep, db: SessionDep
 ) -> schemas.ExitAck:
     """A training process on this machine ended (reported at once, with its exit code)."""
     event = await failures.record_exit(db, job, rank, body)
@@ -64,7 +66,9 @@ async def current_recovery_plan(job: WorkerJobDep, db: SessionDep) -> schemas.Re
 async def get_directive(
     job_id: AuthorizedJobIdDep,
     state: StateDep,
-    after: Annotated[int, Query(description="Return once the revision is newer than this.")] = -1,
+    after: Annotated[
+        int, Query(ge=-1, le=schemas.INT32_MAX, description="Return once the revision is newer than this.")
+    ] = -1,
     wait: Annotated[float, Query(ge=0, le=60, description="Seconds to wait for a newer revision.")] = 0,
 ) -> schemas.DirectiveOut:
     """What this job's agents must do now (long poll): wait, train from an iteration, stop and report
@@ -76,7 +80,7 @@ async def get_directive(
     "/machines/{rank}/progress", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(409)
 )
 async def report_progress(
-    rank: int, body: schemas.ProgressReport, job: WorkerJobDep, db: SessionDep
+    rank: RankPath, body: schemas.ProgressReport, job: WorkerJobDep, db: SessionDep
 ) -> Response:
     """This machine's progress through the current plan (restored, resumed, finished)."""
     await recovery.record_progress(db, job, rank, body)
@@ -87,7 +91,7 @@ async def report_progress(
     "/machines/{rank}/inventory", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(409)
 )
 async def report_inventory(
-    rank: int, body: schemas.InventoryReport, job: WorkerJobDep, db: SessionDep
+    rank: RankPath, body: schemas.InventoryReport, job: WorkerJobDep, db: SessionDep
 ) -> Response:
     """What this machine holds, checksums verified, for the recovery being planned."""
     await recovery.record_inventory(db, job, rank, body)
@@ -98,7 +102,7 @@ async def report_inventory(
     "/machines/{rank}/persisted", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(409)
 )
 async def report_persisted(
-    rank: int,
+    rank: RankPath,
     body: schemas.PersistedReport,
     job: WorkerJobDep,
     db: SessionDep,

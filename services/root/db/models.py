@@ -126,8 +126,9 @@ class Job(Base):
     worker_token_hash: Mapped[str] = mapped_column(String(64))
     # Counters refreshed from heartbeats: iteration every rank has committed, saves taken and skipped.
     newest_iteration: Mapped[int | None] = mapped_column(default=None)
-    checkpoints_committed: Mapped[int] = mapped_column(default=0)
-    checkpoints_skipped: Mapped[int] = mapped_column(default=0)
+    # Sums over every machine of a long job: past 2**31 on a large fleet, hence 64 bits.
+    checkpoints_committed: Mapped[int] = mapped_column(BigInteger, default=0)
+    checkpoints_skipped: Mapped[int] = mapped_column(BigInteger, default=0)
     checkpoints_per_minute: Mapped[float | None] = mapped_column(default=None)
     wasted_time_s: Mapped[float] = mapped_column(default=0.0)
     # Bumped whenever what agents must do changes (a plan becomes ready, a recovery starts, the job ends);

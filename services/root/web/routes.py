@@ -204,7 +204,8 @@ async def job_page(request: Request, db: SessionDep, job_id: str) -> Response:
 @router.get("/jobs/{job_id}/failures/{failure_id}", response_class=HTMLResponse, dependencies=LoggedIn)
 async def failure_page(request: Request, db: SessionDep, job_id: str, failure_id: str) -> Response:
     job = await _job(db, job_id)
-    valid = failure_id.isdigit() and len(failure_id) < 10  # a 32-bit id
+    # ASCII digits only ("²".isdigit() is true but int() refuses it), and within the 32-bit id column.
+    valid = failure_id.isascii() and failure_id.isdigit() and len(failure_id) < 10
     event = await repo.get_failure(db, job.id, int(failure_id)) if valid else None
     if event is None:
         raise PageNotFound(f"Job {job.name} has no failure {failure_id!r}.")

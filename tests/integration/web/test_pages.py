@@ -178,6 +178,7 @@ async def test_unknown_ids_get_a_404_page_with_the_same_look(signed_in: httpx.As
         ("/jobs/not-a-uuid", "There is no job 'not-a-uuid'"),
         (f"/jobs/{job.id}/failures/999999", "has no failure '999999'"),
         (f"/jobs/{job.id}/failures/99999999999999999999", "has no failure"),
+        (f"/jobs/{job.id}/failures/\u00b2", "has no failure"),  # a digit to str.isdigit, not to int()
         (f"/jobs/{job.id}/failures/{foreign}", f"has no failure '{foreign}'"),
         ("/static/nope.css", "No static file"),
     ]:

@@ -1,0 +1,94 @@
+"""Out-of-range numbers and NUL characters, on Postgres and SQLite: each is a 422 naming the field, never
+a 500 from the database (Postgres refuses integers beyond its columns and NUL characters in text), and
+nothing already saved changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.api.test_jobs import assert_error
+from tests.integration.api.test_worker import register
+from tests.integration.conftest import admin, bearer, create_job
+
+HUGE = 10**20
+BEYOND_INT32 = 2**31
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"persist_every": BEYOND_INT32}, "persist_every"),
+        ({"persist_every": HUGE}, "persist_every"),
+        ({"launch": {"command": ["python", "train\x00.py"]}}, "command"),
+        ({"launch": {"command": ["python"], "env": {"A": "b\x00"}}}, "env"),
+    ],
+)
+async def test_job_fields_out_of_range(client: httpx.AsyncClient, fields: dict[str, Any], field: str) -> None:
+    body = {"name": "bounded", "machines": 4, **fields}
+    error = assert_error(await client.post("/api/v1/jobs", json=body, headers=admin()), 422, "validation_error")
+    assert field in error["message"]
+    jobs = (await client.get("/api/v1/jobs", headers=admin())).json()
+    assert jobs["total"] == 0
+
+
+async def test_query_and_path_numbers_out_of_range(client: httpx.AsyncClient) -> None:
+    job = await create_job(client)
+    for path in (f"/api/v1/jobs?offset={HUGE}", f"/api/v1/jobs/{job['id']}/failures/{HUGE}"):
+        error = assert_error(await client.get(path, headers=admin()), 422, "validation_error")
+        assert "offset" in error["message"] or "failure_id" in error["message"]
+    worker = bearer(str(job["worker_token"]))
+    directive = await client.get(f"/api/v1/worker/jobs/{job['id']}/directive?after={HUGE}", headers=worker)
+    assert_error(directive, 422, "validation_error")
+    heartbeat = await client.post(
+        f"/api/v1/worker/jobs/{job['id']}/machines/{HUGE}/heartbeat",
+        json={"instance_id": "i-a"},
+        headers=worker,
+    )
+    assert_error(heartbeat, 422, "validation_error")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("heartbeat", {"summary": {"committed": HUGE}}, "committed"),
+        ("heartbeat", {"summary": {"local": {"0": HUGE}}}, "local"),
+        ("heartbeat", {"summary": {"per_minute": "Infinity"}}, "per_minute"),
+        ("progress", {"generation": HUGE, "event": "resumed"}, "generation"),
+        ("progress", {"generation": 1, "event": "resumed", "iteration": HUGE}, "iteration"),
+        ("exits", {"local_rank": 0, "global_rank": HUGE, "exit_code": 1}, "global_rank"),
+        ("exits", {"local_rank": 0, "global_rank": 0, "exit_code": HUGE}, "exit_code"),
+        (
+            "persisted",
+            {"rank": 0, "iteration": HUGE, "key": "k", "location": "l", "digest": "d", "nbytes": 1},
+            "iteration",
+        ),
+        (
+            "persisted",
+            {"rank": 0, "iteration": 1, "key": "k\x00", "location": "l", "digest": "d", "nbytes": 1},
+            "key",
+        ),
+    ],
+)
+async def test_worker_reports_out_of_range(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], field: str
+) -> None:
+    job = await create_job(client, machines=2)
+    assert (await register(client, job, "i-a")).status_code == 200
+    response = await client.post(
+        f"/api/v1/worker/jobs/{job['id']}/machines/0/{path}",
+        json={"instance_id": "i-a", **body},
+        headers=bearer(str(job["worker_token"])),
+    )
+    error = assert_error(response, 422, "validation_error")
+    assert field in error["message"]
+
+
+async def test_registration_refuses_nul_characters(client: httpx.AsyncClient) -> None:
+    job = await create_job(client, machines=2)
+    error = assert_error(await register(client, job, "i-\x00"), 422, "validation_error")
+    assert "instance_id" in error["message"] and "NUL" in error["message"]
+    machines = (await client.get(f"/api/v1/jobs/{job['id']}/machines", headers=admin())).json()
+    assert machines == []
