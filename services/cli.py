@@ -7,6 +7,11 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+# The demo's faults (services/demo.py FAULTS) lose machine 2 and then placement group 0 (machines 0 and 1),
+# at a quarter, half and three quarters of the run, with a persisted checkpoint every 10 iterations.
+MIN_DEMO_MACHINES_WITH_FAULTS = 4
+MIN_DEMO_ITERATIONS = 40
+
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
@@ -31,7 +36,24 @@ def _demo(args: argparse.Namespace) -> int:
     from services.demo import serve_demo
     from services.root.settings import Settings
 
-    settings = Settings(host=args.host, port=args.port, etcd_endpoints=[], cloud="local", s3_bucket=None)
+    smallest = MIN_DEMO_MACHINES_WITH_FAULTS if not args.no_faults else 2
+    if not args.serve_only and args.machines < smallest:
+        print(
+            f"castor demo: error: --machines must be at least {smallest}"
+            + (" to inject every fault (or add --no-faults)" if not args.no_faults else " (m = 2)"),
+            file=sys.stderr,
+        )
+        return 2
+    if not args.serve_only and args.iterations < (MIN_DEMO_ITERATIONS if not args.no_faults else 1):
+        print(
+            f"castor demo: error: --iterations must be at least {MIN_DEMO_ITERATIONS} to space three faults "
+            "(or add --no-faults)",
+            file=sys.stderr,
+        )
+        return 2
+    # Flags override CASTOR_HOST / CASTOR_PORT; without them the environment (or the default) decides.
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    settings = Settings(**overrides, etcd_endpoints=[], cloud="local", s3_bucket=None)
     url = f"http://{settings.host}:{settings.port}"
     print(f"Castor root service (embedded mode) on {url}", flush=True)
     print(f"  database:    {settings.resolved_database_url}", flush=True)
@@ -128,7 +150,9 @@ def _add_ops_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
         sub.set_defaults(handler=_ops, ops=ops)
         return sub
 
-    jobs = commands.add_parser("jobs", help="create, list, inspect, wait for and delete jobs (admin token)")
+    jobs = commands.add_parser(
+        "jobs", help="create, list, inspect, wait for, stop and delete jobs (admin token)"
+    )
     job_commands = jobs.add_subparsers(dest="jobs_command", required=True, metavar="COMMAND")
     create = leaf(
         job_commands,
@@ -176,6 +200,9 @@ def _add_ops_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
     show.add_argument("job", metavar="ID_OR_NAME")
     show.add_argument("--history", action="store_true", help="include replaced machines")
     show.add_argument("--failures", type=int, default=5, metavar="N", help="recent failures shown (5)")
+
+    stop = leaf(job_commands, "stop", "jobs_stop", help="stop a job's training for good; its history stays")
+    stop.add_argument("job", metavar="ID_OR_NAME")
 
     delete = leaf(job_commands, "delete", "jobs_delete", help="delete a job and its history")
     delete.add_argument("job", metavar="ID_OR_NAME")
@@ -230,10 +257,20 @@ def build_parser(*, agent_arguments: bool = True) -> argparse.ArgumentParser:
     serve.set_defaults(handler=_serve)
 
     demo = commands.add_parser("demo", help="run the embedded one-machine demo on 127.0.0.1:8080")
-    demo.add_argument("--host", default="127.0.0.1")
-    demo.add_argument("--port", type=int, default=8080)
-    demo.add_argument("--machines", type=int, default=4, help="local machines (at least 4 for every fault)")
-    demo.add_argument("--iterations", type=int, default=400, help="training iterations")
+    demo.add_argument("--host", help="bind address (default: CASTOR_HOST or 127.0.0.1)")
+    demo.add_argument("--port", type=int, help="port (default: CASTOR_PORT or 8080)")
+    demo.add_argument(
+        "--machines",
+        type=int,
+        default=4,
+        help=f"local machines (default 4; at least {MIN_DEMO_MACHINES_WITH_FAULTS} for every fault)",
+    )
+    demo.add_argument(
+        "--iterations",
+        type=int,
+        default=400,
+        help=f"training iterations (default 400; at least {MIN_DEMO_ITERATIONS} with faults)",
+    )
     demo.add_argument("--no-faults", action="store_true", help="train without injecting failures")
     demo.add_argument("--exit-when-done", action="store_true", help="exit after the summary (for tests)")
     demo.add_argument("--serve-only", action="store_true", help="only the root service, no training job")

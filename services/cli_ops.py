@@ -577,6 +577,16 @@ def jobs_show(client: RootClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def jobs_stop(client: RootClient, args: argparse.Namespace) -> int:
+    job = resolve_job(client, args.job)
+    stopped = client.request("POST", f"{API}/jobs/{job['id']}/stop")
+    if args.json:
+        print_json(stopped)
+    else:
+        print(f"Stopped job {stopped['name']} ({stopped['id']}): its agents stop training and exit")
+    return 0
+
+
 def jobs_delete(client: RootClient, args: argparse.Namespace) -> int:
     job = resolve_job(client, args.job)
     if not args.yes and sys.stdin.isatty():
@@ -822,6 +832,7 @@ COMMANDS: dict[str, Callable[[RootClient, argparse.Namespace], int]] = {
     "jobs_create": jobs_create,
     "jobs_list": jobs_list,
     "jobs_show": jobs_show,
+    "jobs_stop": jobs_stop,
     "jobs_delete": jobs_delete,
     "jobs_wait": jobs_wait,
     "failures_list": failures_list,

@@ -16,6 +16,7 @@ import contextlib
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -26,6 +27,9 @@ from services import local_faults
 from services.root.settings import Settings
 
 PERSIST_EVERY = 10
+# A fault that is not injected or recovered within this long means something is broken: say so and stop,
+# rather than wait forever.
+STEP_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -126,14 +130,17 @@ class Demo:
 
     async def _inject_at(self, fault: Fault) -> None:
         target = int(self.iterations * fault.at_fraction)
-        while True:
+
+        async def ready_or_over() -> dict[str, Any] | None:
             job = await self._job()
-            warm = await self._all_warm()
-            if job["state"] == "running" and (job["newest_iteration"] or 0) >= target and warm:
-                break
-            if job["state"] in ("completed", "failed"):
-                return
-            await asyncio.sleep(0.25)
+            if job["state"] in ("completed", "failed", "stopped"):
+                return job
+            at_target = job["state"] == "running" and (job["newest_iteration"] or 0) >= target
+            return job if at_target and await self._all_warm() else None
+
+        job = await self._poll(ready_or_over, bool, f"the job to reach iteration {target}")
+        if job["state"] != "running":
+            return
         recovered_before = await self._recovered_count()
         self.say(f"iteration {job['newest_iteration']}: injecting {fault.description}")
         machines = {m["rank"]: m for m in await self.api("GET", f"/jobs/{self.job['id']}/machines")}
@@ -144,7 +151,11 @@ class Demo:
             for rank in victims:
                 instance = machines[rank]["instance_id"]
                 local_faults.lose_machine(self._shm_dir(instance), instance)
-        await self._poll(lambda: self._recovered_count(), lambda count: count > recovered_before)
+        await self._poll(
+            self._recovered_count,
+            lambda count: count > recovered_before,
+            f"recovery from the {fault.kind} fault",
+        )
         event = next(
             e for e in await self.api("GET", f"/jobs/{self.job['id']}/failures") if e["state"] == "recovered"
         )
@@ -155,13 +166,25 @@ class Demo:
         )
 
     @staticmethod
-    async def _poll(read: Any, done: Any, interval_s: float = 0.25) -> Any:
-        """Read the root's view until `done` says so (the root is another process: nothing to wait on)."""
-        while True:
+    async def _poll(read: Any, done: Any, what: str, interval_s: float = 0.25) -> Any:
+        """Read the root's view until `done` says so (its state is in the database: nothing to wait on)."""
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while time.monotonic() < deadline:
             value = await read()
             if done(value):
                 return value
             await asyncio.sleep(interval_s)
+        raise TimeoutError(f"gave up after {STEP_TIMEOUT_S:.0f} s waiting for {what}")
+
+    async def stop_unfinished_job(self) -> None:
+        """Ctrl-C or an error mid-run: stop the job, so that its machines stop too and a later start of
+        the root does not take them for failed machines to replace."""
+        if not self.job:
+            return
+        with contextlib.suppress(httpx.HTTPError):
+            if (await self._job())["state"] not in ("completed", "failed", "stopped"):
+                await self.api("POST", f"/jobs/{self.job['id']}/stop")
+                self.say(f"Stopped job {self.job['name']}.")
 
     async def _recovered_count(self) -> int:
         return sum(
@@ -213,7 +236,14 @@ async def serve_demo(
 
     from services.root.app import create_app
 
-    server = uvicorn.Server(
+    class EmbeddedServer(uvicorn.Server):
+        # Ctrl-C belongs to the demo (asyncio.run cancels it, and it stops its job before the server goes);
+        # uvicorn's own handler would close the server under the demo's feet.
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    server = EmbeddedServer(
         uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
     )
     serving = asyncio.create_task(server.serve())
@@ -229,7 +259,8 @@ async def serve_demo(
         await serving
         return 0
     finally:
+        await asyncio.shield(demo.stop_unfinished_job())  # Ctrl-C cancels this task: finish the stop
         server.should_exit = True
         with contextlib.suppress(BaseException):
-            await asyncio.wait_for(serving, 10)
+            await asyncio.wait_for(serving, 30)  # the stop above waits for agents to exit
         await demo.http.aclose()

@@ -6,15 +6,18 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 from services import local_faults
-from tests.harness import free_port
+from tests.e2e.cluster import wait_until
+from tests.harness import free_port, wait_for_port
 
 pytestmark = pytest.mark.slow
 
@@ -44,3 +47,45 @@ def test_demo_survives_three_kinds_of_failure(tmp_path: Path) -> None:
     assert recovered == [("software", "local"), ("hardware", "peer"), ("hardware", "persistent")], output
     assert "Job completed at iteration 159" in output
     assert re.search(r"admin token: castor-admin\.\S+", output)
+
+
+def test_ctrl_c_stops_the_demo_its_job_and_its_machines(tmp_path: Path) -> None:
+    shm = Path("/dev/shm") / f"castor-demo-{uuid.uuid4().hex[:8]}"
+    state = tmp_path / "state"
+    env = {**os.environ, "CASTOR_STATE_DIR": str(state), "CASTOR_LOCAL_SHM_BASE": str(shm)}
+    port = free_port()
+    command = [sys.executable, "-m", "services.cli", "demo", "--port", str(port), "--machines", "2"]
+    process = subprocess.Popen(
+        [*command, "--no-faults", "--iterations", "100000"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}/api/v1"
+    try:
+        wait_for_port(port, process, timeout=60)
+        headers = {"Authorization": f"Bearer {(state / 'admin-token').read_text().strip()}"}
+
+        def training() -> dict[str, object] | None:
+            jobs = httpx.get(base + "/jobs", headers=headers).json()["items"]
+            return jobs[0] if jobs and (jobs[0]["newest_iteration"] or 0) >= 2 else None
+
+        job = wait_until(training, 180, "the demo job to train")
+        assert local_faults.pids_with_arguments("--shm-dir", str(shm)), "its machines run"
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        leftover = (  # agents, their warm spares, training processes
+            local_faults.pids_with_arguments("--shm-dir", str(shm))
+            + local_faults.pids_with_arguments("--machine", str(shm))
+            + local_faults.pids_with_environ(f"CASTOR_SHM_DIR={shm}")
+        )
+        local_faults.kill(leftover)
+        shutil.rmtree(shm, ignore_errors=True)
+    assert process.returncode == 0, output
+    assert f"Stopped job {job['name']}" in output
+    assert leftover == [], "Ctrl-C left machines running"
+    assert not shm.exists() or not any(shm.iterdir()), "their shared memory was given back"

@@ -40,7 +40,7 @@ class AgentConfig:
     procs_per_machine: int | None = None
     shm_root: Path | None = None
     stop_grace_s: float = 5.0
-    keep_shm: bool = False  # keep the checkpoints in shared memory after the job completed
+    keep_shm: bool = False  # keep the checkpoints in shared memory after the job completed or was stopped
     warm_start: bool = True  # keep warm interpreters (torch imported) ready for (re)starts
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -78,7 +78,7 @@ class Agent:
         )
         self.machine.on_commit = self._on_commit
         self.machine.extra_summary = lambda: {"warm_spares": self.workers.warm_spares}
-        self.completed = False
+        self.job_over = False  # completed or stopped: nothing will ever restore from this memory again
         self.done: asyncio.Future[int] | None = None
         self._background: set[asyncio.Task[None]] = set()
 
@@ -120,8 +120,8 @@ class Agent:
                 await self.workers.discard_spares()
         finally:
             await self.machine.close()
-            if self.completed and not self.config.keep_shm:
-                self.machine.holdings.remove()  # the job is over: give the memory back
+            if self.job_over and not self.config.keep_shm:
+                self.machine.holdings.remove()  # give the memory back (a failed job's stays, to salvage)
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -179,8 +179,8 @@ class Agent:
         status, generation = directive["status"], directive["generation"]
         if status == "finished":
             await self.workers.stop(self.config.stop_grace_s)
-            self.completed = directive["job_state"] == "completed"
-            self._finish(0 if self.completed else 1)
+            self.job_over = directive["job_state"] in ("completed", "stopped")
+            self._finish(0 if directive["job_state"] == "completed" else 1)
         elif status == "collecting" and generation != self.collected:
             # A recovery: stop training (the survivors too: every rank rolls back together), then say
             # what this machine holds, every checksum verified.

@@ -69,6 +69,17 @@ async def delete_job(
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
+@router.post("/jobs/{job_id}/stop", response_model=schemas.JobOut, responses=error_responses(404, 409))
+async def stop_job(
+    job: AdminJobDep, db: SessionDep, state: StateDep, background: BackgroundTasks
+) -> schemas.JobOut:
+    """Stop a job: its agents stop training and exit, machines the local operator started are stopped, and
+    its history (failures, plans, checkpoints) stays."""
+    await job_flows.stop_job(db, job)
+    background.add_task(state.operator.release, JobInfo(job.id, job.name, job.num_machines, job.launch))
+    return await job_flows.job_out(db, job)
+
+
 @router.get(
     "/jobs/{job_id}/machines", response_model=list[schemas.MachineOut], responses=error_responses(404)
 )

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from pathlib import Path
 from services.root.clients import CloudOperatorError, JobInfo, MachineInfo, Replacement
 
 log = logging.getLogger(__name__)
+
+RELEASE_GRACE_S = 10.0
 
 
 class LocalOperator:
@@ -55,10 +58,21 @@ class LocalOperator:
         return Replacement(instance, f"started agent {instance} for rank {failed.rank}")
 
     async def release(self, job: JobInfo) -> None:
+        """Stop the job's machines: SIGTERM first (an agent forwards it to its training processes and
+        exits), SIGKILL after RELEASE_GRACE_S; then free their shared memory."""
         prefix = f"local-{job.id.hex[:8]}-"
-        for instance in [i for i in self._processes if i.startswith(prefix)]:
+        instances = [i for i in self._processes if i.startswith(prefix)]
+        for instance in instances:
+            with contextlib.suppress(ProcessLookupError):
+                self._processes[instance].send_signal(signal.SIGTERM)
+        deadline = asyncio.get_running_loop().time() + RELEASE_GRACE_S
+        while any(self._processes[i].poll() is None for i in instances):
+            if asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        for instance in instances:
             self._stop_instance(instance)
-        await asyncio.sleep(0)
+        shutil.rmtree(self.shm_base / job.id.hex, ignore_errors=True)
 
     def _start(self, job: JobInfo, instance: str, rank: int) -> None:
         assert job.launch is not None

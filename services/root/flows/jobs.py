@@ -8,7 +8,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.root import schemas
 from services.root.db import repository as repo
-from services.root.db.models import Job, JobState, PlacementGroupRow, PlanStatus, RecoveryPlan
+from services.root.db.models import Job, JobState, PlacementGroupRow, PlanStatus, RecoveryPlan, utcnow
 from services.root.domain.placement import (
     Placement,
     PlacementGroup,
@@ -16,6 +16,7 @@ from services.root.domain.placement import (
     recovery_probabilities,
 )
 from services.root.errors import Conflict
+from services.root.flows.directives import FINISHED_STATES, directive_changed
 from services.root.tokens import issue_worker_token
 
 
@@ -57,6 +58,16 @@ async def create_job(session: AsyncSession, request: schemas.JobCreate) -> tuple
     )
     await session.flush()
     return job, token
+
+
+async def stop_job(session: AsyncSession, job: Job) -> None:
+    """Stop a job for good: its agents stop training and exit (the directive says finished), the leader
+    stops watching it, and its history stays readable."""
+    if job.state in FINISHED_STATES:
+        raise Conflict(f"job {job.name!r} has already {job.state}", code="job_finished")
+    job.state, job.finished_at = JobState.STOPPED, utcnow()
+    directive_changed(session, job)
+    await session.flush()
 
 
 def stored_placement(job: Job, groups: Sequence[PlacementGroupRow]) -> Placement:

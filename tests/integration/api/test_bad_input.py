@@ -28,7 +28,9 @@ BEYOND_INT32 = 2**31
 )
 async def test_job_fields_out_of_range(client: httpx.AsyncClient, fields: dict[str, Any], field: str) -> None:
     body = {"name": "bounded", "machines": 4, **fields}
-    error = assert_error(await client.post("/api/v1/jobs", json=body, headers=admin()), 422, "validation_error")
+    error = assert_error(
+        await client.post("/api/v1/jobs", json=body, headers=admin()), 422, "validation_error"
+    )
     assert field in error["message"]
     jobs = (await client.get("/api/v1/jobs", headers=admin())).json()
     assert jobs["total"] == 0

@@ -1,4 +1,4 @@
-"""`castor jobs create|list|show|delete|wait` against a real root service."""
+"""`castor jobs create|list|show|stop|delete|wait` against a real root service."""
 
 from __future__ import annotations
 
@@ -169,6 +169,26 @@ def test_show_machines_table(root: Root) -> None:
     assert "running" in out, "the job runs once all its machines registered"
     document = castor(root, "jobs", "show", name, "--json").json()
     assert [m["instance_id"] for m in document["machines"]] == ["host-0", "host-1"]
+
+
+def test_stop_keeps_the_history_and_tells_the_agents_to_exit(root: Root) -> None:
+    name = unique("stop")
+    job = create_job(root, name, machines=2)
+    result = castor(root, "jobs", "stop", name)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"Stopped job {name} ({job['id']})")
+    stopped = root.api("GET", f"/api/v1/jobs/{job['id']}").json()
+    assert stopped["state"] == "stopped" and stopped["finished_at"]
+    directive = root.api(
+        "GET", f"/api/v1/worker/jobs/{job['id']}/directive", token=str(job["worker_token"])
+    ).json()
+    assert (directive["status"], directive["job_state"]) == ("finished", "stopped")
+    again = castor(root, "jobs", "stop", name, "--json")
+    assert again.returncode == 1 and "(job_finished)" in again.stderr
+
+    other = create_job(root, unique("stop-json"), machines=2)
+    document = castor(root, "jobs", "stop", other["id"], "--json").json()
+    assert (document["id"], document["state"]) == (other["id"], "stopped")
 
 
 def test_delete_with_yes_and_json(root: Root) -> None:

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.nn.modules.module import _global_forward_pre_hooks
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 from tests.unit.worker_lib.helpers import assert_bit_equal, forkserver
