@@ -28,6 +28,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -46,6 +47,7 @@ PROTOCOL = "castor-dataplane/1"
 _HEADER = struct.Struct("!I")
 _MAX_MESSAGE = 64 << 20  # manifests of states with very many tensors stay far below this
 _RECV_CHUNK = 8 << 20
+_STALL_CHECK_S = 0.05
 
 
 class DataPlaneError(Exception):
@@ -184,10 +186,10 @@ class PeerConnection:
         superseded: Callable[[], bool] = lambda: False,
     ) -> Literal["sent", "stale", "superseded"]:
         """The part of a put that reads `data`: the request, then every stripe. "stale": the peer already
-        holds this checkpoint or a newer one. "superseded": `superseded()` turned true between stripes and
-        the transfer was abandoned; the caller must close the connection (the peer then drops the partial
-        replica and keeps its previous one). After "sent", `finish_put()` waits for the peer's verdict while
-        the caller's slot is already free again."""
+        holds this checkpoint or a newer one. "superseded": `superseded()` turned true between stripes, or
+        while the peer stalled, and the transfer was abandoned; the caller must close the connection (the
+        peer then drops the partial replica and keeps its previous one). After "sent", `finish_put()` waits
+        for the peer's verdict while the caller's slot is already free again."""
         send_message(self.sock, {"op": "put", "rank": rank, "manifest": json.loads(manifest.to_json())})
         try:
             _expect_ok(self.sock)
@@ -196,10 +198,31 @@ class PeerConnection:
                 return "stale"
             raise
         for stripe in manifest.stripes:
-            if superseded():
+            if superseded() or not self._send_unless(superseded, data[stripe.start : stripe.end]):
                 return "superseded"
-            self.sock.sendall(data[stripe.start : stripe.end])
         return "sent"
+
+    def _send_unless(self, superseded: Callable[[], bool], view: memoryview) -> bool:
+        """sendall, but a peer that stops taking bytes (a stalled receiver) is no reason to keep holding the
+        slot once a newer commit superseded this transfer: asked every _STALL_CHECK_S of stall. False when
+        abandoned; TimeoutError after the connection's timeout without progress."""
+        patience = self.sock.gettimeout()
+        self.sock.settimeout(_STALL_CHECK_S)
+        try:
+            sent, stalled_since = 0, None
+            while sent < len(view):
+                try:
+                    sent += self.sock.send(view[sent:])
+                    stalled_since = None
+                except TimeoutError:
+                    if superseded():
+                        return False
+                    stalled_since = stalled_since or time.monotonic()
+                    if patience is not None and time.monotonic() - stalled_since > patience:
+                        raise TimeoutError(f"{self.peer} took no data for {patience:g} s") from None
+            return True
+        finally:
+            self.sock.settimeout(patience)
 
     def finish_put(self) -> None:
         """Wait until the peer verified and committed the checkpoint `send_put` sent."""

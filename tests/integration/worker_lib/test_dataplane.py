@@ -9,8 +9,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,6 +27,7 @@ from worker_lib.agent.dataplane import (
     DataPlaneError,
     DataPlaneServer,
     PeerConnection,
+    _server_handshake,
     data_plane_key,
     recv_message,
     send_message,
@@ -278,3 +281,33 @@ def test_after_a_rollback_the_same_iteration_number_is_replicated_again(
     finally:
         replicator.stop()
         holdings.close()
+
+
+def test_a_stalled_peer_does_not_hold_the_slot_once_a_newer_commit_exists(sender: Holdings) -> None:
+    """A receiver that accepts a put and then stops reading: the sender gives the transfer up as soon as
+    it is superseded, instead of holding the slot (and the training process's next save) until timeout."""
+    key = data_plane_key(TOKEN)
+    save_checkpoints(sender.directory("local", 0), [3], numel=16 << 20)  # 64 MiB: more than socket buffers
+    listener = socket.create_server(("127.0.0.1", 0))
+    stalled = threading.Event()
+
+    def stalling_peer() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            assert _server_handshake(connection, key, JOB, lambda: None)
+            recv_message(connection)  # the put request
+            send_message(connection, {"ok": True})
+            stalled.set()
+            time.sleep(30)  # never reads the data
+
+    threading.Thread(target=stalling_peer, daemon=True).start()
+    peer = PeerConnection("127.0.0.1", listener.getsockname()[1], key, JOB)
+    try:
+        with sender.open_read(0, iteration=3) as (manifest, data):
+            started = time.monotonic()
+            newer = lambda: stalled.is_set() and time.monotonic() - started > 0.5  # noqa: E731
+            assert peer.send_put(0, manifest, data, newer) == "superseded"
+            assert time.monotonic() - started < 5, "gave up within moments, not after the 30 s timeout"
+    finally:
+        peer.close()
+        listener.close()
