@@ -85,7 +85,8 @@ def root_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RootServi
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     if not Path(CHROMIUM).exists():
-        pytest.skip(f"no Chromium at {CHROMIUM}")
+        # scripts/setup installs it; a silent skip would let the page tests vanish from CI unnoticed.
+        pytest.fail(f"no Chromium at {CHROMIUM}: run ./scripts/setup (it installs Debian's chromium)")
     with sync_playwright() as playwright:
         chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:

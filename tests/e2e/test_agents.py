@@ -19,13 +19,17 @@ from worker_lib.agent.holdings import Holdings
 
 pytestmark = pytest.mark.slow
 
+# No machine is lost in these tests: a generous REST heartbeat timeout keeps a 2-core host, busy starting
+# five machines' training processes at once, from looking like a lost machine (3 s in the recovery tests).
+QUIET_HEARTBEATS = {"heartbeat_timeout_s": "15"}
+
 
 @pytest.mark.parametrize(("machines", "strategy"), [(4, "group"), (5, "mixed")])
 def test_every_machine_holds_exactly_the_replicas_the_placement_says(
     cluster: LocalCluster, tmp_path: Path, machines: int, strategy: str
 ) -> None:
     iterations = 6
-    cluster.start_root()
+    cluster.start_root(**QUIET_HEARTBEATS)
     job = cluster.create_job(machines=machines, replicas=2)
     assert job["placement_strategy"] == strategy
     command = cluster.training_command(tmp_path / "logs", iterations=iterations)
@@ -61,7 +65,7 @@ def test_every_machine_holds_exactly_the_replicas_the_placement_says(
 def test_killed_training_process_is_reported_at_once_and_its_checkpoint_survives(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    cluster.start_root()
+    cluster.start_root(**QUIET_HEARTBEATS)
     job = cluster.create_job(machines=2, replicas=2)
     command = cluster.training_command(tmp_path / "logs", iterations=10_000, sleep=0.2)
     for index in range(2):
@@ -89,7 +93,7 @@ def test_killed_training_process_is_reported_at_once_and_its_checkpoint_survives
 
 
 def test_unmodified_torchrun_code_runs_under_the_agent(cluster: LocalCluster, tmp_path: Path) -> None:
-    cluster.start_root()
+    cluster.start_root(**QUIET_HEARTBEATS)
     cluster.create_job(machines=2, replicas=2, procs_per_machine=2)
     out = tmp_path / "out"
     out.mkdir()
