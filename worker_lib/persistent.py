@@ -1,9 +1,11 @@
 """The persistent tier: S3 (production, aioboto3 multipart uploads) or a local directory (embedded mode).
 
-A persisted checkpoint of one rank is two objects under `<prefix>/<job>/iteration-<I>/rank-<r>/`:
+A persisted checkpoint of one rank is two objects under `<prefix>/<job>/iteration-<I>/rank-<r>/gen-<g>/`:
 `data.bin` (the slot's data region, byte for byte) and `manifest.json` (written last: a rank's shard is
-complete only when its manifest exists). Downloads go straight into a slot of the destination store,
-every stripe verified against the manifest before the slot is committed.
+complete only when its manifest exists). The plan generation is part of the key: after a rollback the
+same iteration number is another history, and a late upload of the old one must not overwrite the new.
+Downloads go straight into a slot of the destination store; the manifest must be the one the root
+recorded (digest) and every stripe is verified before the slot is committed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Protocol
 import xxhash
 
 from worker_lib.errors import CheckpointCorruptError, CheckpointNotFoundError
+from worker_lib.store.integrity import check_structure
 from worker_lib.store.manifest import Manifest
 from worker_lib.store.slots import SlotStore
 
@@ -25,8 +28,28 @@ PART_BYTES = 16 << 20  # multipart part size: S3 needs >= 5 MiB parts, bigger pa
 UPLOAD_CONCURRENCY = 4
 
 
-def shard_key(prefix: str, job_id: str, iteration: int, rank: int) -> str:
-    return f"{prefix.strip('/')}/{job_id}/iteration-{iteration}/rank-{rank}"
+def shard_key(prefix: str, job_id: str, iteration: int, rank: int, generation: int = 1) -> str:
+    return f"{prefix.strip('/')}/{job_id}/iteration-{iteration}/rank-{rank}/gen-{generation}"
+
+
+def checkpoint_prefix(key: str) -> str:
+    """The prefix of every rank's shards of the checkpoint a shard key belongs to."""
+    return key.rsplit("/", 2)[0]
+
+
+def check_expected(
+    manifest: Manifest, where: str, iteration: int | None = None, digest: str | None = None
+) -> None:
+    """The downloaded manifest is self-consistent and the one the recovery plan chose."""
+    check_structure(manifest)
+    if iteration is not None and manifest.iteration != iteration:
+        raise CheckpointCorruptError(
+            f"{where} holds iteration {manifest.iteration}, not the planned iteration {iteration}"
+        )
+    if digest is not None and manifest.digest != digest:
+        raise CheckpointCorruptError(
+            f"{where} is not the checkpoint the root recorded (digest {manifest.digest}, expected {digest})"
+        )
 
 
 @dataclass(frozen=True)
@@ -40,7 +63,11 @@ class PersistedShard:
 class ObjectStore(Protocol):
     async def put(self, key: str, manifest: Manifest, data: memoryview) -> PersistedShard: ...
 
-    async def get(self, key: str, destination: SlotStore, iteration: int | None = None) -> Manifest: ...
+    async def get(
+        self, key: str, destination: SlotStore, iteration: int | None = None, digest: str | None = None
+    ) -> Manifest:
+        """Download a shard into `destination`, verified: its manifest must be self-consistent (and of
+        `iteration`, with `digest`, when given), every stripe must match its checksum."""
 
     async def delete(self, key: str) -> None:
         """Delete everything under `key` (a shard or a whole checkpoint)."""
@@ -78,7 +105,7 @@ class LocalDirStore:
 
     async def put(self, key: str, manifest: Manifest, data: memoryview) -> PersistedShard:
         await asyncio.to_thread(self._put, key, manifest, data)
-        location = f"file://{self._path(key).parent}"
+        location = f"file://{self._path(checkpoint_prefix(key))}"
         return PersistedShard(key, location, manifest.digest, manifest.data_bytes)
 
     def _put(self, key: str, manifest: Manifest, data: memoryview) -> None:
@@ -92,15 +119,18 @@ class LocalDirStore:
         (directory / "manifest.json.tmp").write_bytes(manifest.to_json())
         os.replace(directory / "manifest.json.tmp", directory / "manifest.json")  # complete only now
 
-    async def get(self, key: str, destination: SlotStore, iteration: int | None = None) -> Manifest:
-        return await asyncio.to_thread(self._get, key, destination)
+    async def get(
+        self, key: str, destination: SlotStore, iteration: int | None = None, digest: str | None = None
+    ) -> Manifest:
+        return await asyncio.to_thread(self._get, key, destination, iteration, digest)
 
-    def _get(self, key: str, destination: SlotStore) -> Manifest:
+    def _get(self, key: str, destination: SlotStore, iteration: int | None, digest: str | None) -> Manifest:
         directory = self._path(key)
         try:
             manifest = Manifest.from_json((directory / "manifest.json").read_bytes())
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"no persisted checkpoint at {directory}") from None
+        check_expected(manifest, str(directory), iteration, digest)
         writer = destination.open_write(manifest.iteration, manifest.data_bytes, on_busy="wait")
         assert writer is not None
         try:
@@ -139,7 +169,7 @@ class S3Store:
         async with self._client() as s3:
             await self._put_data(s3, f"{key}/data.bin", data)
             await s3.put_object(Bucket=self.bucket, Key=f"{key}/manifest.json", Body=manifest.to_json())
-        location = f"s3://{self.bucket}/{key.rsplit('/', 1)[0]}"
+        location = f"s3://{self.bucket}/{checkpoint_prefix(key)}"
         return PersistedShard(key, location, manifest.digest, manifest.data_bytes)
 
     async def _put_data(self, s3: Any, key: str, data: memoryview) -> None:
@@ -170,7 +200,9 @@ class S3Store:
             await s3.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
             raise
 
-    async def get(self, key: str, destination: SlotStore, iteration: int | None = None) -> Manifest:
+    async def get(
+        self, key: str, destination: SlotStore, iteration: int | None = None, digest: str | None = None
+    ) -> Manifest:
         async with self._client() as s3:
             try:
                 response = await s3.get_object(Bucket=self.bucket, Key=f"{key}/manifest.json")
@@ -180,6 +212,7 @@ class S3Store:
                 ) from None
             async with response["Body"] as body:
                 manifest = Manifest.from_json(await body.read())
+            check_expected(manifest, f"s3://{self.bucket}/{key}", iteration, digest)
             writer = destination.open_write(manifest.iteration, manifest.data_bytes, on_busy="wait")
             assert writer is not None
             try:

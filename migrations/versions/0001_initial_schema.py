@@ -38,6 +38,7 @@ def upgrade() -> None:
     sa.Column('checkpoints_skipped', sa.BigInteger(), nullable=False),
     sa.Column('checkpoints_per_minute', sa.Double(), nullable=True),
     sa.Column('wasted_time_s', sa.Double(), nullable=False),
+    sa.Column('failed_recoveries', sa.Integer(), nullable=False),
     sa.Column('directive_revision', sa.Integer(), nullable=False),
     sa.Column('created_at', services.root.db.models.UtcDateTime(timezone=True), nullable=False),
     sa.Column('updated_at', services.root.db.models.UtcDateTime(timezone=True), nullable=False),

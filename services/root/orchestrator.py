@@ -9,7 +9,6 @@ root is the leader.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -25,6 +24,7 @@ from services.root.db.database import Database
 from services.root.db.models import Machine, MachineState, utcnow
 from services.root.flows import recovery
 from services.root.flows.failures import machine_lost
+from services.root.flows.machines import record_summary
 from services.root.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -123,9 +123,15 @@ class Orchestrator:
                 "error": None,
             }
             log.info("replacing machine %d: %s", action.machine.rank, replacement.detail)
-        except (CloudOperatorError, OSError) as exc:
-            log.error("replacing machine %d failed: %s", action.machine.rank, exc)
-            outcome = {"instance_id": None, "detail": "", "error": str(exc)}
+        except Exception as exc:  # recorded and retried after a pause, whatever it was
+            expected = isinstance(exc, CloudOperatorError | OSError)
+            log.error(
+                "replacing machine %d failed: %s",
+                action.machine.rank,
+                exc,
+                exc_info=None if expected else exc,
+            )
+            outcome = {"instance_id": None, "detail": "", "error": str(exc) or type(exc).__name__}
         finally:
             self._replacing.discard(action.event_id)
         async with self.database.session() as session:
@@ -204,9 +210,7 @@ class Orchestrator:
             return
         self._summaries_written[(key.instance_id, key.rank)] = now
         async with self.database.session() as session:
-            machine = await repo.machine_by_instance(session, key.job_id, key.instance_id)
-            if machine is not None and machine.state != MachineState.REPLACED:
-                machine.summary, machine.last_heartbeat_at = summary, utcnow()
+            await record_summary(session, key.job_id, key.instance_id, summary)
 
     async def _cloud_health(self) -> None:
         """AWS: instances the group no longer has, or reports unhealthy, are failed machines."""
@@ -217,7 +221,7 @@ class Orchestrator:
             await asyncio.sleep(CLOUD_CHECK_S)
             try:
                 instances = {i["InstanceId"]: i for i in await instances_of()}
-            except CloudOperatorError as exc:
+            except Exception as exc:  # whatever the SDK raises, the check goes on at the next tick
                 log.warning("could not read the group's health: %s", exc)
                 continue
             healthy = {
@@ -225,10 +229,12 @@ class Orchestrator:
                 for iid, i in instances.items()
                 if i.get("HealthStatus") == "Healthy" and i.get("LifecycleState") in ("InService", "Pending")
             }
-            with contextlib.suppress(Exception):
+            try:
                 await self._lost(
                     lambda m, healthy=healthy: (
                         m.instance_id.startswith("i-") and m.instance_id not in healthy
                     ),
                     "is unhealthy or terminated according to the Auto Scaling Group",
                 )
+            except Exception:
+                log.exception("cloud health check failed")

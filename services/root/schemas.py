@@ -235,6 +235,9 @@ class Peer(BaseModel):
     address: str | None
     data_port: int | None
     state: str | None
+    instance_id: str | None = Field(
+        None, description="The instance bound to this rank (an agent that finds another here was replaced)."
+    )
 
 
 class HeartbeatConfig(BaseModel):

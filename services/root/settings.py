@@ -60,7 +60,19 @@ class Settings(BaseSettings):
         30.0,
         gt=0,
         description="A machine that does not report what it holds within this long after a "
-        "recovery starts is treated as failed.",
+        "recovery starts (or after it registered, for a replacement) is treated as failed.",
+    )
+    replacement_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="A replacement machine that has not registered this long after it was requested "
+        "is requested again (EC2 usually takes 4-7 minutes).",
+    )
+    max_failed_recoveries: int = Field(
+        3,
+        ge=1,
+        description="Recoveries in a row that fail before training resumes (a crash loop, a source that "
+        "cannot deliver) after which the job is marked failed instead of trying again.",
     )
     restore_timeout_s: float = Field(
         300.0,

@@ -7,12 +7,15 @@ import os
 import signal
 import sys
 import time
+import uuid
 from datetime import datetime
 from pathlib import Path
 
+import httpx
 import pytest
 
 from services.root.domain.placement import plan_placement
+from tests import harness
 from tests.e2e.cluster import WORKLOAD, LocalCluster, read_events, wait_until
 from worker_lib import Checkpointer
 from worker_lib.agent.holdings import Holdings
@@ -111,3 +114,38 @@ def test_unmodified_torchrun_code_runs_under_the_agent(cluster: LocalCluster, tm
         "LOCAL_WORLD_SIZE": "2",
         "GROUP_RANK": "1",
     }
+
+
+def test_an_agent_that_was_replaced_while_unreachable_stops(
+    cluster: LocalCluster, tmp_path: Path, etcd_server: harness.Etcd
+) -> None:
+    """etcd mode has no heartbeat reply to say "replaced": the directive tells the agent that its rank now
+    belongs to another instance, and it stops instead of training as a second rank 1."""
+    cluster.start_root(
+        etcd_endpoints=etcd_server.endpoint, etcd_prefix=f"/castor-{uuid.uuid4().hex[:8]}", lease_ttl_s="1"
+    )
+    job = cluster.create_job(machines=2, replicas=2)
+    command = cluster.training_command(tmp_path / "logs", iterations=100_000, sleep=0.2)
+    machines = [cluster.start_machine(index, command, rank=index) for index in range(2)]
+    wait_until(lambda: len(read_events(tmp_path / "logs").get(1, [])) >= 3, 180, "training")
+
+    os.kill(machines[1].process.pid, signal.SIGSTOP)  # unreachable: its etcd lease expires
+    try:
+        wait_until(
+            lambda: any(
+                m["rank"] == 1 and m["state"] == "failed"
+                for m in cluster.api("GET", f"/api/v1/jobs/{job['id']}/machines")
+            ),
+            30,
+            "machine 1 declared failed",
+        )
+        registered = httpx.post(
+            f"{cluster.roots[0].url}/api/v1/worker/jobs/{job['id']}/machines",
+            json={"instance_id": "machine-1b", "address": "127.0.0.1", "data_port": 9, "rank": 1},
+            headers={"Authorization": f"Bearer {job['worker_token']}"},
+        )
+        assert registered.status_code == 200 and registered.json()["rank"] == 1, registered.text
+    finally:
+        os.kill(machines[1].process.pid, signal.SIGCONT)
+    assert machines[1].process.wait(60) == 1
+    assert "this machine was replaced" in machines[1].log_path.read_text()

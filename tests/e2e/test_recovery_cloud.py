@@ -67,6 +67,13 @@ def test_root_leader_loss_does_not_stop_training_and_a_later_failure_is_recovere
     assert takeover_s < 10, f"leadership moved in {takeover_s:.1f}s"
     wait_for_iteration(logs, before + 10)  # training went on without a leader, and goes on under the new one
     assert cluster.failures() == [], "losing the root is not a training failure"
+    # The job's counters come from the summaries the agents keep in etcd (no REST heartbeats here).
+    counted = wait_until(
+        lambda: (j := cluster.api("GET", f"/api/v1/jobs/{cluster.job['id']}"))["newest_iteration"] and j,
+        30,
+        "job counters from etcd heartbeats",
+    )
+    assert counted["checkpoints_committed"] > 0 and counted["checkpoints_per_minute"]
 
     kill_training_process(logs, rank=2)
     reached = newest_iteration(logs)

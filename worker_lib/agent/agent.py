@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from worker_lib.agent.dataplane import PeerConnection
-from worker_lib.agent.heartbeat import Replaced
+from worker_lib.agent.heartbeat import REPLACED_CODES, Replaced
 from worker_lib.agent.launcher import LaunchSpec, ProcessExit, WorkerGroup
 from worker_lib.agent.services import MachineIdentity, MachineServices, free_port
 from worker_lib.client import RootClient, RootRejected, RootUnavailable
@@ -128,6 +128,13 @@ class Agent:
         self._background.add(task)  # keep a reference until it is done
         task.add_done_callback(self._background.discard)
 
+    def _stop_if_replaced(self, exc: Exception) -> None:
+        """The root gave this machine's rank to another instance (it was declared failed while unreachable):
+        stop, rather than train on as a second copy of the rank."""
+        if isinstance(exc, RootRejected) and exc.code in REPLACED_CODES:
+            log.error("this machine was replaced (%s); stopping", exc)
+            self._finish(1)
+
     def _finish(self, code: int) -> None:
         if self.done is not None and not self.done.done():
             self.done.set_result(code)
@@ -172,6 +179,17 @@ class Agent:
             if directive["revision"] <= revision:
                 continue
             revision = directive["revision"]
+            holder = next((m for m in directive["machines"] if m["rank"] == self.machine.machine_rank), None)
+            if holder is not None and holder.get("instance_id") not in (None, self.config.instance_id):
+                # Declared failed and replaced (a false alarm, or etcd unreachable from here for a while):
+                # training on as this rank would collide with the machine that holds it now.
+                log.error(
+                    "machine %d is now %s: this machine was replaced; stopping",
+                    self.machine.machine_rank,
+                    holder["instance_id"],
+                )
+                self._finish(1)
+                return
             self.machine.update_addresses(directive["machines"])
             await self._act_on(directive)
 
@@ -220,6 +238,7 @@ class Agent:
             await self.client.report_inventory(self.machine.machine_rank, body)
         except (RootUnavailable, RootRejected) as exc:
             log.error("could not report the inventory of generation %d: %s", generation, exc)
+            self._stop_if_replaced(exc)
 
     async def _restore(self, directive: dict[str, Any]) -> dict[str, Any]:
         """Make the plan's iteration present in each local rank's store: it is there (local), or comes from
@@ -241,7 +260,8 @@ class Agent:
                 await asyncio.to_thread(self._fetch_from_peer, rank, iteration, source)
             else:
                 store = object_store(self.machine.registration["persistent"])
-                await store.get(source["location"], holdings.local_store(rank), iteration)
+                destination = holdings.local_store(rank)
+                await store.get(source["location"], destination, iteration, source.get("digest"))
             seconds = time.monotonic() - started
             log.info("rank %d: iteration %d ready (%s, %.2fs)", rank, iteration, source["tier"], seconds)
             return str(rank), {
@@ -282,6 +302,7 @@ class Agent:
             await self.client.report_progress(self.machine.machine_rank, body)
         except (RootUnavailable, RootRejected) as exc:
             log.error("could not report %s for generation %d: %s", event, generation, exc)
+            self._stop_if_replaced(exc)
 
     def _launch_spec(self, directive: dict[str, Any]) -> LaunchSpec:
         rendezvous = directive["rendezvous"]
@@ -332,6 +353,7 @@ class Agent:
             )
         except (RootUnavailable, RootRejected) as exc:
             log.error("could not report the exit of rank %d: %s", ended.global_rank, exc)
+            self._stop_if_replaced(exc)
 
     async def _report_finished(self, generation: int) -> None:
         # Peers must hold the last checkpoints before the job may complete (and the agents exit).

@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 Summary = Callable[[], dict[str, Any]]
 
 
+REPLACED_CODES = ("instance_replaced", "not_registered")  # the root's answers to a replaced machine
+
+
 class Replaced(Exception):
     """The root says this machine no longer holds its rank (it was declared failed and replaced)."""
 
@@ -33,7 +36,7 @@ async def rest_heartbeats(
         try:
             await client.heartbeat(rank, instance_id, summary())
         except RootRejected as exc:
-            if exc.code in ("instance_replaced", "not_registered"):
+            if exc.code in REPLACED_CODES:
                 raise Replaced(exc.message) from exc
             log.warning("heartbeat refused: %s", exc)
         except RootUnavailable as exc:

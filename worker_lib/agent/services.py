@@ -285,7 +285,8 @@ class Uploads:
             manifest, data = await asyncio.to_thread(self._stage, rank, iteration)
             if self._store is None:
                 self._store = object_store(services.registration["persistent"])
-            key = shard_key(services.registration["persistent"]["prefix"], services.job_id, iteration, rank)
+            prefix = services.registration["persistent"]["prefix"]
+            key = shard_key(prefix, services.job_id, iteration, rank, manifest_generation(manifest))
             shard = await self._store.put(key, manifest, data)
             await services.client.report_persisted(
                 services.machine_rank,

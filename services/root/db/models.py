@@ -131,6 +131,9 @@ class Job(Base):
     checkpoints_skipped: Mapped[int] = mapped_column(BigInteger, default=0)
     checkpoints_per_minute: Mapped[float | None] = mapped_column(default=None)
     wasted_time_s: Mapped[float] = mapped_column(default=0.0)
+    # Recoveries in a row that a new failure cut short before training resumed; reset by a recovery that
+    # finishes. Past Settings.max_failed_recoveries the job has failed (a crash loop).
+    failed_recoveries: Mapped[int] = mapped_column(default=0)
     # Bumped whenever what agents must do changes (a plan becomes ready, a recovery starts, the job ends);
     # agents long-poll for a revision newer than the one they acted on.
     directive_revision: Mapped[int] = mapped_column(default=0)

@@ -50,7 +50,13 @@ async def directive_of(session: AsyncSession, job: Job) -> schemas.DirectiveOut:
         rendezvous=schemas.Rendezvous(**plan.rendezvous) if plan.rendezvous else None,
         sources=[schemas.PlanSource(**source) for source in plan.sources],
         machines=[
-            schemas.Peer(rank=m.rank, address=m.address, data_port=m.data_port, state=m.state)
+            schemas.Peer(
+                rank=m.rank,
+                address=m.address,
+                data_port=m.data_port,
+                state=m.state,
+                instance_id=m.instance_id,
+            )
             for m in await repo.live_machines(session, job.id)
         ],
     )

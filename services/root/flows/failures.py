@@ -25,6 +25,7 @@ from services.root.db.models import (
     JobState,
     Machine,
     MachineState,
+    PlanStatus,
     utcnow,
 )
 from services.root.flows.machines import live_machine_at
@@ -52,7 +53,7 @@ async def record_exit(
         "instance_id": request.instance_id,
         "machine_rank": rank,
     }
-    current = await repo.open_failures(session, job.id)
+    current = await joinable_failures(session, job)
     if current:
         consequence = current[0]
         consequence.details = {
@@ -96,7 +97,7 @@ async def machine_lost(
     last_seen = machine.last_heartbeat_at or now
     symptoms = [
         e
-        for e in await repo.open_failures(session, job.id)
+        for e in await joinable_failures(session, job)
         if e.kind == FailureKind.SOFTWARE
         and e.machine_id != machine.id
         and e.detected_at >= last_seen - SYMPTOM_SLACK
@@ -123,6 +124,19 @@ async def machine_lost(
     session.add(event)
     await session.flush()
     return event
+
+
+async def joinable_failures(session: AsyncSession, job: Job) -> list[FailureEvent]:
+    """Open failures a new one may be part of: those not yet planned for, or whose recovery is still
+    collecting. Once a plan is ready, ranks are restoring and restarting: a failure then is a new one,
+    and the recovery it cuts short has failed (a new generation follows)."""
+    plan = await repo.latest_plan(session, job.id)
+    collecting = plan.id if plan is not None and plan.status == PlanStatus.COLLECTING else None
+    return [
+        e
+        for e in await repo.open_failures(session, job.id)
+        if e.state == FailureState.DETECTED or (collecting is not None and e.plan_id == collecting)
+    ]
 
 
 def describe_exit(exit_code: int) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -215,6 +217,18 @@ async def record_heartbeat(
         plan_generation=plan.generation if plan else None,
         peers=_group_peers(rank, placement.group_of(rank).members, live),
     )
+
+
+async def record_summary(
+    session: AsyncSession, job_id: uuid.UUID, instance_id: str, summary: dict[str, Any]
+) -> None:
+    """etcd mode: a heartbeat's summary, read from the agent's key, as a REST heartbeat records it."""
+    job = await repo.get_job(session, job_id)
+    machine = await repo.machine_by_instance(session, job_id, instance_id)
+    if job is None or machine is None or machine.state == MachineState.REPLACED:
+        return
+    machine.summary, machine.last_heartbeat_at = summary, utcnow()
+    _refresh_job_counters(job, list(await repo.live_machines(session, job.id)))
 
 
 def _refresh_job_counters(job: Job, live: Sequence[Machine]) -> None:

@@ -25,9 +25,11 @@ async def record_persisted(
     shard = next((s for s in checkpoint.shards if s.rank == report.rank), None)
     if shard is None:
         shard = PersistedShard(
-            checkpoint_id=checkpoint.id, rank=report.rank, key=report.key, digest="", nbytes=0
+            checkpoint_id=checkpoint.id, rank=report.rank, key=report.key, digest="", nbytes=0, generation=0
         )
         checkpoint.shards.append(shard)
+    if report.generation < shard.generation:
+        return []  # a late upload from before a rollback: the newer history's shard stays recorded
     shard.key, shard.digest, shard.nbytes, shard.generation = (
         report.key,
         report.digest,
@@ -49,6 +51,7 @@ async def _expire(session: AsyncSession, job: Job) -> list[str]:
     doomed = [c for c in checkpoints if c.id not in keep and (c in complete or c.iteration < oldest_kept)]
     prefixes = []
     for checkpoint in doomed:
+        # <prefix>/<job>/iteration-<I>/rank-<r>: this rank's shards of the iteration, every generation's
         prefixes += sorted({shard.key.rsplit("/", 1)[0] for shard in checkpoint.shards})
         await session.delete(checkpoint)
     return prefixes

@@ -72,25 +72,37 @@ async def advance(session: AsyncSession, job: Job, settings: Settings) -> list[R
         return []  # torchrun restarts embedded-mode training; failures are recorded, not orchestrated
 
     if fresh:
+        if job.state == JobState.RECOVERING and plan.status == PlanStatus.READY:
+            # A failure before every rank resumed: this recovery failed. In a row, that is a crash loop
+            # (or a source that cannot deliver), which restarting again will not fix.
+            job.failed_recoveries += 1
+            if job.failed_recoveries >= settings.max_failed_recoveries:
+                _give_up(session, job, events, now)
+                return []
         if job.state == JobState.RUNNING or plan.status != PlanStatus.COLLECTING:
             plan = await _open_recovery(session, job, plan, fresh)
         for event in events:  # new failures join; those of a superseded restore move along
             event.state, event.plan_id = FailureState.RECOVERING, plan.id
         await session.flush()
-        return _replacements(job, live, events, now)
+        return _replacements(job, live, events, now, settings)
 
     if job.state != JobState.RECOVERING:
         return []
     if plan.status == PlanStatus.COLLECTING:
-        actions = _replacements(job, live, events, now)
+        actions = _replacements(job, live, events, now, settings)
         if any(m.state == MachineState.FAILED for m in live):
             return actions  # waiting for replacements to register
         missing = [m for m in live if m.inventory_generation != plan.generation]
         if not missing:
             await _decide(session, job, plan, live, events, now)
-        elif now - plan.created_at > timedelta(seconds=settings.inventory_timeout_s):
-            for machine in missing:
-                await machine_lost(session, job, machine, "did not report its inventory in time")
+        # A replacement's clock starts when it registered: EC2 takes minutes to deliver one.
+        late = [
+            m
+            for m in missing
+            if now - max(plan.created_at, m.registered_at) > timedelta(seconds=settings.inventory_timeout_s)
+        ]
+        for machine in late:
+            await machine_lost(session, job, machine, "did not report its inventory in time")
         return actions
 
     if plan.status == PlanStatus.READY:
@@ -126,9 +138,11 @@ async def _open_recovery(
 
 
 def _replacements(
-    job: Job, live: list[Machine], events: list[FailureEvent], now: datetime
+    job: Job, live: list[Machine], events: list[FailureEvent], now: datetime, settings: Settings
 ) -> list[ReplaceMachine]:
-    """Replacement requests for failed machines that have none under way (or whose last one failed)."""
+    """Replacement requests for failed machines that have none under way: none asked for yet, the last
+    one failed (after a pause), or it was asked for replacement_timeout_s ago and no machine came (the
+    leader that asked died mid-request, or the new machine never registered)."""
     info = JobInfo(job.id, job.name, job.num_machines, job.launch)
     actions = []
     for machine in live:
@@ -141,11 +155,20 @@ def _replacements(
             continue
         request = event.details.get("replacement", {})
         retry_at = request.get("retry_at")
-        if request.get("status") in ("requested", "launched") or (
-            retry_at and datetime.fromisoformat(retry_at) > now
-        ):
+        asked_at = datetime.fromisoformat(request["at"]) if "at" in request else now
+        under_way = request.get("status") in ("requested", "launched") and now - asked_at < timedelta(
+            seconds=settings.replacement_timeout_s
+        )
+        if under_way or (retry_at and datetime.fromisoformat(retry_at) > now):
             continue
-        event.details = {**event.details, "replacement": {"status": "requested", "at": now.isoformat()}}
+        event.details = {
+            **event.details,
+            "replacement": {
+                "status": "requested",
+                "at": now.isoformat(),
+                "attempts": request.get("attempts", 0),
+            },
+        }
         actions.append(
             ReplaceMachine(info, MachineInfo(machine.rank, machine.instance_id, machine.address), event.id)
         )
@@ -265,6 +288,21 @@ async def _reached(session: AsyncSession, job: Job, live: list[Machine]) -> int 
     return max(newest) if newest else None
 
 
+def _give_up(session: AsyncSession, job: Job, events: list[FailureEvent], now: datetime) -> None:
+    """max_failed_recoveries recoveries in a row failed before training resumed: the job has failed. Its
+    agents stop (the directive says finished) and keep their shared memory, to salvage."""
+    why = (
+        f"{job.failed_recoveries} recoveries in a row failed before training resumed; the job is marked "
+        "failed (CASTOR_MAX_FAILED_RECOVERIES)"
+    )
+    for event in events:
+        event.state = FailureState.UNRECOVERABLE
+        event.details = {**event.details, "unrecoverable": why}
+    job.state, job.finished_at = JobState.FAILED, now
+    directive_changed(session, job)
+    log.error("job %s: %s", job.name, why)
+
+
 def _finish_recovery(job: Job, plan: RecoveryPlan, events: list[FailureEvent], now: datetime) -> None:
     """Every rank completed an iteration after the restore: the failures are recovered."""
     started = min(e.detected_at for e in events) if events else plan.created_at
@@ -275,7 +313,7 @@ def _finish_recovery(job: Job, plan: RecoveryPlan, events: list[FailureEvent], n
         event.resumed_at = now
         event.state = FailureState.RECOVERED
     job.wasted_time_s += (now - started).total_seconds() + lost * iteration_s
-    job.state = JobState.RUNNING
+    job.state, job.failed_recoveries = JobState.RUNNING, 0
     log.info("job %s: recovered at generation %d", job.name, plan.generation)
 
 

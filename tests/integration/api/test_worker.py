@@ -166,3 +166,53 @@ async def test_directive_waits_for_all_machines_then_releases_the_start(client: 
         assert response.status_code == 204, response.text
     done = (await client.get(url, params={"after": ready["revision"]}, headers=token)).json()
     assert done["status"] == "finished" and done["job_state"] == "completed"
+
+
+async def report_persisted(
+    client: httpx.AsyncClient, job: dict[str, object], rank: int, iteration: int, generation: int, digest: str
+) -> None:
+    body = {
+        "instance_id": f"i-{rank}",
+        "rank": rank,
+        "iteration": iteration,
+        "generation": generation,
+        "key": f"castor/{job['id']}/iteration-{iteration}/rank-{rank}/gen-{generation}",
+        "location": f"file:///p/{job['id']}/iteration-{iteration}",
+        "digest": digest,
+        "nbytes": 64,
+    }
+    response = await client.post(
+        f"/api/v1/worker/jobs/{job['id']}/machines/{rank}/persisted",
+        json=body,
+        headers=bearer(str(job["worker_token"])),
+    )
+    assert response.status_code == 204, response.text
+
+
+async def two_registered(client: httpx.AsyncClient, **fields: object) -> dict[str, object]:
+    job = await create_job(client, machines=2, replicas=2, **fields)
+    for instance in ("i-0", "i-1"):
+        assert (await register(client, job, instance)).status_code == 200
+    return job
+
+
+async def test_persisted_checkpoints_beyond_the_newest_p_complete_ones_expire(
+    client: httpx.AsyncClient,
+) -> None:
+    job = await two_registered(client, keep_persisted=2)
+    await report_persisted(client, job, 0, 5, 1, "half")  # incomplete, older than the kept ones
+    for iteration in (10, 20, 30):
+        for rank in (0, 1):
+            await report_persisted(client, job, rank, iteration, 1, f"d{iteration}{rank}")
+    checkpoints = (await client.get(f"/api/v1/jobs/{job['id']}/checkpoints", headers=admin())).json()
+    assert [c["iteration"] for c in checkpoints] == [30, 20]
+
+
+async def test_a_late_upload_from_before_a_rollback_does_not_replace_the_newer_shard(
+    client: httpx.AsyncClient,
+) -> None:
+    job = await two_registered(client)
+    await report_persisted(client, job, 0, 10, 2, "new0")
+    await report_persisted(client, job, 0, 10, 1, "old0")
+    checkpoints = (await client.get(f"/api/v1/jobs/{job['id']}/checkpoints", headers=admin())).json()
+    assert [(s["rank"], s["digest"]) for s in checkpoints[0]["shards"]] == [(0, "new0")]

@@ -78,3 +78,21 @@ async def test_corrupted_object_is_detected_and_not_committed(
     with pytest.raises(CheckpointCorruptError, match="stripe 0"):
         await store.get(key, destination)
     assert destination.committed() == [], "a checkpoint that failed its checksum is never committed"
+
+
+async def test_a_shard_that_is_not_the_planned_one_is_refused(store: ObjectStore, shm: Path) -> None:
+    """After a rollback the same iteration number is another history: the digest the root recorded tells
+    them apart, and the wrong one is never committed."""
+    source = checkpoint(shm / "src", 12, 1 << 16)
+    key = shard_key("castor", "job-3", 12, 0, generation=2)
+    assert key.endswith("iteration-12/rank-0/gen-2")
+    with source.open_read() as (manifest, data):
+        await store.put(key, manifest, data)
+    destination = SlotStore(shm / "dst")
+    with pytest.raises(CheckpointCorruptError, match="not the checkpoint the root recorded"):
+        await store.get(key, destination, iteration=12, digest="0" * 16)
+    with pytest.raises(CheckpointCorruptError, match="not the planned iteration 11"):
+        await store.get(key, destination, iteration=11, digest=manifest.digest)
+    assert destination.committed() == []
+    fetched = await store.get(key, destination, iteration=12, digest=manifest.digest)
+    assert [m.digest for m in destination.committed()] == [fetched.digest]

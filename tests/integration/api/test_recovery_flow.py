@@ -1,0 +1,159 @@
+"""The recovery state machine's unhappy paths, on Postgres and SQLite, driven the way agents drive it: a
+crash while ranks restore starts a new generation, a crash loop ends with the job failed, and a
+replacement that arrives late still gets its own time to report what it holds.
+
+The root here has tight timeouts and its own database, so that its leader is the only one acting on
+these jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from services.root.app import create_app
+from services.root.db import repository as repo
+from services.root.flows.failures import machine_lost
+from services.root.settings import Settings
+from tests.integration.conftest import ADMIN_TOKEN, create_job, empty_tables
+from tests.integration.web.scenario import Scenario, eventually
+
+MAX_FAILED_RECOVERIES = 2
+INVENTORY_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module", params=["postgres", "sqlite"])
+async def tight_app(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[FastAPI]:
+    if request.param == "postgres":
+        database = request.getfixturevalue("postgres_server").create_database(f"flow_{uuid.uuid4().hex[:8]}")
+    else:
+        database = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('flow') / 'castor.db'}"
+    state: Path = tmp_path_factory.mktemp("flow-state")
+    settings = Settings(
+        database_url=database,
+        admin_token=ADMIN_TOKEN,
+        state_dir=state,
+        heartbeat_timeout_s=3600,
+        inventory_timeout_s=INVENTORY_TIMEOUT_S,
+        max_failed_recoveries=MAX_FAILED_RECOVERIES,
+    )
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        yield app
+
+
+@pytest.fixture
+async def client(tight_app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    await empty_tables(tight_app.state.castor.database)
+    transport = httpx.ASGITransport(app=tight_app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://castor.test") as http:
+        yield http
+
+
+async def two_machines(client: httpx.AsyncClient) -> Scenario:
+    scenario = Scenario(client, await create_job(client, machines=2, replicas=2))
+    await scenario.register(["i-0", "i-1"])
+    await scenario.heartbeat(5)
+    return scenario
+
+
+async def report_inventories(scenario: Scenario, generation: int, ranks: list[int]) -> None:
+    await scenario.plan(generation, "collecting")
+    for rank in ranks:
+        holdings = [
+            {
+                "rank": r,
+                "iteration": 5,
+                "tier": tier,
+                "digest": f"{r:02d}" * 8,
+                "data_bytes": 64,
+                "verified": True,
+            }
+            for r, tier in ((rank, "local"), (1 - rank, "replica"))
+        ]
+        body = {"instance_id": scenario.instances[rank], "generation": generation, "holdings": holdings}
+        await scenario.post(f"/machines/{rank}/inventory", body, 204)
+
+
+async def restore_without_resuming(scenario: Scenario, generation: int) -> None:
+    await report_inventories(scenario, generation, [0, 1])
+    await scenario.plan(generation, "ready")
+    for rank, instance in enumerate(scenario.instances):
+        body = {"instance_id": instance, "generation": generation, "event": "restored"}
+        await scenario.post(f"/machines/{rank}/progress", body, 204)
+
+
+async def test_a_crash_while_ranks_restore_starts_a_new_generation_and_a_crash_loop_fails_the_job(
+    client: httpx.AsyncClient,
+) -> None:
+    scenario = await two_machines(client)
+    await scenario.kill_process(1)
+    await restore_without_resuming(scenario, generation=2)
+
+    await scenario.kill_process(1)  # the restarted process dies before its first iteration
+    await scenario.plan(3, "collecting")  # not folded into the finished plan: a recovery of its own
+    await restore_without_resuming(scenario, generation=3)
+
+    await scenario.kill_process(1)  # and again: a crash loop
+    job = await eventually(
+        lambda: _job_in_state(scenario, "failed"), f"the job to fail after {MAX_FAILED_RECOVERIES} tries"
+    )
+    assert job["finished_at"]
+    failures = await scenario.api("/failures")
+    assert {f["state"] for f in failures} == {"unrecoverable"}, "every attempt's failures, given up"
+    assert "recoveries in a row failed" in failures[0]["details"]["unrecoverable"]
+    directive = await client.get(f"/api/v1/worker/jobs/{scenario.id}/directive", headers=scenario.worker)
+    assert (directive.json()["status"], directive.json()["job_state"]) == ("finished", "failed")
+    newest = (await scenario.api("/recovery-plans"))[0]
+    assert newest["generation"] == 3, "no attempt after the last one allowed"
+
+
+async def test_a_recovery_that_resumes_resets_the_count(client: httpx.AsyncClient) -> None:
+    scenario = await two_machines(client)
+    for generation in (2, 3, 4):  # more recoveries than the limit, each one resuming training
+        await scenario.kill_process(1)
+        await restore_without_resuming(scenario, generation)
+        for rank, instance in enumerate(scenario.instances):
+            body = {"instance_id": instance, "generation": generation, "event": "resumed"}
+            await scenario.post(f"/machines/{rank}/progress", body, 204)
+        await eventually(lambda: _job_in_state(scenario, "running"), "the job to run again")
+
+
+async def test_a_late_replacement_gets_its_own_time_to_report(
+    client: httpx.AsyncClient, tight_app: FastAPI
+) -> None:
+    scenario = await two_machines(client)
+    database = tight_app.state.castor.database
+    async with database.session() as session:
+        job = await repo.get_job(session, uuid.UUID(scenario.id), for_update=True)
+        assert job is not None
+        machine = next(m for m in await repo.live_machines(session, job.id) if m.rank == 1)
+        await machine_lost(session, job, machine, "stopped heartbeating (test)")
+    await report_inventories(scenario, 2, [0])
+
+    # The new machine arrives long after the recovery started (EC2 takes minutes)...
+    await asyncio.sleep(INVENTORY_TIMEOUT_S * 1.5)
+    body = {"instance_id": "i-1b", "address": "127.0.0.1", "data_port": 7101}
+    await scenario.post("/machines", body, 200)
+    scenario.instances = ["i-0", "i-1b"]
+    # ...and still reports what it holds (nothing: fresh memory) in time.
+    await scenario.post(
+        "/machines/1/inventory", {"instance_id": "i-1b", "generation": 2, "holdings": []}, 204
+    )
+    plan = await scenario.plan(2, "ready")
+    assert {s["rank"]: s["tier"] for s in plan["sources"]} == {0: "local", 1: "peer"}
+    machines = await scenario.api("/machines")
+    assert [(m["rank"], m["instance_id"], m["state"]) for m in machines][1] == (1, "i-1b", "healthy")
+
+
+async def _job_in_state(scenario: Scenario, state: str) -> dict[str, Any] | None:
+    job: dict[str, Any] = await scenario.api("")
+    return job if job["state"] == state else None
