@@ -174,8 +174,9 @@ class Orchestrator:
         """etcd mode: an agent's key disappears when its lease expires (the machine is gone)."""
         assert self.coordinator is not None
         while True:
+            # The sweep runs beside the watch, not before it: a lease that expires meanwhile is seen by one.
+            sweep = asyncio.create_task(self._sweep_missing_keys(), name="sweep")
             try:
-                await self._sweep_missing_keys()
                 async for kind, key, summary in self.coordinator.watch_machines():
                     if kind == "delete":
                         await self._lost(
@@ -192,11 +193,20 @@ class Orchestrator:
             except Exception:
                 log.exception("etcd watch broke; restarting it")
                 await asyncio.sleep(0.5)
+            finally:
+                sweep.cancel()
 
     async def _sweep_missing_keys(self) -> None:
         """After becoming leader: machines whose lease expired while nobody was watching."""
         assert self.coordinator is not None
         await asyncio.sleep(self.settings.lease_ttl_s + 1.0)  # let agents that just registered put their key
+        try:
+            await self._sweep_once()
+        except Exception as exc:  # the watch restarts (with a new sweep) if etcd is the problem
+            log.warning("sweep of expired leases failed: %s", exc)
+
+    async def _sweep_once(self) -> None:
+        assert self.coordinator is not None
         present = set(await self.coordinator.machine_keys())
         grace = utcnow() - timedelta(seconds=self.settings.lease_ttl_s + 2.0)
         await self._lost(
