@@ -6,6 +6,7 @@ lifespan, as in production); each test starts from empty tables."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -59,11 +60,18 @@ async def empty_tables(database: Database) -> None:
             await asyncio.sleep(0.1)
 
 
+@contextlib.asynccontextmanager
+async def fresh_client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """An in-process client of `app` over empty tables."""
+    await empty_tables(app.state.castor.database)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://castor.test") as http:
+        yield http
+
+
 @pytest.fixture
 async def client(root_app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    await empty_tables(root_app.state.castor.database)
-    transport = httpx.ASGITransport(app=root_app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://castor.test") as http:
+    async with fresh_client(root_app) as http:
         yield http
 
 

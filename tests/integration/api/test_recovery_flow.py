@@ -21,7 +21,7 @@ from services.root.app import create_app
 from services.root.db import repository as repo
 from services.root.flows.failures import machine_lost
 from services.root.settings import Settings
-from tests.integration.conftest import ADMIN_TOKEN, create_job, empty_tables
+from tests.integration.conftest import ADMIN_TOKEN, create_job, fresh_client
 from tests.integration.web.scenario import Scenario, eventually
 
 MAX_FAILED_RECOVERIES = 2
@@ -52,9 +52,7 @@ async def tight_app(
 
 @pytest.fixture
 async def client(tight_app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    await empty_tables(tight_app.state.castor.database)
-    transport = httpx.ASGITransport(app=tight_app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://castor.test") as http:
+    async with fresh_client(tight_app) as http:
         yield http
 
 
