@@ -3,17 +3,16 @@ etcd heartbeats, and the AWS operator against a moto server (Auto Scaling Group 
 
 from __future__ import annotations
 
-import os
+import asyncio
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
-import aioboto3
 import httpx
 import pytest
 
 from tests import harness
+from tests.aws_group import create_group, group_instances, instance_state
 from tests.e2e.cluster import LocalCluster, wait_until
 from tests.e2e.recovery_checks import (
     check_consistent_restore,
@@ -82,44 +81,6 @@ def test_root_leader_loss_does_not_stop_training_and_a_later_failure_is_recovere
     check_consistent_restore(logs, 4, reached, max_lost=1)
 
 
-async def create_group(moto: harness.Moto, name: str, size: int) -> list[str]:
-    session = aioboto3.Session(region_name="us-east-1")
-    async with (
-        session.client("ec2", endpoint_url=moto.url) as ec2,
-        session.client("autoscaling", endpoint_url=moto.url) as autoscaling,
-        session.client("s3", endpoint_url=moto.url) as s3,
-    ):
-        image = (await ec2.describe_images(Owners=["amazon"]))["Images"][0]["ImageId"]
-        subnet = (await ec2.describe_subnets())["Subnets"][0]["SubnetId"]
-        await ec2.create_launch_template(
-            LaunchTemplateName=name, LaunchTemplateData={"ImageId": image, "InstanceType": "p4d.24xlarge"}
-        )
-        await autoscaling.create_auto_scaling_group(
-            AutoScalingGroupName=name,
-            MinSize=0,
-            MaxSize=size + 2,
-            DesiredCapacity=size,
-            LaunchTemplate={"LaunchTemplateName": name, "Version": "$Latest"},
-            VPCZoneIdentifier=subnet,
-        )
-        await s3.create_bucket(Bucket=name)
-    return sorted(await group_instances(moto, name))
-
-
-async def group_instances(moto: harness.Moto, name: str) -> dict[str, dict[str, Any]]:
-    async with aioboto3.Session(region_name="us-east-1").client(
-        "autoscaling", endpoint_url=moto.url
-    ) as autoscaling:
-        groups = await autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[name])
-    return {i["InstanceId"]: i for i in groups["AutoScalingGroups"][0]["Instances"]}
-
-
-async def instance_state(moto: harness.Moto, instance_id: str) -> str:
-    async with aioboto3.Session(region_name="us-east-1").client("ec2", endpoint_url=moto.url) as ec2:
-        reservations = (await ec2.describe_instances(InstanceIds=[instance_id]))["Reservations"]
-    return str(reservations[0]["Instances"][0]["State"]["Name"])
-
-
 async def test_aws_replaces_the_failed_instance_through_its_auto_scaling_group(
     cluster: LocalCluster, tmp_path: Path, moto_server: harness.Moto
 ) -> None:
@@ -152,7 +113,7 @@ async def test_aws_replaces_the_failed_instance_through_its_auto_scaling_group(
     deadline = time.monotonic() + 60
     while (new_instance := await replacement()) is None:
         assert time.monotonic() < deadline, f"no replacement instance\n{cluster.logs()}"
-        await asyncio_sleep(0.5)
+        await asyncio.sleep(0.5)
     assert await instance_state(moto_server, instances[1]) == "terminated"
     cluster.start_machine(2, command, instance_id=new_instance)  # the new instance boots its agent
 
@@ -167,12 +128,3 @@ async def test_aws_replaces_the_failed_instance_through_its_auto_scaling_group(
     check_consistent_restore(logs, 2, reached, max_lost=1)
     persisted = cluster.api("GET", f"/api/v1/jobs/{cluster.job['id']}/checkpoints")
     assert persisted and persisted[0]["location"].startswith(f"s3://{group}/"), "the S3 tier got checkpoints"
-
-
-async def asyncio_sleep(seconds: float) -> None:
-    import asyncio
-
-    await asyncio.sleep(seconds)
-
-
-os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")

@@ -56,6 +56,11 @@ class AwsOperator:
         self.timeout_s = timeout_s
         self.attempts = attempts
         self._session = aioboto3.Session(region_name=region)
+        # Instances never to hand out: those already handed out as replacements and those being replaced.
+        # Replacements run concurrently (a lost group is two at once) and an instance is bound in the
+        # database only when its agent registers, so without this two ranks could be promised the same
+        # standby or new instance, or one rank the failed instance another replacement is terminating.
+        self._claimed: set[str] = set()
 
     async def provision(self, job: JobInfo, worker_token: str) -> None:
         return None  # the group's launch template boots instances that run `castor agent`
@@ -76,18 +81,27 @@ class AwsOperator:
         return instances
 
     async def replace(self, job: JobInfo, failed: MachineInfo, bound_instances: set[str]) -> Replacement:
+        self._claimed.add(failed.instance_id)
         async with self._session.client("autoscaling", endpoint_url=self.endpoint_url) as autoscaling:
             current = await self.instances()
-            standby = [i["InstanceId"] for i in current if i["LifecycleState"] == "Standby"]
             in_group = {i["InstanceId"] for i in current}
-            if self.use_standby and standby:
-                chosen = standby[0]
-                await self._retry(
-                    "move a standby instance into service",
-                    lambda: autoscaling.exit_standby(
-                        AutoScalingGroupName=self.asg_name, InstanceIds=[chosen]
-                    ),
-                )
+            standby = [
+                i["InstanceId"]
+                for i in current
+                if i["LifecycleState"] == "Standby" and i["InstanceId"] not in bound_instances
+            ]
+            chosen = self._claim_first(standby) if self.use_standby else None
+            if chosen is not None:
+                try:
+                    await self._retry(
+                        "move a standby instance into service",
+                        lambda: autoscaling.exit_standby(
+                            AutoScalingGroupName=self.asg_name, InstanceIds=[chosen]
+                        ),
+                    )
+                except BaseException:
+                    self._claimed.discard(chosen)
+                    raise
                 await self._terminate(autoscaling, failed.instance_id, in_group, decrement=True)
                 return Replacement(chosen, f"standby instance {chosen} moved into service", {"standby": True})
             await self._terminate(autoscaling, failed.instance_id, in_group, decrement=False)
@@ -120,10 +134,19 @@ class AwsOperator:
                 for i in await self.instances()
                 if i["InstanceId"] not in known and i["LifecycleState"] == "InService"
             ]
-            if fresh:
-                return str(sorted(fresh)[0])
+            if (chosen := self._claim_first(fresh)) is not None:
+                return chosen
             await asyncio.sleep(self.poll_s)
         raise CloudOperatorError(f"no replacement instance in {self.asg_name!r} after {self.timeout_s:.0f}s")
+
+    def _claim_first(self, candidates: list[str]) -> str | None:
+        """The first candidate no other replacement took, now claimed. No await between the check and
+        the claim, so concurrent replacements on the event loop cannot both take one instance."""
+        for instance_id in sorted(candidates):
+            if instance_id not in self._claimed:
+                self._claimed.add(instance_id)
+                return instance_id
+        return None
 
     async def _retry(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         delay = 0.5
