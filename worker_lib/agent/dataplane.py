@@ -330,6 +330,10 @@ class DataPlaneServer:
         self.port: int = self._listener.getsockname()[1]
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="castor-dataplane", daemon=True)
+        # Open peer connections, so that stop() can end them before the caller closes the holdings
+        # they read from and write into.
+        self._connections: dict[socket.socket, threading.Thread] = {}
+        self._connections_lock = threading.Lock()
 
     def start(self) -> DataPlaneServer:
         self._thread.start()
@@ -341,6 +345,14 @@ class DataPlaneServer:
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         self._thread.join(timeout=5)
+        with self._connections_lock:
+            connections = dict(self._connections)
+        for sock in connections:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + 5
+        for thread in connections.values():
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _count_auth_failure(self) -> None:
         self.counters.auth_failures += 1
@@ -351,30 +363,43 @@ class DataPlaneServer:
                 sock, peer = self._listener.accept()
             except OSError:
                 return
-            threading.Thread(
+            thread = threading.Thread(
                 target=self._serve, args=(sock, peer), name=f"castor-dataplane-{peer[1]}", daemon=True
-            ).start()
+            )
+            with self._connections_lock:
+                if self._closing.is_set():
+                    sock.close()
+                    return
+                self._connections[sock] = thread
+            thread.start()
 
     def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
-        with sock:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.settimeout(120)
-                if not _server_handshake(sock, self.key, self.job_id, self._count_auth_failure):
-                    log.warning("refused data-plane peer %s:%s: authentication failed", *peer)
-                    return
-                while not self._closing.is_set():
-                    try:
-                        request = recv_message(sock)
-                    except DataPlaneError as exc:
-                        if exc.code == "connection_closed":
-                            return
-                        raise
-                    self._dispatch(sock, request)
-            except (OSError, DataPlaneError, ValueError) as exc:
-                log.info("data-plane connection from %s:%s ended: %s", peer[0], peer[1], exc)
-            except Exception:  # e.g. shared memory full while writing a replica: say so, drop the peer
-                log.exception("data-plane connection from %s:%s failed", peer[0], peer[1])
+        try:
+            self._serve_peer(sock, peer)
+        finally:
+            with self._connections_lock:
+                self._connections.pop(sock, None)
+            sock.close()
+
+    def _serve_peer(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(120)
+            if not _server_handshake(sock, self.key, self.job_id, self._count_auth_failure):
+                log.warning("refused data-plane peer %s:%s: authentication failed", *peer)
+                return
+            while not self._closing.is_set():
+                try:
+                    request = recv_message(sock)
+                except DataPlaneError as exc:
+                    if exc.code == "connection_closed":
+                        return
+                    raise
+                self._dispatch(sock, request)
+        except (OSError, DataPlaneError, ValueError) as exc:
+            log.info("data-plane connection from %s:%s ended: %s", peer[0], peer[1], exc)
+        except Exception:  # e.g. shared memory full while writing a replica: say so, drop the peer
+            log.exception("data-plane connection from %s:%s failed", peer[0], peer[1])
 
     def _dispatch(self, sock: socket.socket, request: dict[str, Any]) -> None:
         op = request.get("op")

@@ -164,15 +164,19 @@ class Holdings:
         return out
 
     def _copy_engine(self) -> CopyEngine:
-        if self._engine is None:
-            self._engine = CopyEngine()
-        return self._engine
+        with self._lock:  # inventories can run on two threads at once; one pool is enough
+            if self._engine is None:
+                self._engine = CopyEngine()
+            return self._engine
 
     def close(self) -> None:
         with self._lock:
             for store in self._stores.values():
                 store.close()
             self._stores.clear()
+            if self._engine is not None:
+                self._engine.close()
+                self._engine = None
 
     def remove(self) -> None:
         """Free the machine's shared memory (the job finished)."""

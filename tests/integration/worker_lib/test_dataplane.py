@@ -311,3 +311,29 @@ def test_a_stalled_peer_does_not_hold_the_slot_once_a_newer_commit_exists(sender
     finally:
         peer.close()
         listener.close()
+
+
+def test_stop_ends_open_peer_connections(sender: Holdings, shm: Path) -> None:
+    server = DataPlaneServer(Holdings(shm / "stopping"), data_plane_key(TOKEN), JOB, host="127.0.0.1").start()
+    before = set(threading.enumerate())
+    with PeerConnection("127.0.0.1", server.port, data_plane_key(TOKEN), JOB) as peer:
+        # An authenticated peer idles between requests: its connection thread waits in recv.
+        connections = [
+            t for t in set(threading.enumerate()) - before if t.name.startswith("castor-dataplane-")
+        ]
+        assert connections, "the server serves the peer on a thread of its own"
+        started = time.monotonic()
+        server.stop()
+        assert time.monotonic() - started < 5, "stop() does not wait for the peer's 120 s read timeout"
+        assert not any(t.is_alive() for t in connections), "no connection thread outlives stop()"
+        with pytest.raises((DataPlaneError, OSError)):
+            peer.get(0, SlotStore(shm / "nowhere" / "rank-0"))
+
+
+def test_closing_the_holdings_stops_their_verification_threads(sender: Holdings) -> None:
+    before = set(threading.enumerate())
+    assert all(h.verified for h in sender.inventory(verify_checksums=True))
+    pool = [t for t in set(threading.enumerate()) - before if t.name.startswith("castor-copy")]
+    assert pool, "verification hashes on a pool of threads"
+    sender.close()
+    assert not any(t.is_alive() for t in pool)
