@@ -18,6 +18,7 @@ from services.root.db.models import (
     PersistedCheckpoint,
     PersistedShard,
     PlacementGroupRow,
+    PlanStatus,
     RecoveryPlan,
 )
 
@@ -122,6 +123,13 @@ async def latest_plan(session: AsyncSession, job_id: uuid.UUID) -> RecoveryPlan 
 async def list_plans(session: AsyncSession, job_id: uuid.UUID) -> Sequence[RecoveryPlan]:
     query = select(RecoveryPlan).where(RecoveryPlan.job_id == job_id).order_by(RecoveryPlan.generation.desc())
     return (await session.execute(query)).scalars().all()
+
+
+async def resumed_from(session: AsyncSession, job_id: uuid.UUID) -> dict[int, int | None]:
+    """Each released plan's generation and the iteration it resumed from (None: from scratch): the
+    job's timeline, for `domain.recovery.on_timeline`."""
+    plans = await list_plans(session, job_id)
+    return {plan.generation: plan.iteration for plan in plans if plan.status == PlanStatus.READY}
 
 
 async def list_persisted(session: AsyncSession, job_id: uuid.UUID) -> Sequence[PersistedCheckpoint]:

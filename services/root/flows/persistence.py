@@ -1,5 +1,5 @@
 """Persisted checkpoints: agents upload every K iterations; the root records each rank's shard and keeps
-the newest P complete checkpoints (older ones, and incomplete ones older than the newest complete, go)."""
+the newest P complete checkpoints (the rules are in `domain.retention`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.root import schemas
 from services.root.db import repository as repo
 from services.root.db.models import Job, PersistedCheckpoint, PersistedShard
+from services.root.domain.retention import StoredCheckpoint, expired
 from services.root.flows.machines import live_machine_at
 
 
@@ -41,16 +42,19 @@ async def record_persisted(
 
 
 async def _expire(session: AsyncSession, job: Job) -> list[str]:
-    world_size = job.num_machines * job.procs_per_machine
-    checkpoints = list(await repo.list_persisted(session, job.id))  # newest first
-    complete = [c for c in checkpoints if len(c.shards) == world_size]
-    if not complete:
-        return []
-    keep = {c.id for c in complete[: job.keep_persisted]}
-    oldest_kept = complete[: job.keep_persisted][-1].iteration
-    doomed = [c for c in checkpoints if c.id not in keep and (c in complete or c.iteration < oldest_kept)]
+    checkpoints = {c.iteration: c for c in await repo.list_persisted(session, job.id)}
+    doomed = expired(
+        [
+            StoredCheckpoint(c.iteration, {shard.rank: shard.generation for shard in c.shards})
+            for c in checkpoints.values()
+        ],
+        world_size=job.num_machines * job.procs_per_machine,
+        keep=job.keep_persisted,
+        resumed_from=await repo.resumed_from(session, job.id),
+    )
     prefixes = []
-    for checkpoint in doomed:
+    for stored in doomed:
+        checkpoint = checkpoints[stored.iteration]
         # <prefix>/<job>/iteration-<I>/rank-<r>: this rank's shards of the iteration, every generation's
         prefixes += sorted({shard.key.rsplit("/", 1)[0] for shard in checkpoint.shards})
         await session.delete(checkpoint)

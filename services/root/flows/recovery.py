@@ -221,11 +221,7 @@ async def _decide(
             PersistedShard(shard.rank, checkpoint.iteration, shard.key, shard.digest, shard.generation)
             for checkpoint, shard in await repo.persisted_shards(session, job.id)
         ],
-        resumed_from={
-            p.generation: p.iteration
-            for p in await repo.list_plans(session, job.id)
-            if p.status == PlanStatus.READY
-        },
+        resumed_from=await repo.resumed_from(session, job.id),
         reached=await _reached(session, job, live),
     )
     by_rank = {m.rank: m for m in live}
