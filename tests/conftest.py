@@ -1,13 +1,19 @@
-"""Session-wide real services, started lazily the first time a test needs them and stopped at the end."""
+"""Session-wide real services, started lazily the first time a test needs them and stopped at the end;
+the local cluster of the multi-process tests (e2e, browser), whose logs a failed test leaves in
+test-artifacts/."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests import harness
+from tests.e2e.cluster import LocalCluster
+
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 
 os.environ.update(harness.AWS_TEST_ENV)
 
@@ -28,3 +34,22 @@ def etcd_server() -> Iterator[harness.Etcd]:
 def moto_server() -> Iterator[harness.Moto]:
     with harness.moto() as server:
         yield server
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    local = LocalCluster(tmp_path)
+    yield local
+    failed = getattr(request.node, "rep_call", None)
+    if failed is not None and failed.failed:
+        # Keep the processes' logs of a failed run where CI can find them.
+        ARTIFACTS.mkdir(exist_ok=True)
+        (ARTIFACTS / f"{request.node.name}.log").write_text(local.logs(tail=200))
+    local.close()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    report = yield
+    setattr(item, f"rep_{report.when}", report)  # lets fixtures see whether their test failed
+    return report

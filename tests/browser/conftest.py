@@ -18,10 +18,10 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, BrowserContext, Page, sync_playwright
 
+from tests.conftest import ARTIFACTS
 from tests.harness import free_port, stop_process, wait_for_port
 
 REPO = Path(__file__).resolve().parents[2]
-ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = os.environ.get("CASTOR_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--disable-gpu",
@@ -122,10 +122,3 @@ def sign_in(page: Page, base_url: str, token: str, path: str = "/") -> None:
     page.fill("#token", token)
     page.click("button[type=submit]")
     page.wait_for_url(lambda url: "/login" not in url)
-
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
-    report = yield
-    setattr(item, f"rep_{report.when}", report)
-    return report

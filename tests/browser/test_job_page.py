@@ -11,7 +11,6 @@ import re
 import shutil
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,17 +22,6 @@ from tests.e2e.cluster import LocalCluster, Machine, wait_until
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 SCREENSHOT = REPO / "docs" / "screenshots" / "job-page.png"
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
-    local = LocalCluster(tmp_path)
-    yield local
-    failed = getattr(request.node, "rep_call", None)
-    if failed is not None and failed.failed:
-        ARTIFACTS.mkdir(exist_ok=True)
-        (ARTIFACTS / f"{request.node.name}.log").write_text(local.logs(tail=200))
-    local.close()
 
 
 @pytest.mark.timeout(480)

@@ -520,16 +520,6 @@ class FailurePage:
         return f"Failure #{self.failure.id} · {self.job.name}"
 
 
-def _parse_time(value: Any) -> datetime | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
-
-
 def _int(value: Any) -> int | None:
     try:
         return int(value)
@@ -607,7 +597,7 @@ async def failure_page(
                 global_rank=_int(entry.get("global_rank")),
                 exit_code=_int(entry.get("exit_code")),
                 instance_id=str(entry.get("instance_id", "")),
-                at=_parse_time(entry.get("at")),
+                at=phases.parse_timestamp(entry.get("at")),
             )
         )
         instance = str(entry.get("instance_id", ""))

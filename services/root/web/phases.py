@@ -58,7 +58,8 @@ class EventTimes(Protocol):
     def details(self) -> Mapping[str, Any]: ...
 
 
-def _parse(value: Any) -> datetime | None:
+def parse_timestamp(value: Any) -> datetime | None:
+    """An ISO timestamp from an event's JSON details (naive ones are UTC); None if absent or malformed."""
     if not isinstance(value, str):
         return None
     try:
@@ -73,7 +74,9 @@ def failed_at(event: EventTimes) -> datetime:
     after it), a process exit when it was reported."""
     if event.kind != "hardware":
         return event.detected_at
-    since = _parse(event.details.get("failed_since")) or _parse(event.details.get("last_heartbeat_at"))
+    since = parse_timestamp(event.details.get("failed_since")) or parse_timestamp(
+        event.details.get("last_heartbeat_at")
+    )
     return min(since, event.detected_at) if since else event.detected_at
 
 
