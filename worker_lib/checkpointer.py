@@ -226,12 +226,20 @@ class Checkpointer:
             raise
         return Restored(manifest.iteration, state, manifest.meta)
 
-    def close(self) -> None:
-        """Finish the pending save and release threads, hooks and mappings (the checkpoints stay)."""
+    def close(self, *, finished: bool = True) -> None:
+        """Finish the pending save and release threads, hooks and mappings (the checkpoints stay).
+
+        `finished` tells the machine's Castor services that this rank's training ended cleanly (in the
+        embedded mode the job completes once every rank said so); leaving a `with` block through an
+        exception passes False.
+        """
         if self._closed:
             return
         try:
             self.wait()
+            if finished:
+                newest = self._store.committed()
+                self._notify("finished", newest[0].iteration if newest else -1, None)
         finally:
             self._closed = True
             self._step_hook.remove()
@@ -246,8 +254,8 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        self.close(finished=exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)))
 
     def _layout_for(self, tensors: Sequence[torch.Tensor], keys: Sequence[str]) -> Layout:
         current = signature(tensors, keys)
@@ -319,9 +327,9 @@ class Checkpointer:
         self._notify("commit", writer.iteration, writer.slot)
 
     def _notify(self, event: str, iteration: int, slot: int | None) -> None:
-        """Tell the worker agent, if there is one, that a checkpoint was committed (or a save skipped): one
-        datagram, never blocking, and any failure ignored (the agent may be down; training must not
-        notice)."""
+        """Tell the worker agent, if there is one, that a checkpoint was committed (or a save skipped, or
+        this rank finished): one datagram, never blocking, and any failure ignored (the agent may be down;
+        training must not notice)."""
         if not self._notify_path:
             return
         message = {

@@ -9,6 +9,8 @@ What this mode gives up compared with `castor agent`: a crashed process is notic
 restart and a missed heartbeat (the agent reports the exit at once), the services restart with local rank
 0, and the root's recovery directives (stop, restore a planned iteration, replace a machine) are not
 followed: torchrun restarts the workers and every rank restores the newest iteration all ranks hold.
+When training ends cleanly (every Checkpointer closed without an exception), each machine replicates its
+last checkpoints and reports that it finished, and the job completes once all have.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 from worker_lib.agent.heartbeat import Replaced
@@ -27,12 +30,15 @@ from worker_lib.client import RootClient
 
 log = logging.getLogger(__name__)
 
+OWN_NOTICE_WAIT_S = 2.0  # for this process's own "finished" notice to cross the notify socket
+
 
 class EmbeddedServices:
     """The machine services on a daemon thread with its own event loop (local rank 0 only)."""
 
-    def __init__(self, services: MachineServices):
+    def __init__(self, services: MachineServices, *, finish_timeout_s: float = 60.0):
         self.services = services
+        self.finish_timeout_s = finish_timeout_s
         self.loop = asyncio.new_event_loop()
         self.registered = threading.Event()
         self.error: BaseException | None = None
@@ -68,10 +74,69 @@ class EmbeddedServices:
         await self.services.close()
 
     def close(self) -> None:
-        """Stop the services (flushing nothing: replicas in flight are simply not committed)."""
-        if self._stop is not None and self._thread.is_alive():
+        """Stop the services (at exit). When every local rank finished cleanly, first see the job through:
+        replicate the last checkpoints to the peers, tell the root this machine finished, and keep serving
+        the peers' last replicas until the job completes (or `finish_timeout_s`). Otherwise, stop at once:
+        torchrun restarts the workers, and replicas in flight are simply not committed."""
+        if self._stop is None or not self._thread.is_alive():
+            return
+        try:
+            if self._finished_cleanly():
+                self._see_the_job_through(time.monotonic() + self.finish_timeout_s)
+        except Exception as exc:  # at exit: say why, never hang or raise
+            log.warning("could not see the job through to its completion: %s", exc)
+        finally:
             self.loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout=15)
+
+    def _finished_cleanly(self) -> bool:
+        """Whether every local rank's Checkpointer said it finished. This process's own notice is on its way
+        if it finished; the other local ranks get until the finish timeout, as they may end a little later."""
+        own_rank = int(os.environ.get("RANK", "0"))
+        waited_for_own = time.monotonic() + OWN_NOTICE_WAIT_S
+        deadline = time.monotonic() + self.finish_timeout_s
+        local = set(self.services.local_ranks())
+        while not local <= self.services.finished_ranks:
+            now = time.monotonic()
+            if now > deadline or (own_rank not in self.services.finished_ranks and now > waited_for_own):
+                return False
+            time.sleep(0.02)
+        return True
+
+    def _see_the_job_through(self, deadline: float) -> None:
+        services = self.services
+        # In this thread: at exit, executors refuse new work, so the flush cannot go through to_thread.
+        if services.replicator is not None and not services.replicator.flush(
+            services.local_ranks(), timeout_s=max(0.0, deadline - time.monotonic())
+        ):
+            log.warning("the last checkpoints did not reach every peer in time")
+            return
+        job_state = asyncio.run_coroutine_threadsafe(self._report_finished(deadline), self.loop).result(
+            timeout=max(0.0, deadline - time.monotonic()) + 15
+        )
+        if job_state != "completed":
+            log.warning(
+                "the job is %s, not completed (waited up to %.0fs for the other machines to finish)",
+                job_state,
+                self.finish_timeout_s,
+            )
+
+    async def _report_finished(self, deadline: float) -> str:
+        """Report this machine finished, then wait for the job to complete: every machine reports only after
+        its replicas reached this one, so this machine's data plane must serve until then."""
+        client, services = self.services.client, self.services
+        directive = await client.directive(after=-1, wait_s=0)
+        await client.report_progress(
+            services.machine_rank,
+            {
+                "instance_id": services.identity.instance_id,
+                "generation": directive["generation"],
+                "event": "finished",
+            },
+        )
+        while directive["status"] != "finished" and (left := deadline - time.monotonic()) > 0:
+            directive = await client.directive(after=directive["revision"], wait_s=min(left, 10.0))
+        return str(directive["job_state"])
 
 
 def attach(
@@ -83,12 +148,17 @@ def attach(
     address: str | None = None,
     shm_root: str | os.PathLike[str] | None = None,
     timeout_s: float = 60.0,
+    finish_timeout_s: float = 60.0,
 ) -> EmbeddedServices | None:
     """Connect this torchrun-launched training process to Castor.
 
     Points this process's Checkpointer at the machine's shared memory (CASTOR_SHM_DIR) and at the
     machine services (CASTOR_AGENT_NOTIFY). On local rank 0 it also starts the services and returns
     them (they stop at exit); other local ranks get None.
+
+    When every rank's Checkpointer closes without an exception (the end of its `with` block), the machine
+    replicates its last checkpoints, reports that it finished, and at exit waits up to `finish_timeout_s`
+    for the other machines to do the same: the job then completes instead of losing its heartbeats.
     """
     env = os.environ
     rank, local_rank = int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0"))
@@ -107,7 +177,10 @@ def attach(
         machine_rank=machine_rank,
         embedded=True,
     )
-    embedded = EmbeddedServices(MachineServices(RootClient(root_url, job_id, token), token, identity, root))
+    embedded = EmbeddedServices(
+        MachineServices(RootClient(root_url, job_id, token), token, identity, root),
+        finish_timeout_s=finish_timeout_s,
+    )
     embedded.start(timeout_s)
     atexit.register(embedded.close)
     return embedded

@@ -77,8 +77,11 @@ def test_torchrun_nodes_replicate_to_their_placement_peers(cluster: LocalCluster
                 original_data,
             ),
         ):
+            # Each machine replicated its last checkpoint before reporting that it finished, and served its
+            # peer's until the job completed.
             assert replica.iteration == original.iteration == 7
             assert bytes(data) == bytes(original_data)
+    assert cluster.api("GET", f"/api/v1/jobs/{cluster.job['id']}")["state"] == "completed"
 
 
 def test_relaunch_after_a_crash_resumes_every_rank_from_one_iteration(
@@ -89,6 +92,8 @@ def test_relaunch_after_a_crash_resumes_every_rank_from_one_iteration(
     crashed = torchrun(cluster, tmp_path, 0, 1, 2, free_port(), "--iterations=14", "--crash-at=6")
     crashed.wait(240)  # rank 1 exits with 17 at iteration 6 (torchrun's own exit status varies)
     assert (tmp_path / "logs" / "crashed").exists()
+    job_url = f"/api/v1/jobs/{cluster.job['id']}"
+    assert cluster.api("GET", job_url)["state"] == "running", "a crash does not finish the job"
     run = torchrun(cluster, tmp_path, 0, 1, 2, free_port(), "--iterations=14", "--crash-at=6")
     assert run.wait(240) == 0, torchrun_logs(tmp_path) + cluster.logs()
     events = read_events(tmp_path / "logs")
@@ -97,3 +102,5 @@ def test_relaunch_after_a_crash_resumes_every_rank_from_one_iteration(
     # agree on the newest iteration both hold and resume from it together.
     iteration = check_consistent_restore(tmp_path / "logs", 2, reached=6, max_lost=1)
     assert iteration in (5, 6)
+    # The crashed run did not finish the job; the relaunch did, every rank's Checkpointer closing cleanly.
+    assert cluster.api("GET", job_url)["state"] == "completed"

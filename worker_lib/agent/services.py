@@ -59,6 +59,7 @@ class MachineServices:
         self.committed = 0
         self.skipped = 0
         self.on_commit: Callable[[int, int], None] | None = None  # the agent watches for resumption
+        self.finished_ranks: set[int] = set()  # ranks whose Checkpointer closed without an exception
         self.extra_summary: Callable[[], dict[str, Any]] = dict
         self.uploads = Uploads(self)
         self._notices: asyncio.DatagramTransport | None = None
@@ -176,6 +177,9 @@ class MachineServices:
             return
         if notice.get("event") == "skip":
             self.skipped += 1
+            return
+        if notice.get("event") == "finished":
+            self.finished_ranks.add(rank)  # the embedded mode's sign that training ended cleanly
             return
         self.committed += 1
         now = time.monotonic()

@@ -352,6 +352,41 @@ def test_each_commit_notifies_the_agent(
     assert restored is not None and restored.meta == {"rank": 3, "world_size": 8}
 
 
+def _notices(receiver: socket.socket) -> list[dict[str, object]]:
+    received = []
+    receiver.setblocking(False)
+    try:
+        while True:
+            received.append(json.loads(receiver.recv(65536)))
+    except BlockingIOError:
+        return received
+
+
+@pytest.mark.parametrize(
+    ("ending", "finished"),
+    [(None, True), (SystemExit(0), True), (SystemExit(3), False), (RuntimeError("nan loss"), False)],
+)
+def test_only_a_clean_end_of_training_tells_the_agent_this_rank_finished(
+    shm_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    agent_socket: tuple[socket.socket, Path],
+    ending: BaseException | None,
+    finished: bool,
+) -> None:
+    receiver, path = agent_socket
+    monkeypatch.setenv("CASTOR_AGENT_NOTIFY", str(path))
+    monkeypatch.setenv("RANK", "2")
+    try:
+        with Checkpointer(shm_dir) as checkpointer:
+            checkpointer.save(4, {"x": torch.ones(2)})
+            if ending is not None:
+                raise ending
+    except BaseException as raised:
+        assert raised is ending
+    events = [(m["event"], m["rank"], m["iteration"]) for m in _notices(receiver)]
+    assert events == [("commit", 2, 4)] + ([("finished", 2, 4)] if finished else [])
+
+
 def test_saving_goes_on_when_the_agent_is_not_listening(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
