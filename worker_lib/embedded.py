@@ -80,21 +80,21 @@ class EmbeddedServices:
         torchrun restarts the workers, and replicas in flight are simply not committed."""
         if self._stop is None or not self._thread.is_alive():
             return
+        deadline = time.monotonic() + self.finish_timeout_s
         try:
-            if self._finished_cleanly():
-                self._see_the_job_through(time.monotonic() + self.finish_timeout_s)
+            if self._finished_cleanly(deadline):
+                self._see_the_job_through(deadline)
         except Exception as exc:  # at exit: say why, never hang or raise
             log.warning("could not see the job through to its completion: %s", exc)
         finally:
             self.loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout=15)
 
-    def _finished_cleanly(self) -> bool:
+    def _finished_cleanly(self, deadline: float) -> bool:
         """Whether every local rank's Checkpointer said it finished. This process's own notice is on its way
-        if it finished; the other local ranks get until the finish timeout, as they may end a little later."""
+        if it finished; the other local ranks get until the deadline, as they may end a little later."""
         own_rank = int(os.environ.get("RANK", "0"))
         waited_for_own = time.monotonic() + OWN_NOTICE_WAIT_S
-        deadline = time.monotonic() + self.finish_timeout_s
         local = set(self.services.local_ranks())
         while not local <= self.services.finished_ranks:
             now = time.monotonic()
@@ -124,16 +124,9 @@ class EmbeddedServices:
     async def _report_finished(self, deadline: float) -> str:
         """Report this machine finished, then wait for the job to complete: every machine reports only after
         its replicas reached this one, so this machine's data plane must serve until then."""
-        client, services = self.services.client, self.services
+        client = self.services.client
         directive = await client.directive(after=-1, wait_s=0)
-        await client.report_progress(
-            services.machine_rank,
-            {
-                "instance_id": services.identity.instance_id,
-                "generation": directive["generation"],
-                "event": "finished",
-            },
-        )
+        await self.services.report_progress(directive["generation"], "finished")
         while directive["status"] != "finished" and (left := deadline - time.monotonic()) > 0:
             directive = await client.directive(after=directive["revision"], wait_s=min(left, 10.0))
         return str(directive["job_state"])

@@ -292,14 +292,8 @@ class Agent:
             self._in_background(self.workers.prewarm(self.machine.procs))
 
     async def _progress(self, generation: int, event: str, details: dict[str, Any]) -> None:
-        body = {
-            "instance_id": self.config.instance_id,
-            "generation": generation,
-            "event": event,
-            "details": details,
-        }
         try:
-            await self.client.report_progress(self.machine.machine_rank, body)
+            await self.machine.report_progress(generation, event, details)
         except (RootUnavailable, RootRejected) as exc:
             log.error("could not report %s for generation %d: %s", event, generation, exc)
             self._stop_if_replaced(exc)
@@ -363,10 +357,7 @@ class Agent:
         ):
             log.warning("the last checkpoints did not reach every peer in time")
         try:
-            await self.client.report_progress(
-                self.machine.machine_rank,
-                {"instance_id": self.config.instance_id, "generation": generation, "event": "finished"},
-            )
+            await self.machine.report_progress(generation, "finished")
         except (RootUnavailable, RootRejected) as exc:
             log.error("could not report that training finished: %s; exiting", exc)
             self._finish(0)

@@ -117,6 +117,18 @@ class MachineServices:
         log.info("registered as machine %d of job %s", self.machine_rank, self.job_id)
         return self.registration
 
+    async def report_progress(
+        self, generation: int, event: str, details: dict[str, Any] | None = None
+    ) -> None:
+        """This machine's progress through plan `generation` (`restored`, `resumed`, `finished`, ...)."""
+        body = {
+            "instance_id": self.identity.instance_id,
+            "generation": generation,
+            "event": event,
+            "details": details or {},
+        }
+        await self.client.report_progress(self.machine_rank, body)
+
     @property
     def machine_rank(self) -> int:
         return int(self.registration["rank"])
