@@ -26,6 +26,7 @@ TABLES = {
     "recovery_plans",
     "persisted_checkpoints",
     "persisted_shards",
+    "web_sessions",
     "alembic_version",
 }
 

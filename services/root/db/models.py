@@ -272,3 +272,16 @@ class PersistedShard(Base):
     nbytes: Mapped[int] = mapped_column(BigInteger)
     generation: Mapped[int] = mapped_column(default=1)  # the plan generation whose training made it
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class WebSession(Base):
+    """A browser signed in to the status pages. The cookie carries a random session id; only its SHA-256 is
+    kept, so a database dump opens no page. `token_fingerprint` names the admin token the session was opened
+    with: a rotated token no longer matches, which signs every browser out."""
+
+    __tablename__ = "web_sessions"
+
+    id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    token_fingerprint: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(index=True)
