@@ -1,6 +1,6 @@
 """Server-rendered status pages (read-only), behind the admin token.
 
-    /login, /logout                         the token form; a session cookie
+    /login, /logout                         the token form; a server-side session (logout by POST only)
     /                                       jobs (?state=, ?page=)
     /jobs/{id}                              one job: placement, failures, iterations, checkpoints
     /jobs/{id}/failures/{failure id}        one failure in full
@@ -82,8 +82,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 router = APIRouter(include_in_schema=False, lifespan=_lifespan)
 
 
-async def require_login(request: Request, state: StateDep) -> None:
-    if not auth.is_authenticated(request, state.admin_token):
+async def require_login(request: Request, state: StateDep, db: SessionDep) -> None:
+    if not await auth.is_authenticated(request, db, state.admin_token):
         raise auth.LoginRequired(auth.requested_path(request))
 
 
@@ -114,7 +114,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(PageNotFound)
     async def _not_found(request: Request, exc: PageNotFound) -> Response:
-        signed_in = auth.is_authenticated(request, request.app.state.castor.admin_token)
+        state = request.app.state.castor
+        async with state.database.session() as db:
+            signed_in = await auth.is_authenticated(request, db, state.admin_token)
         return render(request, "not_found.html", status=404, message=exc.message, authenticated=signed_in)
 
 
@@ -122,9 +124,9 @@ def install(app: FastAPI) -> None:
 
 
 @router.get("/login", response_class=HTMLResponse)
-async def login_form(request: Request, state: StateDep, next: str | None = None) -> Response:
+async def login_form(request: Request, state: StateDep, db: SessionDep, next: str | None = None) -> Response:
     target = auth.safe_next(next)
-    if auth.is_authenticated(request, state.admin_token):
+    if await auth.is_authenticated(request, db, state.admin_token):
         return RedirectResponse(target, status_code=303)
     return render(request, "login.html", next=target, error=None, authenticated=False)
 
@@ -133,6 +135,7 @@ async def login_form(request: Request, state: StateDep, next: str | None = None)
 async def login(
     request: Request,
     state: StateDep,
+    db: SessionDep,
     token: Annotated[str, Form(max_length=4096)] = "",
     next: Annotated[str, Form(max_length=2000)] = "/",
 ) -> Response:
@@ -147,14 +150,24 @@ async def login(
             authenticated=False,
         )
     response = RedirectResponse(target, status_code=303)
-    auth.set_session(response, request, state.admin_token)
+    auth.set_session_cookie(response, request, await auth.open_session(db, state.admin_token))
     return response
 
 
-@router.api_route("/logout", methods=["GET", "POST"])
-async def logout(request: Request) -> Response:
+@router.get("/logout", response_class=HTMLResponse)
+async def logout_form(request: Request, state: StateDep, db: SessionDep) -> Response:
+    """Signing out changes state, so it takes a POST (a link or an image elsewhere cannot sign anyone out);
+    a GET shows the button."""
+    if not await auth.is_authenticated(request, db, state.admin_token):
+        return RedirectResponse("/login", status_code=303)
+    return render(request, "logout.html")
+
+
+@router.post("/logout")
+async def logout(request: Request, db: SessionDep) -> Response:
+    await auth.close_session(request, db)
     response = RedirectResponse("/login", status_code=303)
-    auth.clear_session(response, request)
+    auth.clear_session_cookie(response, request)
     return response
 
 

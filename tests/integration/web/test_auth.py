@@ -4,11 +4,15 @@ leave the site."""
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime, timedelta
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
+from fastapi import FastAPI
+from sqlalchemy import select, update
 
+from services.root.db.models import WebSession
 from tests.integration.conftest import ADMIN_TOKEN, bearer, create_job
 
 
@@ -51,6 +55,64 @@ async def test_login_sets_a_strict_httponly_cookie_that_is_not_the_token(client:
     assert out.status_code == 303 and out.headers["location"] == "/login"
     assert 'castor_session=""' in out.headers["set-cookie"] or "Max-Age=0" in out.headers["set-cookie"]
     assert (await client.get("/")).status_code == 303, "logged out"
+
+
+async def _sign_in(client: httpx.AsyncClient) -> str:
+    response = await client.post("/login", data={"token": ADMIN_TOKEN, "next": "/"})
+    assert response.status_code == 303
+    cookie = client.cookies.get("castor_session")
+    assert cookie
+    return cookie
+
+
+async def test_logout_revokes_the_session_on_the_server(root_app: FastAPI, client: httpx.AsyncClient) -> None:
+    cookie = await _sign_in(client)
+    async with root_app.state.castor.database.session() as db:
+        stored = (await db.execute(select(WebSession.id_hash))).scalars().all()
+    assert len(stored) == 1 and cookie not in stored[0], "only a hash of the session id is stored"
+    assert (await client.post("/logout")).status_code == 303
+    async with root_app.state.castor.database.session() as db:
+        assert (await db.execute(select(WebSession))).scalars().all() == []
+    # A copy of the cookie taken before the logout opens nothing any more.
+    client.cookies.set("castor_session", cookie, domain="castor.test")
+    assert (await client.get("/")).status_code == 303
+
+
+async def test_logout_needs_a_post(client: httpx.AsyncClient) -> None:
+    await _sign_in(client)
+    page = await client.get("/logout")
+    assert page.status_code == 200
+    assert '<form method="post" action="/logout">' in page.text
+    assert "set-cookie" not in page.headers
+    assert (await client.get("/")).status_code == 200, "a GET (a link, an image elsewhere) signs no one out"
+    client.cookies.clear()
+    assert (await client.get("/logout")).headers["location"] == "/login"
+
+
+async def test_rotating_the_admin_token_signs_every_browser_out(
+    root_app: FastAPI, client: httpx.AsyncClient
+) -> None:
+    await _sign_in(client)
+    assert (await client.get("/")).status_code == 200
+    state = root_app.state.castor
+    state.admin_token = ADMIN_TOKEN + "-rotated"
+    try:
+        assert (await client.get("/")).status_code == 303, "a session of the old token"
+        response = await client.post("/login", data={"token": state.admin_token, "next": "/"})
+        assert response.status_code == 303
+        assert (await client.get("/")).status_code == 200
+    finally:
+        state.admin_token = ADMIN_TOKEN
+    assert (await client.get("/")).status_code == 303, "the new token's session is not the old token's"
+
+
+async def test_a_session_expires_after_seven_days(root_app: FastAPI, client: httpx.AsyncClient) -> None:
+    await _sign_in(client)
+    async with root_app.state.castor.database.session() as db:
+        (row,) = (await db.execute(select(WebSession))).scalars().all()
+        assert timedelta(days=6, hours=23) < row.expires_at - datetime.now(UTC) <= timedelta(days=7)
+        await db.execute(update(WebSession).values(expires_at=datetime.now(UTC) - timedelta(seconds=1)))
+    assert (await client.get("/")).status_code == 303
 
 
 async def test_a_wrong_token_is_refused(client: httpx.AsyncClient) -> None:
