@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -47,9 +48,11 @@ def test_compose_stack_agrees_with_settings() -> None:
     castor_env = {k.removeprefix("CASTOR_").lower(): v for k, v in env.items() if k.startswith("CASTOR_")}
     unknown = set(castor_env) - set(Settings.model_fields)
     assert not unknown, f"compose sets variables the service does not read: {unknown}"
-    settings = Settings(
-        **{k: v.replace("${CASTOR_ADMIN_TOKEN:-change-me}", "t") for k, v in castor_env.items()}
-    )
+    # No default admin token: ${VAR:?message} makes compose refuse to start while VAR is unset or empty.
+    required = r"\$\{CASTOR_ADMIN_TOKEN:\?[^}]+\}"
+    assert re.fullmatch(required, castor_env["admin_token"]), castor_env["admin_token"]
+    assert "change-me" not in (ROOT / "docker-compose.yml").read_text()
+    settings = Settings(**{**castor_env, "admin_token": "t"})
 
     database = urlparse(settings.resolved_database_url.replace("+asyncpg", ""))
     postgres_env = services["postgres"]["environment"]
