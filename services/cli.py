@@ -189,6 +189,12 @@ def _add_ops_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
     create.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="with --launch: extra environment"
     )
+    create.add_argument(
+        "--no-warm-start",
+        dest="warm_start",
+        action="store_false",
+        help="start every training process cold, never from a warm interpreter (agents get --no-warm-start)",
+    )
     create.set_defaults(launch_command=[])
 
     listing = leaf(job_commands, "list", "jobs_list", help="list jobs, newest first")

@@ -388,6 +388,8 @@ def jobs_create(client: RootClient, args: argparse.Namespace) -> int:
         launch: dict[str, Any] = {"command": command, "cwd": str(Path(args.cwd or os.getcwd()).resolve())}
         if args.env:
             launch["env"] = _parse_env(args.env)
+        if not args.warm_start:
+            launch["warm_start"] = False
         body["launch"] = launch
     job = client.request("POST", f"{API}/jobs", body=body)
     if args.json:
@@ -395,6 +397,8 @@ def jobs_create(client: RootClient, args: argparse.Namespace) -> int:
         return 0
     token = job["worker_token"]
     agent = ["castor", "agent", "--root", client.connection.root_url, "--job", job["id"], "--token", token]
+    if not args.warm_start:
+        agent.append("--no-warm-start")
     training = shlex.join(command) if command else "<training command>"
     procs = job["procs_per_machine"]
     print(

@@ -39,6 +39,12 @@ class LaunchSpec(BaseModel):
     )
     cwd: Text | None = Field(None, description="Working directory of the training processes.")
     env: dict[Text, Text] = Field(default_factory=dict, description="Extra environment variables.")
+    warm_start: bool = Field(
+        True,
+        description="Start (and restart) training processes from warm interpreters with torch already "
+        "imported, when the command's interpreter is provably the agent's own (same executable, prefix "
+        "and startup environment). False: every start is a cold start of the command as given.",
+    )
 
 
 class JobCreate(BaseModel):

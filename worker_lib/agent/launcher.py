@@ -81,20 +81,65 @@ class ProcessExit:
     expected: bool  # the agent stopped it on purpose
 
 
-def python_arguments(command: Sequence[str]) -> list[str] | None:
-    """The interpreter arguments of `command` when it runs this agent's Python (so a warm process of ours
-    can run it): `python train.py ...` -> ["train.py", ...], `python -m pkg ...` -> ["-m", "pkg", ...]."""
-    if not command:
-        return None
-    executable = shutil.which(command[0])
-    if executable is None or os.path.realpath(executable) != os.path.realpath(sys.executable):
-        return None
+def script_arguments(command: Sequence[str]) -> list[str] | None:
+    """What a warm interpreter needs to run `command` when it is `python` plus a script or module and no
+    interpreter options: `python train.py ...` -> ["train.py", ...], `python -m pkg ...` -> ["-m", "pkg",
+    ...]; None otherwise."""
     rest = list(command[1:])
     if rest[:1] == ["-m"] and len(rest) >= 2:
         return rest
     if rest and not rest[0].startswith("-"):
         return rest
     return None
+
+
+# Variables an interpreter reads when it starts (search path, prefix, loader) or that the warm spare's
+# preloaded modules read when imported: a spare started with the agent's values cannot stand in for a
+# process that would start with other ones.
+STARTUP_VARIABLES = ("PYTHON", "VIRTUAL_ENV", "LD_", "CASTOR_PRELOAD")
+
+# What makes two interpreters interchangeable: the binary, the prefixes (a venv is a prefix over the same
+# binary, with its own site-packages) and the module search path they start with (sys.path[0] is the
+# script's directory, set per command).
+_IDENTITY_QUERY = (
+    "import json, os, sys; "
+    "print(json.dumps([os.path.realpath(sys.executable), sys.prefix, sys.exec_prefix, sys.path[1:]]))"
+)
+
+
+def _startup_environment(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(STARTUP_VARIABLES) or k == "HOME"))
+
+
+def _same_binary(program: str, env: Mapping[str, str]) -> tuple[str, tuple[tuple[str, str], ...]] | None:
+    """`program` as a cold start finds it (on the PATH of `env`) and `env`'s startup variables, when it is
+    this agent's Python binary started with the agent's startup environment; None when it is not."""
+    executable = shutil.which(program, path=env.get("PATH", os.defpath))
+    if executable is None or os.path.realpath(executable) != os.path.realpath(sys.executable):
+        return None
+    startup = _startup_environment(env)
+    if startup != _startup_environment(os.environ):
+        return None
+    return os.path.abspath(executable), startup
+
+
+async def interpreter_identity(executable: str, env: Mapping[str, str]) -> str | None:
+    """The identity of `executable` started with `env`, as the interpreter itself reports it (None when it
+    cannot say: not a Python, or it failed)."""
+    try:
+        process = await asyncio.create_subprocess_exec(
+            executable,
+            "-c",
+            _IDENTITY_QUERY,
+            env=dict(env),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        output, _ = await asyncio.wait_for(process.communicate(), timeout=60)
+    except (TimeoutError, OSError):
+        return None
+    return output.decode(errors="replace").strip() if process.returncode == 0 else None
 
 
 class WorkerGroup:
@@ -113,6 +158,9 @@ class WorkerGroup:
         self._stopping = False
         self._warm_starts = 0
         self._warm: set[int] = set()  # pids of spares whose imports are done
+        # Whether a command's interpreter is the spares' (by its executable and startup environment): it
+        # is asked once, not at every restart.
+        self._same_interpreter: dict[tuple[str, tuple[tuple[str, str], ...]], bool] = {}
 
     @property
     def warm_spares(self) -> int:
@@ -147,10 +195,38 @@ class WorkerGroup:
                 self._warm.add(pid)
         os.close(ready_read)
 
+    async def warm_arguments(self, command: Sequence[str], env: Mapping[str, str]) -> list[str] | None:
+        """The arguments for a warm spare when it provably runs `command` as `command` itself would run:
+        the command's executable (found on the PATH of `env`, as a cold start finds it) is the spares'
+        interpreter with the same prefix and search path, and `env` starts an interpreter the way the
+        agent's environment (the spares') does. A venv over the same base Python is another interpreter:
+        its own site-packages. None: start the command as given."""
+        arguments = script_arguments(command)
+        candidate = _same_binary(command[0], env) if arguments is not None else None
+        if candidate is None:
+            return None
+        executable, startup = candidate
+        key = (executable, startup)
+        if key not in self._same_interpreter:
+            ours, theirs = await asyncio.gather(
+                interpreter_identity(sys.executable, os.environ), interpreter_identity(executable, env)
+            )
+            self._same_interpreter[key] = ours is not None and ours == theirs
+            if not self._same_interpreter[key]:
+                log.info("%s is not the warm interpreter (%s): starting it cold", executable, sys.executable)
+        return arguments if self._same_interpreter[key] else None
+
     async def _launch(self, spec: LaunchSpec, local_rank: int) -> asyncio.subprocess.Process:
         env = spec.environment(local_rank)
-        arguments = python_arguments(spec.command)
         spares = [p for p in self._spares if p.returncode is None]
+        arguments = await self.warm_arguments(spec.command, env) if spares else None
+        if spares and arguments is None:
+            # This command never runs in a spare (another interpreter or startup environment, and the
+            # command is the same at every restart): let the spares exit and keep none from now on.
+            self.warm = False
+            for spare in spares:
+                if spare.stdin is not None:
+                    spare.stdin.close()
         if arguments is not None and spares:
             process = spares[0]
             self._spares = spares[1:]

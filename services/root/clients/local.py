@@ -94,6 +94,7 @@ class LocalOperator:
             str(rank),
             "--shm-dir",
             str(self.shm_base / job.id.hex / instance),
+            *([] if job.launch.get("warm_start", True) else ["--no-warm-start"]),
             "--",
             *job.launch["command"],
         ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -280,3 +281,28 @@ def test_wait_shows_a_progress_line_on_a_terminal(root: Root) -> None:
         ).raise_for_status()
     code, screen = castor_on_tty(root, "jobs", "wait", name, "--state", "running", "--timeout", "10")
     assert code == 0 and f"job {name} is running" in screen
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "no-warm-start"])
+def test_launch_warm_start_switch(root: Root, tmp_path: Path, warm: bool) -> None:
+    """The agents the local operator starts run the command from a warm interpreter (same venv as the
+    agent) unless the job was created with --no-warm-start; the printed agent command says it too."""
+    name = unique("warm")
+    script = tmp_path / "argv.py"
+    script.write_text("import sys; print('started as', sys.orig_argv)")
+    created = castor(
+        root,
+        *("jobs", "create", name, "--machines", "1", "--replicas", "1", "--launch"),
+        *([] if warm else ["--no-warm-start"]),
+        *("--", sys.executable, str(script)),
+    )
+    assert created.returncode == 0, created.stderr
+    assert ("--no-warm-start --" in created.stdout) is not warm
+    waited = castor(root, "jobs", "wait", name, "--timeout", "120", "--interval", "0.2")
+    assert waited.returncode == 0, waited.stderr
+    job_id = castor(root, "jobs", "show", name, "--json").json()["job"]["id"]
+    (log,) = (root.state_dir / "jobs" / job_id.replace("-", "") / "logs").glob("*.log")
+    text = log.read_text()
+    assert "started as" in text, text
+    assert ("worker_lib.agent.warm" in text.split("started as", 1)[1].splitlines()[0]) is warm, text
+    assert ("started 1 training processes (1 warm" in text) is warm, text
