@@ -252,9 +252,11 @@ class Agent:
             source, started = sources[rank], time.monotonic()
             holdings = self.machine.holdings
             if source["tier"] == "local":
-                if not any(m.iteration == iteration for m in holdings.local_store(rank).committed()):
+                # The plan's digest too: the same iteration number of another history is not this one.
+                if not holdings.has_local(rank, iteration, source.get("digest")):
                     raise CheckpointNotFoundError(
-                        f"rank {rank} no longer holds iteration {iteration} locally"
+                        f"rank {rank} no longer holds iteration {iteration} (digest {source.get('digest')}) "
+                        "locally"
                     )
             elif source["tier"] == "peer":
                 await asyncio.to_thread(self._fetch_from_peer, rank, iteration, source)
@@ -276,7 +278,13 @@ class Agent:
         with PeerConnection(
             source["address"], int(source["data_port"]), self.machine.key, self.config.job_id
         ) as peer:
-            peer.get(rank, self.machine.holdings.local_store(rank), iteration)
+            peer.get(
+                rank,
+                self.machine.holdings.local_store(rank),
+                iteration,
+                digest=source.get("digest"),
+                max_bytes=self.machine.capacity,
+            )
 
     def _on_commit(self, rank: int, iteration: int) -> None:
         """The first iteration after a restore completed on every local rank: training resumed."""

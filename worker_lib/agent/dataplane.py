@@ -5,6 +5,18 @@ control message as raw bytes (exactly the manifest's `data_bytes`). Every connec
 challenge-response handshake in both directions, keyed with HMAC-SHA256 by a key derived from the job's
 worker token, so a peer that cannot prove it knows the secret receives nothing and can write nothing.
 
+What a peer can make the server do before it authenticated is bounded: its frames are at most
+MAX_PREAUTH_MESSAGE bytes (checked before anything is allocated), at most `max_unauthenticated` connections
+are in the handshake at once (further ones are closed at accept, no thread is started for them), and a
+handshake not completed within `handshake_timeout_s` (one deadline for the whole exchange, so a peer
+dripping a byte at a time gains nothing) is dropped.
+
+After the handshake every manifest on the wire (a put's, a get's answer) travels as its exact JSON bytes
+with an HMAC-SHA256 bound to the job key, this connection's two nonces, the operation and the rank. The
+manifest lists the xxh3 digest of every stripe, and the receiver checks each stripe against it, so data and
+manifest cannot be swapped together on the way without the job's key; the bytes themselves are not MACed
+(that would cost the fast path a cryptographic hash of every byte).
+
 Operations after the handshake:
 * put: push a checkpoint (manifest, then data) into the receiver's replica store for that rank. The receiver
   writes straight into its slot, verifies each stripe's checksum as it arrives, and commits only after
@@ -46,6 +58,11 @@ log = logging.getLogger(__name__)
 PROTOCOL = "castor-dataplane/1"
 _HEADER = struct.Struct("!I")
 _MAX_MESSAGE = 64 << 20  # manifests of states with very many tensors stay far below this
+# Handshake frames are a few hundred bytes: nothing larger is read (or allocated) from a stranger.
+MAX_PREAUTH_MESSAGE = 4 << 10
+MAX_UNAUTHENTICATED = 16  # connections in the handshake at once; more are closed at accept
+HANDSHAKE_TIMEOUT_S = 5.0
+REPLICA_BYTES_MAX_ENV = "CASTOR_REPLICA_BYTES_MAX"
 _RECV_CHUNK = 8 << 20
 _STALL_CHECK_S = 0.05
 
@@ -76,26 +93,43 @@ def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.sendall(_HEADER.pack(len(payload)) + payload)
 
 
-def recv_message(sock: socket.socket) -> dict[str, Any]:
-    (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if length > _MAX_MESSAGE:
-        raise DataPlaneError(f"control message of {length} bytes exceeds the {_MAX_MESSAGE} byte limit")
-    message = json.loads(_recv_exact(sock, length))
+def recv_message(
+    sock: socket.socket, limit: int = _MAX_MESSAGE, deadline: float | None = None
+) -> dict[str, Any]:
+    """One control message of at most `limit` bytes (refused before anything is allocated for it), all of
+    it received before `deadline` (time.monotonic()) when one is given."""
+    (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline))
+    if length > limit:
+        raise DataPlaneError(
+            f"control message of {length} bytes exceeds the {limit} byte limit", code="message_too_large"
+        )
+    message = json.loads(_recv_exact(sock, length, deadline))
     if not isinstance(message, dict):
         raise DataPlaneError("control message is not a JSON object")
     return message
 
 
-def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
+def _recv_exact(sock: socket.socket, nbytes: int, deadline: float | None = None) -> bytes:
     buffer = bytearray(nbytes)
-    _recv_into(sock, memoryview(buffer))
+    _recv_into(sock, memoryview(buffer), deadline)
     return bytes(buffer)
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     received = 0
     while received < len(view):
-        count = sock.recv_into(view[received : received + _RECV_CHUNK])
+        if deadline is not None:
+            # The socket timeout bounds one recv; a peer sending a byte at a time must not extend it.
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DataPlaneError("the handshake did not complete in time", code="handshake_timeout")
+            sock.settimeout(remaining)
+        try:
+            count = sock.recv_into(view[received : received + _RECV_CHUNK])
+        except TimeoutError:
+            if deadline is None:
+                raise
+            raise DataPlaneError("the handshake did not complete in time", code="handshake_timeout") from None
         if count == 0:
             raise DataPlaneError("connection closed by the peer mid-message", code="connection_closed")
         received += count
@@ -115,8 +149,9 @@ def _proof(key: bytes, role: bytes, *nonces: bytes) -> str:
     return hmac.new(key, role + b"".join(nonces), hashlib.sha256).hexdigest()
 
 
-def _client_handshake(sock: socket.socket, key: bytes, job_id: str) -> None:
-    hello = recv_message(sock)
+def _client_handshake(sock: socket.socket, key: bytes, job_id: str, deadline: float | None = None) -> bytes:
+    """Authenticate both ways; returns the session id (both nonces) that manifest MACs are bound to."""
+    hello = recv_message(sock, MAX_PREAUTH_MESSAGE, deadline)
     if hello.get("protocol") != PROTOCOL or hello.get("job") != job_id:
         raise DataPlaneError(f"peer speaks {hello.get('protocol')!r} for job {hello.get('job')!r}")
     server_nonce = bytes.fromhex(str(hello["nonce"]))
@@ -124,27 +159,67 @@ def _client_handshake(sock: socket.socket, key: bytes, job_id: str) -> None:
     send_message(
         sock, {"nonce": client_nonce.hex(), "proof": _proof(key, b"client", server_nonce, client_nonce)}
     )
-    reply = recv_message(sock)
+    reply = recv_message(sock, MAX_PREAUTH_MESSAGE, deadline)
     if not reply.get("ok"):
         raise AuthenticationFailed(f"peer refused us: {reply.get('error', 'authentication failed')}")
     if not hmac.compare_digest(
         str(reply.get("proof", "")), _proof(key, b"server", client_nonce, server_nonce)
     ):
         raise AuthenticationFailed("peer could not prove it knows the job's secret")
+    return server_nonce + client_nonce
 
 
-def _server_handshake(sock: socket.socket, key: bytes, job_id: str, on_failure: Callable[[], None]) -> bool:
+def _server_handshake(
+    sock: socket.socket,
+    key: bytes,
+    job_id: str,
+    on_failure: Callable[[], None],
+    deadline: float | None = None,
+) -> bytes | None:
+    """Authenticate both ways; the session id (both nonces), or None when the peer failed to."""
     server_nonce = os.urandom(32)
     send_message(sock, {"protocol": PROTOCOL, "job": job_id, "nonce": server_nonce.hex()})
-    answer = recv_message(sock)
+    answer = recv_message(sock, MAX_PREAUTH_MESSAGE, deadline)
     client_nonce = bytes.fromhex(str(answer.get("nonce", "")))
     expected = _proof(key, b"client", server_nonce, client_nonce)
     if len(client_nonce) != 32 or not hmac.compare_digest(str(answer.get("proof", "")), expected):
         on_failure()  # counted before the peer hears about it
         send_message(sock, {"ok": False, "code": "authentication_failed", "error": "authentication failed"})
-        return False
+        return None
     send_message(sock, {"ok": True, "proof": _proof(key, b"server", client_nonce, server_nonce)})
-    return True
+    return server_nonce + client_nonce
+
+
+# -- manifest authentication ----------------------------------------------------------------------------
+
+
+def manifest_mac(key: bytes, session: bytes, op: str, rank: int, manifest_json: bytes) -> str:
+    """HMAC of a manifest's exact bytes, bound to this connection (its nonces), the operation and the rank,
+    so a manifest can be neither altered nor replayed into another connection, operation or rank."""
+    header = b"castor manifest v1\0" + session + f"\0{op}\0{rank}\0".encode()
+    return hmac.new(key, header + manifest_json, hashlib.sha256).hexdigest()
+
+
+def _signed_manifest(key: bytes, session: bytes, op: str, rank: int, manifest: Manifest) -> dict[str, str]:
+    text = manifest.to_json()
+    return {"manifest": text.decode("ascii"), "mac": manifest_mac(key, session, op, rank, text)}
+
+
+def _authentic_manifest(message: dict[str, Any], key: bytes, session: bytes, op: str, rank: int) -> Manifest:
+    """The manifest a message carries, only if its MAC is right (checked before the JSON is parsed)."""
+    text, mac = message.get("manifest"), message.get("mac")
+    if not isinstance(text, str) or not isinstance(mac, str):
+        raise DataPlaneError("the manifest carries no MAC", code="manifest_unauthenticated")
+    raw = text.encode("utf-8", "surrogatepass")
+    if not hmac.compare_digest(mac, manifest_mac(key, session, op, rank, raw)):
+        raise DataPlaneError(
+            f"the manifest of rank {rank} failed its MAC (altered on the way, or not from this job's peer)",
+            code="manifest_unauthenticated",
+        )
+    try:
+        return Manifest.from_json(raw)
+    except ValueError as exc:
+        raise DataPlaneError(str(exc), code="invalid_manifest") from exc
 
 
 # -- client side ----------------------------------------------------------------------------------------
@@ -155,10 +230,12 @@ class PeerConnection:
 
     def __init__(self, address: str, port: int, key: bytes, job_id: str, timeout_s: float = 30.0):
         self.peer = f"{address}:{port}"
+        self.key = key
         self.sock = socket.create_connection((address, port), timeout=timeout_s)
         try:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _client_handshake(self.sock, key, job_id)
+            self.session = _client_handshake(self.sock, key, job_id, time.monotonic() + timeout_s)
+            self.sock.settimeout(timeout_s)
         except BaseException:
             self.sock.close()
             raise
@@ -190,7 +267,8 @@ class PeerConnection:
         while the peer stalled, and the transfer was abandoned; the caller must close the connection (the
         peer then drops the partial replica and keeps its previous one). After "sent", `finish_put()` waits
         for the peer's verdict while the caller's slot is already free again."""
-        send_message(self.sock, {"op": "put", "rank": rank, "manifest": json.loads(manifest.to_json())})
+        signed = _signed_manifest(self.key, self.session, "put", rank, manifest)
+        send_message(self.sock, {"op": "put", "rank": rank, **signed})
         try:
             _expect_ok(self.sock)
         except DataPlaneError as exc:
@@ -229,13 +307,41 @@ class PeerConnection:
         _expect_ok(self.sock)
 
     def get(
-        self, rank: int, destination: SlotStore, iteration: int | None = None, tier: str = "any"
+        self,
+        rank: int,
+        destination: SlotStore,
+        iteration: int | None = None,
+        tier: str = "any",
+        *,
+        digest: str | None = None,
+        max_bytes: int | None = None,
     ) -> Manifest:
-        """Fetch `rank`'s checkpoint (the newest, or exactly `iteration`) into `destination`, verifying each
-        stripe as it arrives; nothing is committed unless all of it verified."""
-        send_message(self.sock, {"op": "get", "rank": rank, "iteration": iteration, "tier": tier})
+        """Fetch `rank`'s checkpoint (the newest, or exactly `iteration`, with content `digest` when given)
+        into `destination`, verifying each stripe as it arrives; nothing is committed unless all of it
+        verified. A manifest that fails its MAC, is not the `digest` asked for or is larger than
+        `max_bytes` is refused before any of its data is stored, and the connection is closed (the data
+        that follows is not drained: it may be anything)."""
+        send_message(
+            self.sock, {"op": "get", "rank": rank, "iteration": iteration, "tier": tier, "digest": digest}
+        )
         reply = _expect_ok(self.sock)
-        manifest = Manifest.from_json(json.dumps(reply["manifest"]).encode())
+        try:
+            manifest = _authentic_manifest(reply, self.key, self.session, "get", rank)
+            if iteration is not None and manifest.iteration != iteration:
+                raise DataPlaneError(
+                    f"{self.peer} sent iteration {manifest.iteration} of rank {rank}, not {iteration}",
+                    code="wrong_checkpoint",
+                )
+            if digest is not None and manifest.digest != digest:
+                raise DataPlaneError(
+                    f"{self.peer} sent rank {rank}'s checkpoint with digest {manifest.digest}, not the "
+                    f"{digest} asked for",
+                    code="digest_mismatch",
+                )
+            _check_size(manifest, rank, max_bytes)
+        except DataPlaneError:
+            self.close()
+            raise
         receive_checkpoint(self.sock, manifest, destination)
         return manifest
 
@@ -285,6 +391,17 @@ def _check_manifest(manifest: Manifest) -> None:
         raise DataPlaneError(str(exc), code="invalid_manifest") from exc
 
 
+def _check_size(manifest: Manifest, rank: int, max_bytes: int | None) -> None:
+    """A peer's manifest sizes the slots it is written into: never beyond what this machine keeps for a
+    rank, or one peer could fill shared memory and starve the training processes of this machine."""
+    if max_bytes is not None and manifest.data_bytes > max_bytes:
+        raise DataPlaneError(
+            f"a checkpoint of rank {rank} of {manifest.data_bytes} bytes exceeds the {max_bytes} bytes this "
+            f"machine keeps per rank (raise {REPLICA_BYTES_MAX_ENV}, or the job's checkpoint_bytes)",
+            code="too_large",
+        )
+
+
 def _drain(sock: socket.socket, nbytes: int) -> None:
     scratch = memoryview(bytearray(min(nbytes, _RECV_CHUNK) or 1))
     while nbytes > 0:
@@ -303,6 +420,8 @@ class ServerCounters:
     replicas_rejected: int = 0
     checkpoints_served: int = 0
     auth_failures: int = 0
+    handshakes_dropped: int = 0  # oversized frames, deadline passed, malformed hello answers
+    connections_refused: int = 0  # closed at accept: too many peers in the handshake already
 
 
 class DataPlaneServer:
@@ -318,12 +437,18 @@ class DataPlaneServer:
         port: int = 0,
         accepts_replica_of: Callable[[int], bool] = lambda rank: True,
         on_replica: Callable[[int, Manifest], None] = lambda rank, manifest: None,
+        max_unauthenticated: int = MAX_UNAUTHENTICATED,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ):
+        """How large a replica of a rank may be is the holdings' `replica_bytes_max(rank)`."""
         self.holdings = holdings
         self.key = key
         self.job_id = job_id
         self.accepts_replica_of = accepts_replica_of
         self.on_replica = on_replica
+        self.max_unauthenticated = max_unauthenticated
+        self.handshake_timeout_s = handshake_timeout_s
+        self._unauthenticated = 0  # connections accepted and not yet through the handshake
         self.counters = ServerCounters()
         self._rank_locks: dict[int, threading.Lock] = {}
         self._listener = socket.create_server((host, port), reuse_port=False, backlog=64)
@@ -370,6 +495,22 @@ class DataPlaneServer:
                 if self._closing.is_set():
                     sock.close()
                     return
+                if self._unauthenticated >= self.max_unauthenticated:
+                    # Strangers cannot make us start threads without bound: closed without a word.
+                    self.counters.connections_refused += 1
+                    refused = self.counters.connections_refused
+                    sock.close()
+                    if refused & (refused - 1) == 0:  # 1, 2, 4, 8...: said, without flooding the log
+                        log.warning(
+                            "closed data-plane connection from %s:%s: %d peers already in the handshake "
+                            "(%d refused so far)",
+                            peer[0],
+                            peer[1],
+                            self.max_unauthenticated,
+                            refused,
+                        )
+                    continue
+                self._unauthenticated += 1
                 self._connections[sock] = thread
             thread.start()
 
@@ -381,13 +522,36 @@ class DataPlaneServer:
                 self._connections.pop(sock, None)
             sock.close()
 
-    def _serve_peer(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+    def _handshake(self, sock: socket.socket, peer: tuple[str, int]) -> bytes | None:
+        """The session id, or None (the peer is dropped); either way it is no longer unauthenticated."""
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(120)
-            if not _server_handshake(sock, self.key, self.job_id, self._count_auth_failure):
+            sock.settimeout(self.handshake_timeout_s)
+            session = _server_handshake(
+                sock,
+                self.key,
+                self.job_id,
+                self._count_auth_failure,
+                deadline=time.monotonic() + self.handshake_timeout_s,
+            )
+            if session is None:
                 log.warning("refused data-plane peer %s:%s: authentication failed", *peer)
-                return
+            return session
+        except (OSError, DataPlaneError, ValueError) as exc:
+            self.counters.handshakes_dropped += 1
+            log.warning("dropped data-plane peer %s:%s during the handshake: %s", peer[0], peer[1], exc)
+            return None
+        finally:
+            with self._connections_lock:
+                self._unauthenticated -= 1
+
+    def _serve_peer(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        session = self._handshake(sock, peer)
+        if session is None:
+            return
+        try:
+            sock.settimeout(120)
             while not self._closing.is_set():
                 try:
                     request = recv_message(sock)
@@ -395,22 +559,25 @@ class DataPlaneServer:
                     if exc.code == "connection_closed":
                         return
                     raise
-                self._dispatch(sock, request)
+                self._dispatch(sock, session, request)
         except (OSError, DataPlaneError, ValueError) as exc:
             log.info("data-plane connection from %s:%s ended: %s", peer[0], peer[1], exc)
         except Exception:  # e.g. shared memory full while writing a replica: say so, drop the peer
             log.exception("data-plane connection from %s:%s failed", peer[0], peer[1])
 
-    def _dispatch(self, sock: socket.socket, request: dict[str, Any]) -> None:
+    def _dispatch(self, sock: socket.socket, session: bytes, request: dict[str, Any]) -> None:
         op = request.get("op")
         if op == "put":
-            self._put(
-                sock, int(request["rank"]), Manifest.from_json(json.dumps(request["manifest"]).encode())
-            )
+            self._put(sock, session, int(request["rank"]), request)
         elif op == "get":
-            iteration = request.get("iteration")
+            iteration, digest = request.get("iteration"), request.get("digest")
             self._get(
-                sock, int(request["rank"]), None if iteration is None else int(iteration), request["tier"]
+                sock,
+                session,
+                int(request["rank"]),
+                None if iteration is None else int(iteration),
+                request["tier"],
+                None if digest is None else str(digest),
             )
         elif op == "inventory":
             holdings = self.holdings.inventory(verify_checksums=bool(request.get("verify")))
@@ -418,7 +585,18 @@ class DataPlaneServer:
         else:
             send_message(sock, {"ok": False, "code": "unknown_op", "error": f"unknown operation {op!r}"})
 
-    def _put(self, sock: socket.socket, rank: int, manifest: Manifest) -> None:
+    def _refuse(self, sock: socket.socket, exc: DataPlaneError) -> None:
+        self.counters.replicas_rejected += 1
+        send_message(sock, {"ok": False, "code": exc.code, "error": str(exc)})
+
+    def _put(self, sock: socket.socket, session: bytes, rank: int, request: dict[str, Any]) -> None:
+        # Refusals come before any data is sent, so the stream stays framed.
+        try:
+            manifest = _authentic_manifest(request, self.key, session, "put", rank)
+        except DataPlaneError as exc:
+            log.error("refused a replica of rank %d: %s", rank, exc)
+            self._refuse(sock, exc)
+            return
         if not self.accepts_replica_of(rank):
             self.counters.replicas_rejected += 1
             send_message(
@@ -430,14 +608,16 @@ class DataPlaneServer:
                 },
             )
             return
+        try:
+            _check_size(manifest, rank, self.holdings.replica_bytes_max(rank))
+            _check_manifest(manifest)
+        except DataPlaneError as exc:
+            if exc.code == "too_large":
+                log.error("refused a replica: %s", exc)
+            self._refuse(sock, exc)
+            return
         # One writer per rank's replica store at a time, and never an older checkpoint over a newer one of
         # the same history (a slow, superseded transfer arriving last must not roll the replica back).
-        try:
-            _check_manifest(manifest)  # refused before any data is sent, so the stream stays framed
-        except DataPlaneError as exc:
-            self.counters.replicas_rejected += 1
-            send_message(sock, {"ok": False, "code": exc.code, "error": str(exc)})
-            return
         with self._rank_locks.setdefault(rank, threading.Lock()):
             held = self.holdings.newest("replica", rank)
             if held is not None and (manifest_generation(held), held.iteration) >= (
@@ -465,11 +645,18 @@ class DataPlaneServer:
         self.on_replica(rank, manifest)
 
     def _get(
-        self, sock: socket.socket, rank: int, iteration: int | None, tier: Literal["local", "replica", "any"]
+        self,
+        sock: socket.socket,
+        session: bytes,
+        rank: int,
+        iteration: int | None,
+        tier: Literal["local", "replica", "any"],
+        digest: str | None,
     ) -> None:
         try:
-            with self.holdings.open_read(rank, iteration, tier) as (manifest, data):
-                send_message(sock, {"ok": True, "manifest": json.loads(manifest.to_json())})
+            with self.holdings.open_read(rank, iteration, tier, digest=digest) as (manifest, data):
+                signed = _signed_manifest(self.key, session, "get", rank, manifest)
+                send_message(sock, {"ok": True, **signed})
                 for stripe in manifest.stripes:
                     sock.sendall(data[stripe.start : stripe.end])
         except CheckpointNotFoundError as exc:

@@ -11,19 +11,25 @@ from __future__ import annotations
 import re
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from worker_lib.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from worker_lib.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    ShmCapacityError,
+)
 from worker_lib.store.copy import CopyEngine
 from worker_lib.store.integrity import verify
 from worker_lib.store.manifest import Manifest
-from worker_lib.store.slots import SlotStore
+from worker_lib.store.slots import SlotStore, free_bytes
 
 Tier = Literal["local", "replica"]
+SLOTS = 2  # what a store has unless its writer made more
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
 _SLOT_FILE = re.compile(r"^slot-(\d+)\.bin$")
 
@@ -44,14 +50,37 @@ class Holding:
         return asdict(self)
 
 
+def rank_capacity(root: Path, ranks: int, configured: int | None = None) -> int:
+    """The most bytes one rank's checkpoint may take on this machine, decided once the placement says how
+    many ranks it keeps (`ranks`: its own plus those it holds replicas of, SLOTS slots each).
+
+    `configured` (the job's, or $CASTOR_REPLICA_BYTES_MAX): checked up front against the free shared memory
+    (ShmCapacityError when the slots would not fit), so the machine fails at start with a clear message
+    instead of SIGBUS or a refused replica later. Without it: an equal share of the shared memory free now
+    (plus what this machine's slots already take), so a peer's replicas can never take the share of this
+    machine's own ranks, whatever sizes its manifests claim."""
+    root.mkdir(parents=True, exist_ok=True)
+    used = sum(f.stat().st_blocks * 512 for f in root.rglob("slot-*.bin") if f.is_file())
+    free, total = free_bytes(root)
+    if configured is not None:
+        needed = SLOTS * configured * ranks - used
+        if needed > free:
+            raise ShmCapacityError(str(root), needed, free, total)
+        return configured
+    return (free + used) // (SLOTS * max(1, ranks))
+
+
 def manifest_generation(manifest: Manifest) -> int:
     value = manifest.meta.get("generation", 1)
     return value if isinstance(value, int) and value >= 1 else 1
 
 
 class Holdings:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, replica_bytes_max: Callable[[int], int | None] | None = None):
+        """`replica_bytes_max(rank)`: the largest checkpoint of `rank` this machine stores for a peer
+        (None: unbounded); the data plane refuses larger ones and replica slots never grow beyond it."""
         self.root = Path(root)
+        self.replica_bytes_max: Callable[[int], int | None] = replica_bytes_max or (lambda rank: None)
         self._stores: dict[tuple[Tier, int], SlotStore] = {}
         self._lock = threading.Lock()
         self._engine: CopyEngine | None = None
@@ -75,6 +104,8 @@ class Holdings:
                 if store is not None:
                     store.close()
                 store = self._stores[(tier, rank)] = SlotStore(directory, slots=slots)
+            if tier == "replica":
+                store.max_bytes = self.replica_bytes_max(rank)
             return store
 
     def ranks(self, tier: Tier) -> list[int]:
@@ -92,12 +123,24 @@ class Holdings:
             return None
         return committed[0] if committed else None
 
+    def has_local(self, rank: int, iteration: int, digest: str | None = None) -> bool:
+        """Whether `rank`'s own store holds a committed `iteration` (with content `digest`, when given)."""
+        return any(
+            m.iteration == iteration and (digest is None or m.digest == digest)
+            for m in self.local_store(rank).committed()
+        )
+
     @contextmanager
     def open_read(
-        self, rank: int, iteration: int | None = None, tier: Tier | Literal["any"] = "any"
+        self,
+        rank: int,
+        iteration: int | None = None,
+        tier: Tier | Literal["any"] = "any",
+        digest: str | None = None,
     ) -> Iterator[tuple[Manifest, memoryview]]:
         """A checkpoint of `rank` held here, locked for reading: the local copy first, then a replica
-        (with no iteration given and tier "any": the newer of the two)."""
+        (with no iteration given and tier "any": the newer of the two). With `digest`, only a copy with
+        that content counts (the same iteration number of another history does not)."""
         tiers: list[Tier] = ["local", "replica"] if tier == "any" else [tier]
         if iteration is None and tier == "any":
             newest = [(m.iteration, t) for t in tiers if (m := self.newest(t, rank)) is not None]
@@ -108,11 +151,15 @@ class Holdings:
                     continue
                 try:
                     opened = stack.enter_context(self._store(candidate, rank).open_read(iteration))
-                    break
                 except CheckpointNotFoundError:
                     continue
+                if digest is None or opened[0].digest == digest:
+                    break
+                stack.close()  # another history's checkpoint of that iteration: let it go, look further
             else:
                 wanted = "any checkpoint" if iteration is None else f"iteration {iteration}"
+                if digest is not None:
+                    wanted += f" with digest {digest}"
                 raise CheckpointNotFoundError(f"this machine holds no {wanted} of rank {rank} ({tier})")
             yield opened
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker_lib.agent.dataplane import DataPlaneServer, data_plane_key
+from worker_lib.agent.dataplane import REPLICA_BYTES_MAX_ENV, DataPlaneServer, data_plane_key
 from worker_lib.agent.heartbeat import etcd_heartbeats, rest_heartbeats
-from worker_lib.agent.holdings import Holdings, manifest_generation
+from worker_lib.agent.holdings import Holdings, manifest_generation, rank_capacity
 from worker_lib.agent.replication import Replicator
 from worker_lib.client import RootClient, RootRejected, RootUnavailable
 from worker_lib.errors import CheckpointNotFoundError
@@ -50,7 +50,8 @@ class MachineServices:
         self.client = client
         self.identity = identity
         self.key = data_plane_key(token)
-        self.holdings = Holdings(shm_root)
+        self.holdings = Holdings(shm_root, replica_bytes_max=lambda rank: self.capacity)
+        self.capacity: int | None = None  # bytes of one rank's checkpoint, set at registration
         self.registration: dict[str, Any] = {}
         self.addresses: dict[int, tuple[str, int]] = {}
         self.server: DataPlaneServer | None = None
@@ -114,8 +115,32 @@ class MachineServices:
             embedded=self.identity.embedded,
         )
         self.update_addresses(self.registration["peers"])
-        log.info("registered as machine %d of job %s", self.machine_rank, self.job_id)
+        self.capacity = self._rank_capacity()
+        log.info(
+            "registered as machine %d of job %s (checkpoints of up to %d bytes per rank)",
+            self.machine_rank,
+            self.job_id,
+            self.capacity,
+        )
         return self.registration
+
+    def _rank_capacity(self) -> int:
+        """What a peer may store here per rank: the job's figure (or $CASTOR_REPLICA_BYTES_MAX), checked
+        against /dev/shm for this machine's own ranks and the replicas the placement puts here; without
+        one, an equal share of the free shared memory (see holdings.rank_capacity)."""
+        configured = self.registration.get("checkpoint_bytes_max")
+        if configured is None and os.environ.get(REPLICA_BYTES_MAX_ENV, "").strip():
+            try:
+                configured = int(os.environ[REPLICA_BYTES_MAX_ENV])
+            except ValueError:
+                value = os.environ[REPLICA_BYTES_MAX_ENV]
+                raise ValueError(f"{REPLICA_BYTES_MAX_ENV}={value!r}: expected a number of bytes") from None
+        held = sum(
+            self.procs
+            for machine in range(int(self.registration["machines"]))
+            if machine != self.machine_rank and self.machine_rank in self._placement_of(machine)["holders"]
+        )
+        return rank_capacity(self.holdings.root, len(self.local_ranks()) + held, configured)
 
     async def report_progress(
         self, generation: int, event: str, details: dict[str, Any] | None = None

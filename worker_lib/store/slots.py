@@ -117,6 +117,9 @@ class SlotStore:
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._slots = [_Slot(self.directory, k) for k in range(slots)]
+        # The most data a checkpoint here may have (None: no bound). Set on stores whose sizes come from
+        # someone else (a peer's replica): slots never grow beyond it.
+        self.max_bytes: int | None = None
 
     @property
     def slots(self) -> int:
@@ -238,6 +241,11 @@ class SlotStore:
 
         Growing only allocates past the current end of a file, so it is safe while a slot is being read.
         """
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            raise CheckpointError(
+                f"{self.directory}: a checkpoint of {nbytes} bytes exceeds this store's limit of "
+                f"{self.max_bytes} bytes"
+            )
         size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
         short = [(slot, size - current) for slot in self._slots if (current := slot.size()) < size]
         if not short:

@@ -5,7 +5,6 @@ its previous replica."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -28,6 +27,7 @@ from worker_lib.agent.dataplane import (
     DataPlaneServer,
     PeerConnection,
     _server_handshake,
+    _signed_manifest,
     data_plane_key,
     recv_message,
     send_message,
@@ -188,7 +188,8 @@ def test_receiver_killed_mid_transfer_keeps_its_previous_replica(shm: Path) -> N
             PeerConnection("127.0.0.1", port, key, JOB) as peer,
         ):
             half = manifest.data_bytes // 2
-            send_message(peer.sock, {"op": "put", "rank": 0, "manifest": json.loads(manifest.to_json())})
+            signed = _signed_manifest(key, peer.session, "put", 0, manifest)
+            send_message(peer.sock, {"op": "put", "rank": 0, **signed})
             assert recv_message(peer.sock)["ok"]
             peer.sock.sendall(data[:half])
             time.sleep(0.2)
