@@ -295,6 +295,10 @@ def build_parser(*, agent_arguments: bool = True) -> argparse.ArgumentParser:
 
     _add_ops_commands(commands)
 
+    from services import cli_simulate  # the command's code lives there (no torch, no network)
+
+    cli_simulate.add_parser(commands)
+
     db = commands.add_parser("db", help="database migrations (database from CASTOR_DATABASE_URL)")
     db_commands = db.add_subparsers(dest="db_command", required=True)
     upgrade = db_commands.add_parser("upgrade", help="migrate to a revision (default: head)")

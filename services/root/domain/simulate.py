@@ -605,17 +605,20 @@ def recommend(
     inputs: SimInputs, costs: RecoveryCosts, *, max_replicas: int = 4, tolerance: float = 0.0005
 ) -> Recommendation:
     """m: the smallest number of replicas whose simulated ETTR is within `tolerance` of the best m
-    (1..max_replicas, same failure draws), as each replica costs host memory and network. K: the smallest K
-    the persistent tier's bandwidth sustains, as Castor's uploads run off the training path and a smaller K
-    loses less when a whole placement group is lost."""
+    (1..max_replicas, same failure draws), as each replica costs host memory and network. Replicas only
+    matter for hardware failures: inputs without any are judged with half of the failures hardware. K: the
+    smallest K the persistent tier's bandwidth sustains, as Castor's uploads run off the training path and a
+    smaller K loses less when a whole placement group is lost."""
+    judged = inputs if inputs.hardware_fraction > 0 else replace(inputs, hardware_fraction=0.5)
     by_m: dict[int, float] = {}
     for m in range(1, min(max_replicas, inputs.machines) + 1):
-        by_m[m] = simulate_castor(replace(inputs, replicas=m), costs).ettr.mean
+        by_m[m] = simulate_castor(replace(judged, replicas=m), costs).ettr.mean
     best = max(by_m.values())
     m_choice = min(m for m, v in by_m.items() if v >= best - tolerance)
     k_choice = replace(inputs, replicas=m_choice, persist_every=1).effective_persist_every
+    mix = "" if judged is inputs else " (judged with half of the failures hardware: the inputs have none)"
     reasons = (
-        f"m={m_choice}: the smallest m within {tolerance} of the best simulated ETTR ({best:.4f})",
+        f"m={m_choice}: the smallest m within {tolerance} of the best simulated ETTR ({best:.4f}){mix}",
         f"K={k_choice}: one upload of {inputs.upload_s:.0f} s at {inputs.remote_gbps:g} Gbit/s per "
         f"{k_choice} iterations of {inputs.iteration_wall_s:.1f} s (the persistent tier's limit)",
     )
