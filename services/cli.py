@@ -6,11 +6,29 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.root.settings import Settings
 
 # The demo's faults (services/demo.py FAULTS) lose machine 2 and then placement group 0 (machines 0 and 1),
 # at a quarter, half and three quarters of the run, with a persisted checkpoint every 10 iterations.
 MIN_DEMO_MACHINES_WITH_FAULTS = 4
 MIN_DEMO_ITERATIONS = 40
+
+
+def admin_token_notice(settings: Settings) -> str:
+    """Where the admin token is, for the start-up banner. The token itself is shown only by the start that
+    generates it (the operator has to learn it once); afterwards the banner names the file instead, so
+    the token does not end up in every log of the service."""
+    if settings.admin_token:
+        return "admin token: the one in CASTOR_ADMIN_TOKEN"
+    path = (settings.state_dir / "admin-token").resolve()
+    existed = path.exists()
+    token = settings.resolved_admin_token()
+    if existed:
+        return f"admin token: in {path}"
+    return f"admin token: {token}  (generated now and shown only this once; kept in {path})"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -23,7 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
     settings = Settings(**overrides)
     app = create_app(settings)
     print(f"Castor root service on http://{settings.host}:{settings.port}", flush=True)
-    print(f"admin token: {settings.resolved_admin_token()}", flush=True)
+    print(admin_token_notice(settings), flush=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
     return 0
 
@@ -57,7 +75,8 @@ def _demo(args: argparse.Namespace) -> int:
     url = f"http://{settings.host}:{settings.port}"
     print(f"Castor root service (embedded mode) on {url}", flush=True)
     print(f"  database:    {settings.resolved_database_url}", flush=True)
-    print(f"  admin token: {settings.resolved_admin_token()}  (log in to the pages with it)", flush=True)
+    print(f"  {admin_token_notice(settings)}", flush=True)
+    print("  Sign in to the pages with the admin token.", flush=True)
     print("  Ctrl-C stops it.", flush=True)
     if args.serve_only:
         import uvicorn
@@ -178,6 +197,13 @@ def _add_ops_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
     )
     create.add_argument(
         "--keep-persisted", type=int, default=3, metavar="P", help="persisted checkpoints kept (3)"
+    )
+    create.add_argument(
+        "--checkpoint-bytes-max",
+        type=int,
+        metavar="BYTES",
+        help="the most bytes of one rank's checkpoint; agents check /dev/shm for it and refuse larger "
+        "replicas (default: an equal share of each agent's shared memory)",
     )
     create.add_argument("--placement", choices=("auto", "group", "mixed", "ring"), default="auto")
     create.add_argument(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -40,4 +39,6 @@ def test_demo_serves_api_and_root_page(tmp_path: Path) -> None:
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=30)
     assert process.returncode == 0, output
-    assert re.search(r"admin token: castor-admin\.\S+", output) and f"127.0.0.1:{port}" in output
+    # The first start generated the token: shown this once, with where it is kept.
+    assert f"admin token: {token}" in output and str((tmp_path / "admin-token").resolve()) in output
+    assert f"127.0.0.1:{port}" in output
