@@ -382,6 +382,7 @@ def jobs_create(client: RootClient, args: argparse.Namespace) -> int:
         "procs_per_machine": args.procs_per_machine,
         "persist_every": args.persist_every,
         "keep_persisted": args.keep_persisted,
+        "checkpoint_bytes_max": args.checkpoint_bytes_max,
         "placement": args.placement,
     }
     if args.launch:

@@ -61,6 +61,16 @@ class JobCreate(BaseModel):
         description="Upload to the persistent tier every K iterations; 0 disables it.",
     )
     keep_persisted: int = Field(3, ge=1, le=1000, description="Persisted checkpoints kept per job.")
+    checkpoint_bytes_max: int | None = Field(
+        None,
+        strict=True,
+        ge=1,
+        le=INT64_MAX,
+        description="The most bytes one rank's checkpoint may take (its data region). Each agent checks at "
+        "registration that its shared memory holds two slots of it for each of its own ranks and of the "
+        "ranks whose replicas the placement puts on it, and refuses larger checkpoints from peers. Default: "
+        "each agent allows an equal share of its free shared memory per rank.",
+    )
     placement: Literal["auto", "group", "mixed", "ring"] = Field(
         "auto", description="auto: group when m divides N, mixed otherwise (the paper's choice)."
     )
@@ -89,6 +99,7 @@ class JobOut(BaseModel):
     procs_per_machine: int
     persist_every: int
     keep_persisted: int
+    checkpoint_bytes_max: int | None
     placement_strategy: str
     machines_healthy: int
     newest_iteration: int | None
@@ -262,6 +273,10 @@ class RegisterResponse(BaseModel):
     replicas: int
     procs_per_machine: int
     persist_every: int
+    checkpoint_bytes_max: int | None = Field(
+        description="The most bytes of one rank's checkpoint (null: the agent's equal share of its shared "
+        "memory); a peer's larger checkpoint is refused."
+    )
     placement: PlacementOut
     peers: list[Peer] = Field(description="Members of this machine's placement group.")
     heartbeat: HeartbeatConfig

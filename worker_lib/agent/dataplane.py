@@ -397,7 +397,8 @@ def _check_size(manifest: Manifest, rank: int, max_bytes: int | None) -> None:
     if max_bytes is not None and manifest.data_bytes > max_bytes:
         raise DataPlaneError(
             f"a checkpoint of rank {rank} of {manifest.data_bytes} bytes exceeds the {max_bytes} bytes this "
-            f"machine keeps per rank (raise {REPLICA_BYTES_MAX_ENV}, or the job's checkpoint_bytes)",
+            "machine keeps per rank (the job's checkpoint_bytes_max; without one, "
+            f"{REPLICA_BYTES_MAX_ENV} or an equal share of /dev/shm)",
             code="too_large",
         )
 

@@ -117,6 +117,9 @@ class Job(Base):
     procs_per_machine: Mapped[int]
     persist_every: Mapped[int]  # iterations between persistent checkpoints; 0 disables the tier
     keep_persisted: Mapped[int]  # newest P persisted checkpoints kept
+    # The most bytes of one rank's checkpoint; agents size their replica slots and /dev/shm check by it.
+    # None: each agent allows an equal share of its free shared memory.
+    checkpoint_bytes_max: Mapped[int | None] = mapped_column(BigInteger, default=None)
     placement_strategy: Mapped[str] = mapped_column(String(8))
     # How the local cloud operator starts this job's machines: {"command": [...], "cwd": ..., "env": {...}}.
     # None: machines are started outside Castor (an Auto Scaling Group's boot script, or by hand).

@@ -100,6 +100,7 @@ async def register_machine(
         replicas=job.replicas,
         procs_per_machine=job.procs_per_machine,
         persist_every=job.persist_every,
+        checkpoint_bytes_max=job.checkpoint_bytes_max,
         placement=placement_out(job, placement),
         peers=_group_peers(machine.rank, placement.group_of(machine.rank).members, live),
         heartbeat=heartbeat_config(job, machine.rank, machine.instance_id, settings),

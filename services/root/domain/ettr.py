@@ -1,0 +1,110 @@
+"""A job's measured effective training time ratio (ETTR): productive time over wall time since it started.
+
+    wall        started_at -> finished_at (or now)
+    wasted      downtime (the union of every failure's recovery, by phase) + iterations lost x iteration time
+                (+ what checkpointing cost training, when it is measured)
+    productive  wall - wasted
+    ETTR        productive / wall
+
+Downtime by cause (the phases of `web/phases.py`): detection (detect + classify), replacement, restore,
+restart warm-up (the resume phase less its first iteration, which is kept work), and lost iterations. Failures
+whose recoveries overlap (one failure during another's recovery) are counted once: each second of downtime
+goes to the phase of the earliest failure under way at that second.
+
+What is not measured: the checkpoint overhead (agents do not report their iteration time with and without
+checkpointing), so it is None, not 0; and the part of the iteration in progress when the failure hit, which
+no counter records (the iterations lost are the committed iterations rolled back).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+CAUSES = ("detection", "replacement", "restore", "warmup", "lost_iterations")
+PHASE_CAUSE = {
+    "detect": "detection",
+    "classify": "detection",
+    "replace": "replacement",
+    "restore": "restore",
+    "resume": "warmup",
+}
+
+
+@dataclass(frozen=True)
+class PhaseSpan:
+    name: str  # detect | classify | replace | restore | resume
+    start: datetime
+    end: datetime  # now, for a phase under way
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    failed_at: datetime
+    phases: tuple[PhaseSpan, ...]
+    iterations_lost: int | None
+
+
+@dataclass(frozen=True)
+class MeasuredEttr:
+    ettr: float | None  # None before the job started
+    wall_s: float
+    productive_s: float
+    wasted_s: dict[str, float]  # by cause (CAUSES)
+    checkpoint_overhead_s: float | None  # None: not measured
+    iteration_s: float | None  # the iteration time used for lost iterations and the warm-up
+
+
+def measure_ettr(
+    *,
+    started_at: datetime | None,
+    ended_at: datetime,
+    failures: Sequence[FailureRecord],
+    iteration_s: float | None,
+    checkpoint_overhead_s: float | None = None,
+) -> MeasuredEttr:
+    wasted = dict.fromkeys(CAUSES, 0.0)
+    if started_at is None or ended_at <= started_at:
+        return MeasuredEttr(None, 0.0, 0.0, wasted, checkpoint_overhead_s, iteration_s)
+    wall = (ended_at - started_at).total_seconds()
+    it = iteration_s or 0.0
+
+    # Phase intervals clipped to the job's wall time; the resume phase's last iteration is productive.
+    spans: list[tuple[float, float, int, str]] = []  # start, end, failure order, cause
+    ordered = sorted(failures, key=lambda f: f.failed_at)
+    for order, failure in enumerate(ordered):
+        for phase in failure.phases:
+            start = max(0.0, (phase.start - started_at).total_seconds())
+            end = min(wall, (phase.end - started_at).total_seconds())
+            if phase.name == "resume":
+                end = min(end, max(start, (phase.end - started_at).total_seconds() - it))
+            if end > start:
+                spans.append((start, end, order, PHASE_CAUSE.get(phase.name, "restore")))
+
+    # Sweep the breakpoints: each elementary segment goes to the earliest failure covering it.
+    points = sorted({p for s in spans for p in (s[0], s[1])})
+    for a, b in itertools.pairwise(points):
+        covering = [s for s in spans if s[0] <= a and s[1] >= b]
+        if covering:
+            wasted[min(covering, key=lambda s: s[2])[3]] += b - a
+
+    # Iterations lost: once per recovery (failures joined in one recovery report the same rollback).
+    lost_iterations = 0
+    recovery_end: datetime | None = None
+    group_max = 0
+    for failure in ordered:
+        finished = max((p.end for p in failure.phases), default=failure.failed_at)
+        if recovery_end is not None and failure.failed_at <= recovery_end:
+            group_max = max(group_max, failure.iterations_lost or 0)
+            recovery_end = max(recovery_end, finished)
+        else:
+            lost_iterations += group_max
+            group_max, recovery_end = failure.iterations_lost or 0, finished
+    lost_iterations += group_max
+    wasted["lost_iterations"] = lost_iterations * it
+
+    total = sum(wasted.values()) + (checkpoint_overhead_s or 0.0)
+    productive = max(0.0, wall - total)
+    return MeasuredEttr(productive / wall, wall, productive, wasted, checkpoint_overhead_s, iteration_s)

@@ -1,0 +1,89 @@
+"""A job's measured ETTR from its failure events: downtime by cause, overlaps counted once, lost work."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from services.root.domain.ettr import FailureRecord, PhaseSpan, measure_ettr
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def failure(start: float, phases: list[tuple[str, float]], lost: int | None = 0) -> FailureRecord:
+    """Phases as (name, duration) back to back from `start`."""
+    spans, t = [], start
+    for name, seconds in phases:
+        spans.append(PhaseSpan(name, at(t), at(t + seconds)))
+        t += seconds
+    return FailureRecord(at(start), tuple(spans), lost)
+
+
+def test_no_failures_is_one() -> None:
+    result = measure_ettr(started_at=T0, ended_at=at(3600), failures=[], iteration_s=2.0)
+    assert result.ettr == 1.0 and result.wall_s == 3600 and result.productive_s == 3600
+    assert result.checkpoint_overhead_s is None  # not measured, not zero
+
+
+def test_not_started() -> None:
+    result = measure_ettr(started_at=None, ended_at=at(10), failures=[], iteration_s=None)
+    assert result.ettr is None and result.wall_s == 0
+
+
+def test_causes_of_one_hardware_failure() -> None:
+    hardware = failure(
+        100, [("detect", 2), ("classify", 1), ("replace", 30), ("restore", 5), ("resume", 14)], lost=3
+    )
+    result = measure_ettr(started_at=T0, ended_at=at(1000), failures=[hardware], iteration_s=4.0)
+    assert result.wasted_s == {
+        "detection": 3.0,
+        "replacement": 30.0,
+        "restore": 5.0,
+        "warmup": 10.0,  # the resume phase less its first iteration (kept work)
+        "lost_iterations": 12.0,  # 3 iterations of 4 s
+    }
+    assert result.productive_s == pytest.approx(1000 - 60)
+    assert result.ettr == pytest.approx(0.94)
+
+
+def test_overlapping_failures_are_counted_once() -> None:
+    first = failure(100, [("detect", 0), ("classify", 0), ("restore", 20), ("resume", 10)], lost=2)
+    # A second failure 10 s into the first one's restore: one recovery, restarted.
+    second = failure(110, [("detect", 0), ("classify", 0), ("restore", 30), ("resume", 10)], lost=2)
+    result = measure_ettr(started_at=T0, ended_at=at(1000), failures=[first, second], iteration_s=1.0)
+    downtime = sum(v for k, v in result.wasted_s.items() if k != "lost_iterations")
+    assert downtime == pytest.approx(149 - 100)  # 100 -> 150, less the kept first iteration
+    # 100-120 the first's restore, 120-129 its warm-up, 129-140 the second's restore, 140-149 its warm-up
+    assert result.wasted_s["restore"] == pytest.approx(31) and result.wasted_s["warmup"] == pytest.approx(18)
+    assert result.wasted_s["lost_iterations"] == 2.0  # one rollback, reported by both events
+
+
+def test_separate_recoveries_each_lose_their_iterations() -> None:
+    one = failure(100, [("detect", 0), ("restore", 1), ("resume", 1)], lost=2)
+    two = failure(500, [("detect", 0), ("restore", 1), ("resume", 1)], lost=5)
+    result = measure_ettr(started_at=T0, ended_at=at(1000), failures=[one, two], iteration_s=0.5)
+    assert result.wasted_s["lost_iterations"] == 3.5
+
+
+def test_recovery_under_way_counts_until_now_and_is_clipped_to_the_wall() -> None:
+    ongoing = FailureRecord(
+        at(900), (PhaseSpan("detect", at(900), at(900)), PhaseSpan("restore", at(900), at(1200))), None
+    )
+    result = measure_ettr(started_at=T0, ended_at=at(1000), failures=[ongoing], iteration_s=None)
+    assert result.wasted_s["restore"] == 100.0 and result.ettr == pytest.approx(0.9)
+
+
+def test_ettr_falls_with_more_failures() -> None:
+    values = []
+    for count in range(5):
+        failures = [
+            failure(100 + 100 * i, [("detect", 1), ("restore", 5), ("resume", 3)], lost=1)
+            for i in range(count)
+        ]
+        values.append(measure_ettr(started_at=T0, ended_at=at(1000), failures=failures, iteration_s=1.0).ettr)
+    assert values == sorted(values, reverse=True) and len(set(values)) == 5
