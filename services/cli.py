@@ -205,13 +205,6 @@ def _add_ops_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
         help="the most bytes of one rank's checkpoint; agents check /dev/shm for it and refuse larger "
         "replicas (default: an equal share of each agent's shared memory)",
     )
-    create.add_argument(
-        "--checkpoint-bytes-max",
-        type=int,
-        metavar="BYTES",
-        help="the most bytes of one rank's checkpoint; agents check /dev/shm for it and refuse larger "
-        "replicas (default: an equal share of each agent's shared memory)",
-    )
     create.add_argument("--placement", choices=("auto", "group", "mixed", "ring"), default="auto")
     create.add_argument(
         "--launch",
