@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         ShmCapacityError,
     )
     from worker_lib.restore import load_state
+    from worker_lib.rng import restore_rng_state, rng_state
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,8 @@ __all__ = [
     "__version__",
     "attach",
     "load_state",
+    "restore_rng_state",
+    "rng_state",
 ]
 
 _HOMES = {
@@ -48,6 +51,8 @@ _HOMES = {
     "Restored": "worker_lib.checkpointer",
     "attach": "worker_lib.embedded",
     "load_state": "worker_lib.restore",
+    "rng_state": "worker_lib.rng",
+    "restore_rng_state": "worker_lib.rng",
     "CheckpointCorruptError": "worker_lib.errors",
     "CheckpointError": "worker_lib.errors",
     "CheckpointNotFoundError": "worker_lib.errors",

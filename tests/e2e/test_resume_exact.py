@@ -1,0 +1,116 @@
+"""Exact resumption of an epoch loop over a DataLoader (the README's "Resuming exactly"): a training process
+killed in the middle of an epoch resumes, after Castor's recovery, into the same model, optimizer, data
+order and random draws as a run that was never interrupted, bit for bit, to the last iteration."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.cluster import REPO, LocalCluster, read_events, wait_until
+from tests.e2e.recovery_checks import (
+    check_consistent_restore,
+    check_event,
+    kill_training_process,
+    newest_iteration,
+    recovered_events,
+)
+from tests.harness import free_port
+
+pytestmark = pytest.mark.slow
+
+WORKLOAD = REPO / "tests" / "e2e" / "workloads" / "train_epochs.py"
+WORLD = 4
+EPOCHS, SAMPLES, BATCH = 3, 512, 16
+BATCHES = SAMPLES // WORLD // BATCH  # per epoch and rank: 8
+
+
+def command(log_dir: Path, sleep: float) -> list[str]:
+    return [
+        sys.executable,
+        str(WORKLOAD),
+        f"--epochs={EPOCHS}",
+        f"--samples={SAMPLES}",
+        f"--batch-size={BATCH}",
+        f"--sleep={sleep}",
+        f"--log-dir={log_dir}",
+    ]
+
+
+def uninterrupted_run(log_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    """The same program on WORLD plain processes (no agent, no failure): the reference."""
+    port = free_port()
+    shm = Path("/dev/shm") / f"castor-e2e-reference-{uuid.uuid4().hex[:8]}"
+    processes = []
+    try:
+        for rank in range(WORLD):
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(WORLD),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "CASTOR_SHM_DIR": str(shm / f"rank-{rank}"),
+            }
+            processes.append(subprocess.Popen(command(log_dir, sleep=0), cwd=REPO, env=env))
+        codes = [process.wait(timeout=300) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+        shutil.rmtree(shm, ignore_errors=True)
+    assert codes == [0] * WORLD
+    return read_events(log_dir)
+
+
+def final_digests(events: dict[int, list[dict[str, Any]]]) -> dict[int, dict[int, str]]:
+    """Per rank, the digest after each iteration as the run finally computed it (a resumed run logs the
+    iterations it trains again twice: the later one counts)."""
+    return {
+        rank: {e["iteration"]: e["digest"] for e in rank_events if e["event"] == "iteration"}
+        for rank, rank_events in events.items()
+    }
+
+
+def test_a_dataloader_epoch_loop_resumes_bit_exact_after_a_kill_mid_epoch(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    reference = uninterrupted_run(tmp_path / "reference")
+
+    logs = tmp_path / "logs"
+    # A long heartbeat timeout: on a host saturated by 4 machines' training, a late heartbeat must not
+    # turn this test's software failure into a machine loss (the machine-loss tests cover that path).
+    cluster.start_root(heartbeat_timeout_s="15")
+    cluster.launch_job(command(logs, sleep=0.3), machines=WORLD, replicas=2)
+    # Kill rank 1 in the middle of the second epoch (batches 2..5 of 8).
+    wait_until(
+        lambda: (n := newest_iteration(logs)) >= BATCHES and 2 <= n % BATCHES <= 5,
+        120,
+        "the middle of an epoch",
+        0.02,
+    )
+    kill_training_process(logs, rank=1)
+    reached = newest_iteration(logs)
+    (event,) = recovered_events(cluster, 1)
+    check_event(event, kind="software", tier="local")
+    restored = check_consistent_restore(logs, WORLD, reached, max_lost=1)
+    assert restored % BATCHES != BATCHES - 1, "resumed inside an epoch, not at its end"
+    cluster.wait_for_job("completed")
+
+    events = read_events(logs)
+    expected = final_digests(reference)
+    assert final_digests(events) == expected
+    assert len(expected[0]) == EPOCHS * BATCHES
+    for rank in range(WORLD):
+        (done,) = [e for e in events[rank] if e["event"] == "done"]
+        (reference_done,) = [e for e in reference[rank] if e["event"] == "done"]
+        assert done["digest"] == reference_done["digest"]
+        resumed = [e for e in events[rank] if e["event"] == "iteration" and e["iteration"] == restored + 1]
+        assert resumed and resumed[-1]["epoch"] == restored // BATCHES
