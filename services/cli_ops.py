@@ -473,6 +473,28 @@ def _machine_iteration(machine: dict[str, Any]) -> int | None:
     return max(values) if values else None
 
 
+def ettr_text(ettr: dict[str, Any] | None) -> str:
+    """The measured ETTR and where the rest of the time went (README: "Planning a cluster")."""
+    if not ettr or ettr.get("ettr") is None:
+        return "-"
+    parts = [
+        (label, ettr.get(key) or 0.0)
+        for label, key in (
+            ("detection", "detection_s"),
+            ("replacement", "replacement_s"),
+            ("restore", "restore_s"),
+            ("warm-up", "warmup_s"),
+            ("lost iterations", "lost_iterations_s"),
+        )
+    ]
+    wasted = ", ".join(f"{label} {format_duration(seconds)}" for label, seconds in parts if seconds > 0)
+    text = f"{ettr['ettr']:.4f} of {format_duration(ettr['wall_s'])}"
+    text += f" (wasted: {wasted})" if wasted else " (nothing wasted)"
+    if ettr.get("checkpoint_overhead_s") is None:
+        text += "; checkpoint overhead not measured"
+    return text
+
+
 def _job_fields(job: dict[str, Any], now: datetime) -> list[tuple[str, object]]:
     per_minute = job["checkpoints_per_minute"]
     checkpoints = f"{job['checkpoints_committed']} committed, {job['checkpoints_skipped']} skipped"
@@ -496,6 +518,7 @@ def _job_fields(job: dict[str, Any], now: datetime) -> list[tuple[str, object]]:
         ("iteration", job["newest_iteration"]),
         ("checkpoints", checkpoints),
         ("failures", f"{job['failures']}, {format_duration(job['wasted_time_s'])} wasted"),
+        ("ETTR", ettr_text(job.get("ettr"))),
         ("created", format_time(job["created_at"], now)),
         ("started", format_time(job["started_at"], now)),
         ("finished", format_time(job["finished_at"], now)),

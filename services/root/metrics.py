@@ -38,6 +38,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.root.db.database import Database
 from services.root.db.models import FailureKind, JobState, MachineState, Tier
+from services.root.domain.ettr import MeasuredEttr
+from services.root.flows import ettr as ettr_flows
 from services.root.web import phases, queries
 
 log = logging.getLogger(__name__)
@@ -125,6 +127,7 @@ async def database_families(database: Database) -> list[Metric]:
         recovered = await queries.recovered_failures(session)
         active = await queries.active_jobs(session)
         summaries = await queries.live_machine_summaries(session, [job.id for job in active])
+        ettrs = await ettr_flows.ettr_by_job(session, active)
 
     result: list[Metric] = []
     family = GaugeMetricFamily("castor_jobs", "Jobs by state.", labels=["state"])
@@ -181,7 +184,36 @@ async def database_families(database: Database) -> list[Metric]:
     counter.add_metric([], lost)
     result.append(counter)
     result += _job_families(active, summaries)
+    result += _ettr_families(active, ettrs)
     return result
+
+
+def _ettr_families(active: Sequence[Any], ettrs: dict[Any, MeasuredEttr]) -> list[Metric]:
+    """The measured ETTR of each active job and its parts (domain/ettr.py), recomputed at every scrape."""
+    ratio = GaugeMetricFamily(
+        "castor_job_ettr",
+        "Measured effective training time ratio: productive / wall time since start.",
+        labels=["job"],
+    )
+    productive = GaugeMetricFamily(
+        "castor_job_productive_seconds",
+        "Wall time since the job started less its wasted time.",
+        labels=["job"],
+    )
+    wasted = GaugeMetricFamily(
+        "castor_job_wasted_by_cause_seconds",
+        "Wasted time by cause: detection, replacement, restore, warmup, lost_iterations.",
+        labels=["job", "cause"],
+    )
+    for job in active:
+        measured = ettrs.get(job.id)
+        if measured is None or measured.ettr is None:
+            continue
+        ratio.add_metric([job.name], measured.ettr)
+        productive.add_metric([job.name], measured.productive_s)
+        for cause, seconds in measured.wasted_s.items():
+            wasted.add_metric([job.name, cause], seconds)
+    return [ratio, productive, wasted]
 
 
 def _job_families(

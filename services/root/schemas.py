@@ -90,6 +90,23 @@ class JobCreate(BaseModel):
         return self
 
 
+class EttrOut(BaseModel):
+    """The job's measured effective training time ratio since it started (README: "Planning a cluster")."""
+
+    ettr: float | None = Field(description="Productive time / wall time since the job started; null before.")
+    wall_s: float = Field(description="Since the job started (to its end, or now).")
+    productive_s: float = Field(description="Wall time less the wasted time below.")
+    detection_s: float = Field(description="Downtime detecting and classifying failures.")
+    replacement_s: float = Field(description="Downtime waiting for replacement machines.")
+    restore_s: float = Field(description="Downtime restoring checkpoints (inventories, plan, fetches).")
+    warmup_s: float = Field(description="Downtime restarting training, less the first iteration (kept work).")
+    lost_iterations_s: float = Field(description="Iterations rolled back, at the measured iteration time.")
+    checkpoint_overhead_s: float | None = Field(
+        description="What checkpointing cost training; null: not measured (agents do not report it)."
+    )
+    iteration_s: float | None = Field(description="Iteration time used (from the checkpoint frequency).")
+
+
 class JobOut(BaseModel):
     id: uuid.UUID
     name: str
@@ -112,6 +129,7 @@ class JobOut(BaseModel):
     updated_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    ettr: EttrOut | None = Field(None, description="Measured effective training time ratio and its parts.")
 
 
 class JobCreated(JobOut):

@@ -16,6 +16,7 @@ from services.root.domain.placement import (
     recovery_probabilities,
 )
 from services.root.errors import Conflict
+from services.root.flows import ettr as ettr_flows
 from services.root.flows.directives import FINISHED_STATES, directive_changed
 from services.root.tokens import issue_worker_token
 
@@ -107,6 +108,7 @@ async def job_placement(session: AsyncSession, job: Job) -> schemas.PlacementOut
 async def jobs_out(session: AsyncSession, jobs: Sequence[Job]) -> list[schemas.JobOut]:
     ids = [job.id for job in jobs]
     failures = await repo.failure_counts(session, ids)
+    ettrs = await ettr_flows.ettr_by_job(session, jobs)
     healthy = await repo.healthy_counts(session, ids)
     return [
         schemas.JobOut(
@@ -131,6 +133,7 @@ async def jobs_out(session: AsyncSession, jobs: Sequence[Job]) -> list[schemas.J
             updated_at=job.updated_at,
             started_at=job.started_at,
             finished_at=job.finished_at,
+            ettr=ettr_flows.ettr_out(ettrs[job.id]),
         )
         for job in jobs
     ]

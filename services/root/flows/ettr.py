@@ -1,0 +1,72 @@
+"""A job's measured ETTR (domain/ettr.py) from its failure events, for the API, the pages and /metrics."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.root import schemas
+from services.root.db.models import FailureEvent, FailureState, Job
+from services.root.domain.ettr import FailureRecord, MeasuredEttr, PhaseSpan, measure_ettr
+from services.root.web import phases
+
+FINISHED = (FailureState.RECOVERED, FailureState.UNRECOVERABLE)
+
+
+async def failures_of(
+    session: AsyncSession, job_ids: Sequence[uuid.UUID]
+) -> dict[uuid.UUID, list[FailureEvent]]:
+    if not job_ids:
+        return {}
+    query = select(FailureEvent).where(FailureEvent.job_id.in_(job_ids))
+    found: dict[uuid.UUID, list[FailureEvent]] = {}
+    for event in (await session.execute(query)).scalars().all():
+        found.setdefault(event.job_id, []).append(event)
+    return found
+
+
+def record(event: FailureEvent, now: datetime) -> FailureRecord:
+    """A failure event's phases, as the pages draw them (a phase under way ends now)."""
+    spans = tuple(
+        PhaseSpan(p.name, p.start, p.end or now)
+        for p in phases.phases(event, now, finished=event.state in FINISHED)
+    )
+    return FailureRecord(phases.failed_at(event), spans, event.iterations_lost)
+
+
+def job_ettr(job: Job, events: Sequence[FailureEvent], now: datetime | None = None) -> MeasuredEttr:
+    now = now or datetime.now(UTC)
+    # The iteration time as the recovery accounting takes it: from the effective checkpoint frequency.
+    iteration_s = 60.0 / job.checkpoints_per_minute if job.checkpoints_per_minute else None
+    return measure_ettr(
+        started_at=job.started_at,
+        ended_at=job.finished_at or now,
+        failures=[record(e, now) for e in events],
+        iteration_s=iteration_s,
+    )
+
+
+def ettr_out(measured: MeasuredEttr) -> schemas.EttrOut:
+    wasted = measured.wasted_s
+    return schemas.EttrOut(
+        ettr=None if measured.ettr is None else round(measured.ettr, 6),
+        wall_s=round(measured.wall_s, 3),
+        productive_s=round(measured.productive_s, 3),
+        detection_s=round(wasted["detection"], 3),
+        replacement_s=round(wasted["replacement"], 3),
+        restore_s=round(wasted["restore"], 3),
+        warmup_s=round(wasted["warmup"], 3),
+        lost_iterations_s=round(wasted["lost_iterations"], 3),
+        checkpoint_overhead_s=measured.checkpoint_overhead_s,
+        iteration_s=None if measured.iteration_s is None else round(measured.iteration_s, 6),
+    )
+
+
+async def ettr_by_job(session: AsyncSession, jobs: Sequence[Job]) -> dict[uuid.UUID, MeasuredEttr]:
+    now = datetime.now(UTC)
+    events = await failures_of(session, [job.id for job in jobs])
+    return {job.id: job_ettr(job, events.get(job.id, []), now) for job in jobs}

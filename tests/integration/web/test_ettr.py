@@ -1,0 +1,87 @@
+"""A job's measured ETTR in its API resource, on its page and in /metrics (issue 14, item 1)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from services.root.db.models import FailureEvent, Job, JobState
+from tests.integration.conftest import admin, create_job
+from tests.integration.web.scenario import running_job
+from tests.integration.web.test_metrics import scrape, value
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+async def test_api_and_page_show_the_measured_ettr_of_a_finished_job(
+    root_app: FastAPI, client: httpx.AsyncClient, signed_in: httpx.AsyncClient
+) -> None:
+    """1,000 s of training, one hardware failure: 2 s detection, 1 s classification, 30 s replacement, 5 s
+    restore, 14 s resume of which 4 s is the first (kept) iteration, 3 iterations of 4 s rolled back."""
+    job = await create_job(client, machines=2)
+    async with root_app.state.castor.database.session() as session:
+        row = await session.get(Job, uuid.UUID(str(job["id"])))
+        assert row is not None
+        row.state, row.started_at, row.finished_at = JobState.COMPLETED, T0, at(1000)
+        row.checkpoints_per_minute = 15.0  # one checkpoint every iteration of 4 s
+        session.add(
+            FailureEvent(
+                job_id=row.id,
+                rank=1,
+                kind="hardware",
+                state="recovered",
+                cause="machine 1 lost",
+                detected_at=at(102),
+                classified_at=at(103),
+                replaced_at=at(133),
+                restored_at=at(138),
+                resumed_at=at(152),
+                tier="peer",
+                iterations_lost=3,
+                details={"last_heartbeat_at": at(100).isoformat()},
+            )
+        )
+    body = (await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())).json()
+    assert body["ettr"] == {
+        "ettr": pytest.approx(0.94),
+        "wall_s": 1000.0,
+        "productive_s": 940.0,
+        "detection_s": 3.0,
+        "replacement_s": 30.0,
+        "restore_s": 5.0,
+        "warmup_s": 10.0,
+        "lost_iterations_s": 12.0,
+        "checkpoint_overhead_s": None,
+        "iteration_s": 4.0,
+    }
+    listed = (await client.get("/api/v1/jobs", headers=admin(), params={"limit": 500})).json()["items"]
+    assert next(j for j in listed if j["id"] == job["id"])["ettr"]["ettr"] == pytest.approx(0.94)
+
+    page = (await signed_in.get(f"/jobs/{job['id']}")).text
+    assert "Effective training time (ETTR)" in page and "94.0%" in page
+    assert "replacement 30 s" in page and "lost iterations 12 s" in page
+
+
+async def test_metrics_show_the_ettr_of_a_running_job_after_a_recovery(client: httpx.AsyncClient) -> None:
+    job = await running_job(client)
+    await job.heartbeat(23)
+    await job.kill_process(2)
+    await job.recover(23)
+    samples = await scrape(client)
+    name = str(job.job["name"])
+    ettr = value(samples, "castor_job_ettr", job=name)
+    assert 0 < ettr < 1, "a recovery took some of the time"
+    restore = value(samples, "castor_job_wasted_by_cause_seconds", job=name, cause="restore")
+    assert restore > 0
+    api = (await client.get(f"/api/v1/jobs/{job.id}", headers=admin())).json()["ettr"]
+    # The recovery is over: its cost is fixed (the ratio itself rises as training goes on).
+    assert api["restore_s"] == pytest.approx(restore, abs=0.001) and api["ettr"] >= ettr
+    assert value(samples, "castor_job_productive_seconds", job=name) > 0
