@@ -42,7 +42,7 @@ def training_pids(shm_dir: Path, rank: int | None = None) -> list[int]:
     found = set()
     for pid_file in Path(shm_dir, "pids").glob(pattern):
         with contextlib.suppress(OSError, ValueError):
-            pid = int(pid_file.read_text())
+            pid = int(pid_file.read_text().split()[0])  # "<pid> <start time>"
             if Path(f"/proc/{pid}").exists():
                 found.add(pid)
     marker = f"CASTOR_SHM_DIR={shm_dir}" + (f"/local/rank-{rank}\0" if rank is not None else "")

@@ -191,6 +191,10 @@ class LocalCluster:
         instance_id = instance_id or f"machine-{index}"
         shm_dir = self.shm_base / instance_id
         log_path = self.workdir / f"{instance_id}.log"
+        # As an operator would: in a private file, never on the command line.
+        token_file = self.workdir / f"worker-token-{self.job['id']}"
+        token_file.touch(mode=0o600)
+        token_file.write_text(self.job["worker_token"])
         args = [
             sys.executable,
             "-m",
@@ -200,8 +204,8 @@ class LocalCluster:
             self.root_urls,
             "--job",
             self.job["id"],
-            "--token",
-            self.job["worker_token"],
+            "--token-file",
+            str(token_file),
             "--instance-id",
             instance_id,
             "--shm-dir",

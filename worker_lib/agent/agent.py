@@ -19,6 +19,7 @@ from worker_lib.agent.dataplane import PeerConnection
 from worker_lib.agent.heartbeat import REPLACED_CODES, Replaced
 from worker_lib.agent.launcher import LaunchSpec, ProcessExit, WorkerGroup
 from worker_lib.agent.services import MachineIdentity, MachineServices, free_port
+from worker_lib.agent.stale import kill_stale
 from worker_lib.client import RootClient, RootRejected, RootUnavailable
 from worker_lib.errors import CheckpointNotFoundError
 from worker_lib.persistent import object_store
@@ -86,6 +87,10 @@ class Agent:
         loop = asyncio.get_running_loop()
         self.done = loop.create_future()
         try:
+            # Training processes a previous agent of this machine left running (it was killed, and they
+            # missed their parent-death signal) would train on beside the ones this agent starts.
+            machine_dir = self.machine.holdings.root
+            await asyncio.to_thread(kill_stale, machine_dir / "pids", machine_dir)
             await self.machine.start()
             expected = self.config.procs_per_machine
             if expected is not None and expected != self.machine.procs:

@@ -1,4 +1,9 @@
-"""`castor agent --root URL --job ID --token TOKEN [options] -- python train.py ARGS`"""
+"""`castor agent --root URL --job ID --token-file PATH [options] -- python train.py ARGS`
+
+The worker token comes from a file (`--token-file`, CASTOR_WORKER_TOKEN_FILE) or the environment
+(CASTOR_WORKER_TOKEN), never needs the command line: every user of the host can read a process's
+arguments (/proc/<pid>/cmdline, ps). `--token` still works for old launch scripts, with a warning.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import argparse
 import asyncio
 import os
 import socket
+import sys
 from pathlib import Path
 
 from worker_lib.agent.agent import Agent, AgentConfig
@@ -20,7 +26,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--job", default=env("CASTOR_JOB_ID"), help="job id [CASTOR_JOB_ID]")
     parser.add_argument(
-        "--token", default=env("CASTOR_WORKER_TOKEN"), help="the job's worker token [CASTOR_WORKER_TOKEN]"
+        "--token-file",
+        type=Path,
+        default=env("CASTOR_WORKER_TOKEN_FILE"),
+        help="file holding the job's worker token (keep it mode 600) [CASTOR_WORKER_TOKEN_FILE]; "
+        "or set CASTOR_WORKER_TOKEN",
+    )
+    parser.add_argument(
+        "--token",
+        default=None,
+        help="the job's worker token on the command line: discouraged, any user of the host can read it "
+        "in the process list; use --token-file or CASTOR_WORKER_TOKEN",
     )
     parser.add_argument(
         "--nproc-per-node",
@@ -68,11 +84,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
 
 
+def worker_token(args: argparse.Namespace) -> str | None:
+    """The token from --token-file, --token or CASTOR_WORKER_TOKEN (in that order). The variable is then
+    removed from this process's environment, so nothing the agent starts inherits it."""
+    from_env = os.environ.pop("CASTOR_WORKER_TOKEN", None)
+    if args.token_file is not None:
+        if args.token is not None:
+            raise SystemExit("castor agent: give --token-file or --token, not both")
+        try:
+            token = str(args.token_file.read_text()).strip()
+        except OSError as exc:
+            reason = exc.strerror or exc
+            raise SystemExit(f"castor agent: cannot read {args.token_file}: {reason}") from None
+        if not token:
+            raise SystemExit(f"castor agent: the token file {args.token_file} is empty")
+        return token
+    if args.token is not None:
+        print(
+            "castor agent: warning: --token shows the worker token to every user of this host (ps, "
+            "/proc/<pid>/cmdline); use --token-file or CASTOR_WORKER_TOKEN",
+            file=sys.stderr,
+            flush=True,
+        )
+        return str(args.token)
+    return from_env or None
+
+
 def run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    args.token = worker_token(args)
     missing = [name for name in ("root", "job", "token") if not getattr(args, name)]
     if missing:
-        raise SystemExit(f"castor agent: missing {', '.join('--' + m for m in missing)}")
+        names = {"root": "--root", "job": "--job", "token": "--token-file (or CASTOR_WORKER_TOKEN)"}
+        raise SystemExit(f"castor agent: missing {', '.join(names[m] for m in missing)}")
     if not command:
         raise SystemExit("castor agent: give the training command after --, e.g. -- python train.py")
     config = AgentConfig(

@@ -5,7 +5,9 @@ MASTER_ADDR, MASTER_PORT, ...) so training code written for torchrun runs unchan
 CASTOR_SHM_DIR (the rank's checkpoint store, owned by the agent so it outlives the process),
 CASTOR_AGENT_NOTIFY (where commits are announced) and CASTOR_RESTORE_ITERATION (the iteration the
 recovery plan chose for every rank). Each process leads its own process group, so stopping it also stops
-its children (data loader workers).
+its children (data loader workers). It never gets the worker token, and dies with the agent (a parent-death
+signal, see die_with_parent); pids/rank-<r> names it with its start time, so a restarted agent can find
+what a previous one left running (see stale).
 """
 
 from __future__ import annotations
@@ -22,9 +24,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker_lib.agent import die_with_parent
+from worker_lib.agent.stale import record_pid
 from worker_lib.agent.warm import READY_FD_ENV
 
 log = logging.getLogger(__name__)
+
+# Secrets never handed to training processes: experiment trackers and crash reporters record a process's
+# environment, and whoever reads the worker token could act as any machine of the job (the admin token:
+# as the operator, should a shell that runs an agent have it set).
+SECRET_VARIABLES = frozenset({"CASTOR_WORKER_TOKEN", "CASTOR_WORKER_TOKEN_FILE", "CASTOR_ADMIN_TOKEN"})
+
+
+def without_secrets(env: Mapping[str, str]) -> dict[str, str]:
+    return {key: value for key, value in env.items() if key not in SECRET_VARIABLES}
 
 
 @dataclass(frozen=True)
@@ -45,8 +58,7 @@ class LaunchSpec:
     def environment(self, local_rank: int) -> dict[str, str]:
         rank = self.machine_rank * self.procs_per_machine + local_rank
         env = {
-            **os.environ,
-            **self.extra_env,
+            **without_secrets({**os.environ, **self.extra_env}),
             "RANK": str(rank),
             "LOCAL_RANK": str(local_rank),
             "WORLD_SIZE": str(self.world_size),
@@ -182,7 +194,11 @@ class WorkerGroup:
                 stdin=asyncio.subprocess.PIPE,
                 start_new_session=True,
                 pass_fds=(ready_write,),
-                env={**os.environ, READY_FD_ENV: str(ready_write)},
+                env={
+                    **without_secrets(os.environ),
+                    READY_FD_ENV: str(ready_write),
+                    die_with_parent.PARENT_PID_ENV: str(os.getpid()),
+                },
             )
             os.close(ready_write)
             self._spares.append(process)
@@ -237,7 +253,12 @@ class WorkerGroup:
             process.stdin.close()
             self._warm_starts += 1
             return process
-        return await asyncio.create_subprocess_exec(*spec.command, env=env, start_new_session=True)
+        if shutil.which(spec.command[0], path=env.get("PATH", os.defpath)) is None:
+            # As starting it directly would: the directive fails to start training, said at once.
+            raise FileNotFoundError(f"{spec.command[0]!r} not found")
+        return await asyncio.create_subprocess_exec(
+            *die_with_parent.wrap(spec.command, env), env=env, start_new_session=True
+        )
 
     async def discard_spares(self) -> None:
         for process in self._spares:
@@ -258,7 +279,7 @@ class WorkerGroup:
             self._processes[local_rank] = process
             if self.pid_dir is not None:
                 self.pid_dir.mkdir(parents=True, exist_ok=True)
-                (self.pid_dir / f"rank-{spec.global_rank(local_rank)}").write_text(f"{process.pid}\n")
+                record_pid(self.pid_dir / f"rank-{spec.global_rank(local_rank)}", process.pid)
             self._watchers.append(asyncio.create_task(self._watch(spec, local_rank, process)))
         log.info(
             "started %d training processes (%d warm; generation %d, ranks %d..%d, restore %s)",

@@ -9,7 +9,8 @@ hands it the command and environment, and training starts at once.
 Protocol: one JSON line on stdin, {"argv": [...], "env": {...}, "cwd": "..."}; an empty stdin means "not
 needed", and the process exits. Modules named in CASTOR_PRELOAD (comma-separated; default: torch and what
 DistributedDataParallel imports on construction, torch._dynamo alone being 1.5 s) are imported first;
-variables those modules read at import time come from the agent's environment.
+variables those modules read at import time come from the agent's environment. A spare dies with its agent
+(the parent-death signal, armed before the imports), and so does the training process it becomes.
 """
 
 from __future__ import annotations
@@ -20,11 +21,16 @@ import os
 import runpy
 import sys
 
+from worker_lib.agent import die_with_parent
+
 DEFAULT_PRELOAD = "torch,torch.distributed,torch.nn.parallel,torch._dynamo"
 READY_FD_ENV = "CASTOR_WARM_READY_FD"
 
 
 def main() -> None:
+    parent = os.environ.pop(die_with_parent.PARENT_PID_ENV, None)
+    if parent is not None:  # die with the agent, as a spare and as the training process it becomes
+        die_with_parent.arm(int(parent))
     for module in filter(None, os.environ.get("CASTOR_PRELOAD", DEFAULT_PRELOAD).split(",")):
         importlib.import_module(module.strip())
     ready_fd = int(os.environ.pop(READY_FD_ENV, "-1"))

@@ -20,6 +20,12 @@ log = logging.getLogger(__name__)
 
 RELEASE_GRACE_S = 10.0
 
+# The root's own secrets stay out of the agents it starts (and so out of their training processes, which a
+# tracker may record): an agent needs only its job's worker token, which it reads from its file.
+ROOT_SECRETS = frozenset(
+    {"CASTOR_ADMIN_TOKEN", "CASTOR_DATABASE_URL", "CASTOR_WORKER_TOKEN", "CASTOR_WORKER_TOKEN_FILE"}
+)
+
 
 class LocalOperator:
     name = "local"
@@ -38,9 +44,11 @@ class LocalOperator:
             return  # the machines are started by someone else
         directory = self._job_dir(job)
         directory.mkdir(parents=True, exist_ok=True)
-        token_file = directory / "worker-token"
-        token_file.touch(mode=0o600)
-        token_file.write_text(worker_token)
+        # Private from its first byte (an existing file keeps its mode through open(), hence the fchmod).
+        descriptor = os.open(directory / "worker-token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as token_file:
+            os.fchmod(descriptor, 0o600)
+            token_file.write(worker_token)
         for rank in range(job.num_machines):
             self._start(job, f"local-{job.id.hex[:8]}-m{rank}", rank)
 
@@ -76,7 +84,6 @@ class LocalOperator:
 
     def _start(self, job: JobInfo, instance: str, rank: int) -> None:
         assert job.launch is not None
-        token = (self._job_dir(job) / "worker-token").read_text().strip()
         logs = self._job_dir(job) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         command = [
@@ -88,6 +95,9 @@ class LocalOperator:
             self.root_url,
             "--job",
             str(job.id),
+            # The token from its file: on the command line every user of the host could read it.
+            "--token-file",
+            str(self._job_dir(job) / "worker-token"),
             "--instance-id",
             instance,
             "--machine-rank",
@@ -98,7 +108,8 @@ class LocalOperator:
             "--",
             *job.launch["command"],
         ]
-        env = {**os.environ, **job.launch.get("env", {}), "CASTOR_WORKER_TOKEN": token}
+        inherited = {key: value for key, value in os.environ.items() if key not in ROOT_SECRETS}
+        env = {**inherited, **job.launch.get("env", {})}
         with open(logs / f"{instance}.log", "ab") as log_file:
             process = subprocess.Popen(
                 command,

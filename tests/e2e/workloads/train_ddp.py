@@ -40,7 +40,12 @@ def main() -> None:
     parser.add_argument("--log-dir", type=Path, required=True)
     parser.add_argument("--embedded", action="store_true", help="plain torchrun: attach to Castor here")
     parser.add_argument("--crash-at", type=int, default=None, help="rank 1 exits once at this iteration")
+    parser.add_argument(
+        "--print-environ", action="store_true", help="print the environment to stdout (the agent's log)"
+    )
     args = parser.parse_args()
+    if args.print_environ:  # what a tracker recording the environment would see
+        print("environ:", json.dumps(dict(os.environ), sort_keys=True), flush=True)
     if args.embedded:
         env = os.environ
         attach(env["CASTOR_ROOT_URL"], env["CASTOR_JOB_ID"], env["CASTOR_WORKER_TOKEN"])
