@@ -114,3 +114,24 @@ def test_recorded_failures_become_phase_records() -> None:
         "resume": 3.0,
     }
     assert records[0].tier == "peer"
+
+
+def test_jobs_show_ettr_line() -> None:
+    from services.cli_ops import ettr_text
+
+    ettr = {
+        "ettr": 0.94,
+        "wall_s": 1000.0,
+        "productive_s": 940.0,
+        "detection_s": 3.0,
+        "replacement_s": 30.0,
+        "restore_s": 5.0,
+        "warmup_s": 10.0,
+        "lost_iterations_s": 12.0,
+        "checkpoint_overhead_s": None,
+        "iteration_s": 4.0,
+    }
+    text = ettr_text(ettr)
+    assert text.startswith("0.9400 of ")
+    assert "replacement 30" in text and "lost iterations 12" in text and "overhead not measured" in text
+    assert ettr_text(None) == "-" and ettr_text({**ettr, "ettr": None}) == "-"
