@@ -1,0 +1,315 @@
+"""Fuzzing: schemathesis against the live root service (a real `castor serve` process on Postgres), every
+operation of openapi.yaml, each API surface with its own token (public: the admin token; worker: the
+worker token of a job made for the run, whose id the fuzzer mostly uses for {job_id}).
+
+Checked for every response: no 5xx; status code, content type and body as openapi.yaml documents them;
+bad input (schemathesis' negative mode) refused with a 4xx; every 4xx in the one error shape
+{"error": {"code", "message", "details"}}; a 405 names the allowed methods; and the service logged no error.
+
+Bounded to fit the suite: CASTOR_FUZZ_EXAMPLES examples per operation and generation mode (default 25;
+about 2,500 requests), generated deterministically (derandomize), so a failure on a fresh clone
+reproduces with the same command."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import subprocess
+import sys
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+import schemathesis
+import yaml
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+    unsupported_method,
+)
+
+from tests import harness
+
+pytestmark = [pytest.mark.postgres, pytest.mark.aws]
+
+REPO = Path(__file__).resolve().parents[2]
+ADMIN_TOKEN = "castor-admin.fuzz"
+MACHINES = 4
+EXAMPLES = int(os.environ.get("CASTOR_FUZZ_EXAMPLES", "25"))
+OPENAPI: dict[str, Any] = yaml.safe_load((REPO / "openapi.yaml").read_text())
+
+CONFIG = schemathesis.Config.from_dict(
+    {
+        "cache": {"enabled": False},  # nothing written into the repository
+        "generation": {
+            "mode": "all",  # valid requests and invalid ones
+            "max-examples": EXAMPLES,
+            "deterministic": True,
+            # The test sends each surface's token itself; what a missing or foreign token gets is checked
+            # for every operation by test_every_operation_refuses_a_missing_or_foreign_token.
+            "with-security-parameters": False,
+        },
+    }
+)
+schema = schemathesis.openapi.from_path(REPO / "openapi.yaml", config=CONFIG)
+
+
+# -- the live service --------------------------------------------------------------------------------------
+
+
+@dataclass
+class LiveRoot:
+    url: str
+    log_path: Path
+    job_id: str = ""
+    worker_token: str = ""
+
+    def create_job(self) -> dict[str, Any]:
+        body = {"name": f"fuzz-{uuid.uuid4().hex[:12]}", "machines": MACHINES}
+        response = httpx.post(f"{self.url}/api/v1/jobs", json=body, headers=bearer(ADMIN_TOKEN), timeout=30)
+        assert response.status_code == 201, response.text
+        return response.json()  # type: ignore[no-any-return]
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture(scope="module")
+def live_root(
+    postgres_server: harness.Postgres, moto_server: harness.Moto, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveRoot]:
+    state = tmp_path_factory.mktemp("fuzz-root")
+    port = harness.free_port()
+    env = {
+        **os.environ,
+        "CASTOR_DATABASE_URL": postgres_server.create_database(f"fuzz_{uuid.uuid4().hex[:8]}"),
+        "CASTOR_ADMIN_TOKEN": ADMIN_TOKEN,
+        "CASTOR_PORT": str(port),
+        "CASTOR_STATE_DIR": str(state),
+        # The AWS operator (on moto, with no such group) instead of the local one: a fuzzed `launch` spec
+        # is refused instead of started as processes on this host, and replacements fail at once.
+        "CASTOR_CLOUD": "aws",
+        "CASTOR_ASG_NAME": "castor-fuzz-absent",
+        "CASTOR_AWS_ENDPOINT_URL": moto_server.url,
+        # No agent heartbeats: keep the failure detector out of the run.
+        "CASTOR_HEARTBEAT_TIMEOUT_S": "3600",
+    }
+    log_path = state / "root.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "serve"],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        harness.wait_for_port(port, process, timeout=60)
+        root = LiveRoot(f"http://127.0.0.1:{port}", log_path)
+        job = root.create_job()
+        root.job_id, root.worker_token = job["id"], job["worker_token"]
+        yield root
+    finally:
+        harness.stop_process(process)
+
+
+# -- checks ------------------------------------------------------------------------------------------------
+
+
+def error_shape(ctx: Any, response: Any, case: Any) -> bool | None:
+    """Every 4xx carries the one error shape, {"error": {"code", "message", "details"}}."""
+    if not 400 <= response.status_code < 500:
+        return None
+    body = response.json()
+    assert isinstance(body, dict) and set(body) == {"error"}, f"not the error shape: {body!r}"
+    error = body["error"]
+    assert isinstance(error, dict) and set(error) == {"code", "message", "details"}, error
+    assert isinstance(error["code"], str) and error["code"], error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert isinstance(error["details"], dict), error
+    return True
+
+
+# Known issues: findings whose fix belongs to issue 10 item 6 (bad input: strict booleans and integers,
+# malformed bodies as 422, 405 with Allow), another change. The checks below let exactly these through and
+# count them (a warning at the end names them); remove each once item 6 has landed.
+KNOWN_ISSUES_SEEN: collections.defaultdict[str, set[str]] = collections.defaultdict(set)  # issue: case ids
+
+
+def _lax_type_checker() -> Any:
+    # What pydantic's lax mode takes: true/false as integers and numbers, 0/1 as booleans.
+    def integer(_: Any, value: Any) -> bool:
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+
+    def number(_: Any, value: Any) -> bool:
+        return isinstance(value, int | float)
+
+    def boolean(_: Any, value: Any) -> bool:
+        return isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))
+
+    return jsonschema.Draft202012Validator.TYPE_CHECKER.redefine_many(
+        {"integer": integer, "number": number, "boolean": boolean}
+    )
+
+
+_LaxValidator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator, type_checker=_lax_type_checker()
+)
+
+
+def _only_lax_types_wrong(case: Any) -> bool:
+    """The JSON body breaks the schema, but only by a boolean where a number belongs or a 0/1 where a
+    boolean does."""
+    operation = OPENAPI["paths"][case.path][case.method.lower()]
+    content = operation.get("requestBody", {}).get("content", {}).get("application/json")
+    if content is None or not isinstance(case.body, dict | list):
+        return False
+    body_schema = {**content["schema"], "components": OPENAPI["components"]}
+    strict = jsonschema.Draft202012Validator(body_schema).is_valid(case.body)
+    return not strict and bool(_LaxValidator(body_schema).is_valid(case.body))
+
+
+def known_issue(case: Any, response: Any) -> str | None:
+    if 200 <= response.status_code < 300 and _only_lax_types_wrong(case):
+        return "item 6: a boolean taken as an integer, or 0/1 as a boolean"
+    if response.status_code == 400 and isinstance(case.body, bytes | str):
+        return "item 6: a body that is not JSON (or not UTF-8) answers an undocumented 400, not a 422"
+    if response.status_code == 405 and "allow" not in response.headers:
+        return "item 6: a 405 without an Allow header"
+    return None
+
+
+def tolerating_known_issues(check: Callable[..., bool | None]) -> Callable[..., bool | None]:
+    @functools.wraps(check)
+    def wrapped(ctx: Any, response: Any, case: Any) -> bool | None:
+        issue = known_issue(case, response)
+        if issue is not None:
+            KNOWN_ISSUES_SEEN[issue].add(case.id)
+            return None
+        return check(ctx, response, case)
+
+    return wrapped
+
+
+CHECKS = [
+    not_a_server_error,
+    tolerating_known_issues(status_code_conformance),
+    content_type_conformance,
+    response_schema_conformance,
+    tolerating_known_issues(negative_data_rejection),
+    tolerating_known_issues(unsupported_method),
+    error_shape,
+]
+
+
+# -- the run -----------------------------------------------------------------------------------------------
+
+
+def _uuid(value: object) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        return None
+
+
+def aim(case: Any, root: LiveRoot) -> None:
+    """Point most generated requests at the job the worker token belongs to, so that the fuzzer gets past
+    403/404 into the handlers; one valid id in eight stays random (a 403 for the worker token, a 404 for
+    the admin). Derived from the generated id itself, so the run stays deterministic."""
+    generated = _uuid(case.path_parameters.get("job_id"))
+    if generated is not None and generated.int % 8:
+        if case.method == "DELETE" or case.path.endswith("/stop"):
+            # Deleting or stopping the worker token's job would end the worker surface's run: a job each.
+            case.path_parameters["job_id"] = root.create_job()["id"]
+        else:
+            case.path_parameters["job_id"] = root.job_id
+    rank = case.path_parameters.get("rank")
+    if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
+        case.path_parameters["rank"] = rank % (2 * MACHINES)  # half of them a rank of the job
+    wait = (case.query or {}).get("wait")
+    try:
+        if wait is not None and float(wait) > 0.1:
+            case.query["wait"] = 0.1  # a long poll of up to 60 s, cut short: the run stays bounded
+    except (TypeError, ValueError):
+        pass  # not a number: the service refuses it at once
+
+
+@schema.parametrize()
+@settings(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+def test_fuzz_api(case: Any, live_root: LiveRoot) -> None:
+    token = live_root.worker_token if case.path.startswith("/api/v1/worker/") else ADMIN_TOKEN
+    aim(case, live_root)
+    case.call_and_validate(base_url=live_root.url, headers=bearer(token), checks=CHECKS, timeout=30)
+
+
+def test_the_service_logged_no_error(live_root: LiveRoot) -> None:
+    """After the run (tests run in file order): nothing failed inside the service either, background
+    tasks included (a 500 there never reaches a client)."""
+    lines = live_root.log_path.read_text(errors="replace").splitlines()
+    errors = [line for line in lines if " ERROR " in line or line.startswith(("ERROR", "Traceback"))]
+    assert not errors, "\n".join(lines[-60:])
+    if KNOWN_ISSUES_SEEN:
+        seen = "; ".join(f"{issue} ({len(cases)} requests)" for issue, cases in KNOWN_ISSUES_SEEN.items())
+        warnings.warn(f"fuzzing let known issues through: {seen}", stacklevel=1)
+
+
+# -- authentication, for every operation ------------------------------------------------------------------
+
+
+def _protected_operations() -> list[tuple[str, str]]:
+    return [
+        (method.upper(), path)
+        for path, methods in OPENAPI["paths"].items()
+        for method, operation in methods.items()
+        if operation.get("security")
+    ]
+
+
+@pytest.fixture(scope="module")
+def other_job(live_root: LiveRoot) -> dict[str, Any]:
+    return live_root.create_job()
+
+
+@pytest.mark.parametrize(("method", "path"), _protected_operations(), ids=" ".join)
+def test_every_operation_refuses_a_missing_or_foreign_token(
+    method: str, path: str, live_root: LiveRoot, other_job: dict[str, Any]
+) -> None:
+    url = live_root.url + path.format(job_id=live_root.job_id, rank=0, failure_id=1)
+    worker = path.startswith("/api/v1/worker/")
+    body = {} if method in ("POST", "PUT", "PATCH") else None
+    refusals = {
+        "no token": ({}, 401),
+        "an unknown token": (bearer("castor-admin.wrong"), 401),
+        "a worker token with a wrong secret": (bearer(live_root.worker_token + "x"), 401),
+        # The public surface is the admin's; a job's worker token acts on its own job only.
+        "a token that may not act here": (
+            bearer(other_job["worker_token"] if worker else live_root.worker_token),
+            403,
+        ),
+    }
+    for what, (headers, status) in refusals.items():
+        response = httpx.request(method, url, headers=headers, json=body, timeout=30)
+        assert response.status_code == status, f"{what}: {response.status_code} {response.text}"
+        assert set(response.json()) == {"error"} and set(response.json()["error"]) == {
+            "code",
+            "message",
+            "details",
+        }, f"{what}: {response.text}"
+        assert str(status) in OPENAPI["paths"][path][method.lower()]["responses"], f"{status} undocumented"
