@@ -1,11 +1,14 @@
 """The persistent tier: S3 (production, aioboto3 multipart uploads) or a local directory (embedded mode).
 
-A persisted checkpoint of one rank is two objects under `<prefix>/<job>/iteration-<I>/rank-<r>/gen-<g>/`:
-`data.bin` (the slot's data region, byte for byte) and `manifest.json` (written last: a rank's shard is
-complete only when its manifest exists). The plan generation is part of the key: after a rollback the
-same iteration number is another history, and a late upload of the old one must not overwrite the new.
-Downloads go straight into a slot of the destination store; the manifest must be the one the root
-recorded (digest) and every stripe is verified before the slot is committed.
+A persisted checkpoint of one rank is two objects under `<prefix>/<job>/iteration-<I>/rank-<r>/gen-<g>/`
+(the layout is `worker_lib.persistent_keys`): `data.bin` (the slot's data region, byte for byte) and
+`manifest.json` (written last: a rank's shard is complete only when its manifest exists). Downloads go
+straight into a slot of the destination store; the manifest must be the one the root recorded (digest)
+and every stripe is verified before the slot is committed.
+
+Every key is checked (`check_key`: relative, no '.' or '..' segment), and a delete names the scope it
+must stay strictly inside (the root passes `<prefix>/<job>`): the root deletes with its own credentials,
+so a key that reached it wrongly must not reach another job's checkpoints, or anything else.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any, Protocol
 import xxhash
 
 from worker_lib.errors import CheckpointCorruptError, CheckpointNotFoundError
+from worker_lib.persistent_keys import check_key, checkpoint_prefix, is_within, shard_key
 from worker_lib.store.integrity import check_structure
 from worker_lib.store.manifest import Manifest
 from worker_lib.store.slots import SlotStore
@@ -28,13 +32,15 @@ PART_BYTES = 16 << 20  # multipart part size: S3 needs >= 5 MiB parts, bigger pa
 UPLOAD_CONCURRENCY = 4
 
 
-def shard_key(prefix: str, job_id: str, iteration: int, rank: int, generation: int = 1) -> str:
-    return f"{prefix.strip('/')}/{job_id}/iteration-{iteration}/rank-{rank}/gen-{generation}"
-
-
-def checkpoint_prefix(key: str) -> str:
-    """The prefix of every rank's shards of the checkpoint a shard key belongs to."""
-    return key.rsplit("/", 2)[0]
+__all__ = [
+    "LocalDirStore",
+    "ObjectStore",
+    "PersistedShard",
+    "S3Store",
+    "checkpoint_prefix",
+    "object_store",
+    "shard_key",
+]
 
 
 def check_expected(
@@ -69,8 +75,14 @@ class ObjectStore(Protocol):
         """Download a shard into `destination`, verified: its manifest must be self-consistent (and of
         `iteration`, with `digest`, when given), every stripe must match its checksum."""
 
-    async def delete(self, key: str) -> None:
-        """Delete everything under `key` (a shard or a whole checkpoint)."""
+    async def delete(self, key: str, *, within: str) -> None:
+        """Delete everything under `key` (a shard or a whole checkpoint), which must lie strictly inside
+        `within` (ValueError otherwise, and nothing is deleted)."""
+
+
+def _check_scope(key: str, within: str) -> None:
+    if not is_within(key, within):
+        raise ValueError(f"refusing to delete {key!r}: it is not a key strictly inside {within!r}")
 
 
 def object_store(config: dict[str, Any]) -> ObjectStore:
@@ -98,7 +110,7 @@ class LocalDirStore:
         self.root = Path(root)
 
     def _path(self, key: str) -> Path:
-        path = (self.root / key).resolve()
+        path = (self.root / check_key(key)).resolve()
         if not path.is_relative_to(self.root.resolve()):
             raise ValueError(f"key {key!r} escapes the persistent directory")
         return path
@@ -148,8 +160,19 @@ class LocalDirStore:
             raise
         return manifest
 
-    async def delete(self, key: str) -> None:
-        await asyncio.to_thread(shutil.rmtree, self._path(key), True)
+    async def delete(self, key: str, *, within: str) -> None:
+        await asyncio.to_thread(self._delete, key, within)
+
+    def _delete(self, key: str, within: str) -> None:
+        _check_scope(key, within)
+        # No symlink anywhere on the way: a link inside the tier could point the delete at another job's
+        # directory (or out of the tier) although the key itself is in scope. rmtree does not follow
+        # links inside the tree it removes.
+        root = self.root.resolve()
+        path = root / key
+        if path.resolve() != path:
+            raise ValueError(f"refusing to delete {key!r}: a symbolic link is on its path")
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class S3Store:
@@ -166,6 +189,7 @@ class S3Store:
         return self._session.client("s3", endpoint_url=self.endpoint_url)
 
     async def put(self, key: str, manifest: Manifest, data: memoryview) -> PersistedShard:
+        check_key(key)
         async with self._client() as s3:
             await self._put_data(s3, f"{key}/data.bin", data)
             await s3.put_object(Bucket=self.bucket, Key=f"{key}/manifest.json", Body=manifest.to_json())
@@ -203,6 +227,7 @@ class S3Store:
     async def get(
         self, key: str, destination: SlotStore, iteration: int | None = None, digest: str | None = None
     ) -> Manifest:
+        check_key(key)
         async with self._client() as s3:
             try:
                 response = await s3.get_object(Bucket=self.bucket, Key=f"{key}/manifest.json")
@@ -242,10 +267,11 @@ class S3Store:
                 raise
         return manifest
 
-    async def delete(self, key: str) -> None:
+    async def delete(self, key: str, *, within: str) -> None:
+        _check_scope(key, within)
         async with self._client() as s3:
             paginator = s3.get_paginator("list_objects_v2")
-            async for page in paginator.paginate(Bucket=self.bucket, Prefix=key.rstrip("/") + "/"):
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=key + "/"):
                 objects = [{"Key": item["Key"]} for item in page.get("Contents", [])]
                 if objects:
                     await s3.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})

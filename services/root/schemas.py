@@ -409,14 +409,27 @@ class InventoryReport(BaseModel):
 
 
 class PersistedReport(BaseModel):
+    """One rank's shard reached the persistent tier. It lies at the key the root computes from (prefix,
+    job, iteration, rank, generation): `<prefix>/<job>/iteration-<I>/rank-<r>/gen-<g>`."""
+
     model_config = ConfigDict(extra="forbid")
 
     instance_id: Text = Field(min_length=1, max_length=128)
-    rank: Count = Field(description="Global rank whose checkpoint was uploaded.")
+    rank: Count = Field(description="Global rank whose checkpoint was uploaded; one this machine runs.")
     iteration: Count
     generation: int = Field(1, ge=1, le=INT32_MAX)
-    key: Text = Field(min_length=1, max_length=1000)
-    location: Text = Field(min_length=1, max_length=1000)
+    key: Text | None = Field(
+        None,
+        min_length=1,
+        max_length=1000,
+        description="Optional: where the shard was uploaded. Must be the key the root computes (422 if not).",
+    )
+    location: Text | None = Field(
+        None,
+        min_length=1,
+        max_length=1000,
+        description="Deprecated and optional: the checkpoint's URI. Must be the one the root computes.",
+    )
     digest: Text = Field(max_length=64)
     nbytes: ByteCount
 

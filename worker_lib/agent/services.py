@@ -326,8 +326,16 @@ class Uploads:
             manifest, data = await asyncio.to_thread(self._stage, rank, iteration)
             if self._store is None:
                 self._store = object_store(services.registration["persistent"])
-            prefix = services.registration["persistent"]["prefix"]
-            key = shard_key(prefix, services.job_id, iteration, rank, manifest_generation(manifest))
+            # The root computes the same key (and refuses a report naming another): the job id as the root
+            # wrote it in the registration, not as this agent was given it.
+            registration = services.registration
+            key = shard_key(
+                registration["persistent"]["prefix"],
+                str(registration["job_id"]),
+                iteration,
+                rank,
+                manifest_generation(manifest),
+            )
             shard = await self._store.put(key, manifest, data)
             await services.client.report_persisted(
                 services.machine_rank,
@@ -337,7 +345,6 @@ class Uploads:
                     "iteration": iteration,
                     "generation": manifest_generation(manifest),
                     "key": shard.key,
-                    "location": shard.location,
                     "digest": shard.digest,
                     "nbytes": shard.nbytes,
                 },

@@ -109,8 +109,11 @@ async def report_persisted(
     state: StateDep,
     background: BackgroundTasks,
 ) -> Response:
-    """One rank's checkpoint reached the persistent tier; checkpoints beyond the newest P are deleted."""
-    expired = await persistence.record_persisted(db, job, rank, body)
+    """One of this machine's ranks uploaded its checkpoint to the persistent tier, at the key the root
+    computes (a report naming another key: 422; a rank this machine does not run: 403); checkpoints
+    beyond the newest P are deleted, only ever inside this job's own prefix."""
+    tier = persistence.tier_of(state.settings)
+    expired = await persistence.record_persisted(db, job, rank, body, tier)
     if expired:
-        background.add_task(delete_persisted, state.settings, expired)
+        background.add_task(delete_persisted, state.settings, str(job.id), expired)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

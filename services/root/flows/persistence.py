@@ -1,5 +1,9 @@
 """Persisted checkpoints: agents upload every K iterations; the root records each rank's shard and keeps
-the newest P complete checkpoints (the rules are in `domain.retention`)."""
+the newest P complete checkpoints (the rules are in `domain.retention`).
+
+The root computes every key and location itself (`domain.persisted`): a report may only name the key the
+root would compute for its (iteration, rank, generation), and only for a rank the reporting machine runs.
+What the root deletes at expiry is computed the same way and scoped to the job's own prefix."""
 
 from __future__ import annotations
 
@@ -8,40 +12,69 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.root import schemas
 from services.root.db import repository as repo
 from services.root.db.models import Job, PersistedCheckpoint, PersistedShard
+from services.root.domain import persisted
 from services.root.domain.retention import StoredCheckpoint, expired
-from services.root.flows.machines import live_machine_at
+from services.root.errors import Forbidden, Invalid
+from services.root.flows.machines import live_machine_at, persistent_tier
+from services.root.settings import Settings
+
+
+def tier_of(settings: Settings) -> persisted.Tier:
+    tier = persistent_tier(settings)
+    return persisted.Tier(kind=tier.kind, prefix=tier.prefix, bucket=tier.bucket, path=tier.path)
 
 
 async def record_persisted(
-    session: AsyncSession, job: Job, rank: int, report: schemas.PersistedReport
+    session: AsyncSession, job: Job, machine_rank: int, report: schemas.PersistedReport, tier: persisted.Tier
 ) -> list[str]:
-    """Record one rank's uploaded shard; returns the key prefixes of checkpoints to delete now."""
-    await live_machine_at(session, job, rank, report.instance_id)
+    """Record one rank's uploaded shard; returns the key prefixes of checkpoints to delete now (all
+    inside `persisted.job_scope(tier, job)`)."""
+    await live_machine_at(session, job, machine_rank, report.instance_id)
+    hosted = persisted.hosted_ranks(machine_rank, job.procs_per_machine)
+    if report.rank not in hosted:
+        raise Forbidden(
+            f"machine {machine_rank} runs ranks {hosted.start}..{hosted.stop - 1}, not rank {report.rank}",
+            code="rank_not_hosted",
+            details={"rank": report.rank, "hosted": [hosted.start, hosted.stop - 1]},
+        )
+    job_id = str(job.id)
+    key = persisted.shard_of(tier, job_id, report.iteration, report.rank, report.generation)
+    location = persisted.checkpoint_location(tier, job_id, report.iteration)
+    # Older agents name the key and location they uploaded to: accepted only if they are the root's own.
+    for field, named, computed in (("key", report.key, key), ("location", report.location, location)):
+        if named is not None and named != computed:
+            raise Invalid(
+                f"the persisted {field} of rank {report.rank} iteration {report.iteration} generation "
+                f"{report.generation} is {computed!r}; the report names {named!r}",
+                code=f"persisted_{field}_mismatch",
+                details={"expected": computed},
+            )
     checkpoint = await repo.persisted_checkpoint(session, job.id, report.iteration)
     if checkpoint is None:
-        checkpoint = PersistedCheckpoint(job_id=job.id, iteration=report.iteration, location=report.location)
+        checkpoint = PersistedCheckpoint(job_id=job.id, iteration=report.iteration, location=location)
         session.add(checkpoint)
         await session.flush()
         await session.refresh(checkpoint, ["shards"])
     shard = next((s for s in checkpoint.shards if s.rank == report.rank), None)
     if shard is None:
         shard = PersistedShard(
-            checkpoint_id=checkpoint.id, rank=report.rank, key=report.key, digest="", nbytes=0, generation=0
+            checkpoint_id=checkpoint.id, rank=report.rank, key=key, digest="", nbytes=0, generation=0
         )
         checkpoint.shards.append(shard)
     if report.generation < shard.generation:
         return []  # a late upload from before a rollback: the newer history's shard stays recorded
+    checkpoint.location = location
     shard.key, shard.digest, shard.nbytes, shard.generation = (
-        report.key,
+        key,
         report.digest,
         report.nbytes,
         report.generation,
     )
     await session.flush()
-    return await _expire(session, job)
+    return await _expire(session, job, tier)
 
 
-async def _expire(session: AsyncSession, job: Job) -> list[str]:
+async def _expire(session: AsyncSession, job: Job, tier: persisted.Tier) -> list[str]:
     checkpoints = {c.iteration: c for c in await repo.list_persisted(session, job.id)}
     doomed = expired(
         [
@@ -56,6 +89,8 @@ async def _expire(session: AsyncSession, job: Job) -> list[str]:
     for stored in doomed:
         checkpoint = checkpoints[stored.iteration]
         # <prefix>/<job>/iteration-<I>/rank-<r>: this rank's shards of the iteration, every generation's
-        prefixes += sorted({shard.key.rsplit("/", 1)[0] for shard in checkpoint.shards})
+        prefixes += persisted.expired_prefixes(
+            tier, str(job.id), checkpoint.iteration, (shard.rank for shard in checkpoint.shards)
+        )
         await session.delete(checkpoint)
     return prefixes

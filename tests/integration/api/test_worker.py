@@ -177,7 +177,6 @@ async def report_persisted(
         "iteration": iteration,
         "generation": generation,
         "key": f"castor/{job['id']}/iteration-{iteration}/rank-{rank}/gen-{generation}",
-        "location": f"file:///p/{job['id']}/iteration-{iteration}",
         "digest": digest,
         "nbytes": 64,
     }

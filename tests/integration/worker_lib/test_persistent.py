@@ -60,7 +60,7 @@ async def test_round_trip_is_bit_exact_and_restorable(store: ObjectStore, shm: P
     restored = Checkpointer(shm / "dst").restore()
     assert restored is not None and restored.iteration == 20 and restored.state["w"][5].item() == 25.0
 
-    await store.delete(key)
+    await store.delete(key, within="castor/job-1")
     with pytest.raises(Exception, match="no persisted checkpoint"):
         await store.get(key, SlotStore(shm / "again"))
 
@@ -96,3 +96,28 @@ async def test_a_shard_that_is_not_the_planned_one_is_refused(store: ObjectStore
     assert destination.committed() == []
     fetched = await store.get(key, destination, iteration=12, digest=manifest.digest)
     assert [m.digest for m in destination.committed()] == [fetched.digest]
+
+
+async def test_a_delete_outside_its_scope_is_refused_and_touches_nothing(
+    store: ObjectStore, shm: Path
+) -> None:
+    """The root deletes with its own credentials: a key outside the job's prefix (or the prefix itself, or
+    one with '..') is refused by the store itself, and a delete never reaches a sibling sharing the text."""
+    source = checkpoint(shm / "src", 1, 1 << 10)
+    keys = [
+        shard_key("castor", "job-a", 1, 0),
+        shard_key("castor", "job-b", 1, 0),
+        shard_key("castor", "job-b", 10, 0),  # "iteration-1" is a textual prefix of "iteration-10"
+    ]
+    with source.open_read() as (manifest, data):
+        for key in keys:
+            await store.put(key, manifest, data)
+    for hostile in ("castor", "castor/job-b", "castor/job-a/iteration-1", "castor/job-b/../job-a", "/castor"):
+        with pytest.raises(ValueError):
+            await store.delete(hostile, within="castor/job-b")
+    await store.delete("castor/job-b/iteration-1", within="castor/job-b")
+    with pytest.raises(Exception, match="no persisted checkpoint"):
+        await store.get(keys[1], SlotStore(shm / "gone"))
+    for index, key in ((0, keys[0]), (2, keys[2])):
+        fetched = await store.get(key, SlotStore(shm / f"kept-{index}"))
+        assert fetched.digest == manifest.digest

@@ -1,0 +1,94 @@
+"""The persistent tier's key layout and the local directory store's delete scope (real files, links)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from worker_lib.persistent import LocalDirStore
+from worker_lib.persistent_keys import check_key, is_within, job_prefix, rank_prefix, shard_key
+
+JOB = "0b6c7f5e-53a1-4d5e-9f3a-0c1d2e3f4a5b"
+
+
+def test_the_layout_is_prefix_job_iteration_rank_generation() -> None:
+    assert shard_key("castor", JOB, 20, 3, 2) == f"castor/{JOB}/iteration-20/rank-3/gen-2"
+    assert shard_key("/team/castor/", JOB, 0, 0) == f"team/castor/{JOB}/iteration-0/rank-0/gen-1"
+    assert shard_key("", JOB, 1, 1) == f"{JOB}/iteration-1/rank-1/gen-1", "no leading '/' without a prefix"
+    assert rank_prefix("castor", JOB, 20, 3) == f"castor/{JOB}/iteration-20/rank-3"
+
+
+@pytest.mark.parametrize(
+    "key", ["", "/etc", "castor//x", "castor/../x", "..", "../", "./x", "castor/.", "a\\b", "a\x00b", "a\nb"]
+)
+def test_keys_that_are_not_plain_relative_keys_are_refused(key: str) -> None:
+    with pytest.raises(ValueError):
+        check_key(key)
+
+
+@pytest.mark.parametrize("job_id", ["", "a/b", "..", "."])
+def test_a_job_id_must_be_one_plain_segment(job_id: str) -> None:
+    with pytest.raises(ValueError):
+        job_prefix("castor", job_id)
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5])
+def test_numbers_in_a_key_are_counts(value: int) -> None:
+    with pytest.raises(ValueError):
+        shard_key("castor", JOB, value, 0)
+
+
+def test_within_means_strictly_below_the_scope() -> None:
+    scope = job_prefix("castor", JOB)
+    assert is_within(rank_prefix("castor", JOB, 10, 0), scope)
+    assert not is_within(scope, scope), "the scope itself is not inside it"
+    assert not is_within(f"{scope}-other/iteration-1", scope), "a sibling sharing the text is not inside"
+    assert not is_within(f"{scope}/../other", scope)
+    assert not is_within("castor", scope)
+
+
+def tree(root: Path, *keys: str) -> None:
+    for key in keys:
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_bytes(b"x")
+
+
+async def test_local_delete_stays_inside_its_scope(tmp_path: Path) -> None:
+    store = LocalDirStore(tmp_path / "tier")
+    mine, theirs = job_prefix("castor", JOB), job_prefix("castor", "other-job")
+    tree(
+        store.root, f"{mine}/iteration-1/rank-0/gen-1/data.bin", f"{theirs}/iteration-1/rank-0/gen-1/data.bin"
+    )
+    tree(tmp_path, "outside.bin")
+    for key in ("castor", mine, theirs, f"{theirs}/iteration-1", f"{mine}/../other-job/iteration-1", "../"):
+        with pytest.raises(ValueError):
+            await store.delete(key, within=mine)
+    assert (store.root / theirs / "iteration-1/rank-0/gen-1/data.bin").exists()
+    assert (tmp_path / "outside.bin").exists()
+    await store.delete(f"{mine}/iteration-1", within=mine)
+    assert not (store.root / mine / "iteration-1").exists()
+
+
+async def test_local_delete_follows_no_symlink_out_of_its_scope(tmp_path: Path) -> None:
+    """A link inside the job's own prefix that points at another job's directory, or out of the tier: the
+    key is in scope, the directory it reaches is not."""
+    store = LocalDirStore(tmp_path / "tier")
+    mine, theirs = job_prefix("castor", JOB), job_prefix("castor", "other-job")
+    tree(store.root, f"{theirs}/iteration-1/rank-0/gen-1/data.bin")
+    tree(tmp_path, "elsewhere/keep.bin")
+    (store.root / mine / "iteration-1").mkdir(parents=True)
+    os.symlink(store.root / theirs / "iteration-1" / "rank-0", store.root / mine / "iteration-1" / "rank-0")
+    os.symlink(tmp_path / "elsewhere", store.root / mine / "iteration-2")
+    for key in (f"{mine}/iteration-1/rank-0", f"{mine}/iteration-1/rank-0/gen-1", f"{mine}/iteration-2"):
+        with pytest.raises(ValueError, match="symbolic link"):
+            await store.delete(key, within=mine)
+    assert (store.root / theirs / "iteration-1/rank-0/gen-1/data.bin").exists()
+    assert (tmp_path / "elsewhere/keep.bin").exists()
+    # A link deeper in the tree being removed is removed as a link; its target stays.
+    (store.root / mine / "iteration-3" / "rank-0").mkdir(parents=True)
+    os.symlink(tmp_path / "elsewhere", store.root / mine / "iteration-3" / "rank-0" / "gen-1")
+    await store.delete(f"{mine}/iteration-3", within=mine)
+    assert not (store.root / mine / "iteration-3").exists()
+    assert (tmp_path / "elsewhere/keep.bin").exists()
