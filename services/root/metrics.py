@@ -154,14 +154,18 @@ async def database_families(database: Database) -> list[Metric]:
 
     by_phase: dict[str, list[float]] = {name: [] for name in phases.PHASES}
     by_kind: dict[str, list[float]] = {kind.value: [] for kind in FailureKind}
-    lost = 0
+    # Failures that joined one recovery (a lost group: one event per machine) share its rollback: the
+    # iterations lost are counted once per recovery plan, not once per event.
+    lost_by_recovery: dict[object, int] = {}
     for event in recovered:
         for phase in phases.phases(event, finished=True):
             by_phase[phase.name].append(phase.seconds)
-        total = phases.total_seconds(event)
+        total = phases.recovery_seconds(event)
         if total is not None:
             by_kind.setdefault(event.kind, []).append(total)
-        lost += event.iterations_lost or 0
+        recovery = event.plan_id if event.plan_id is not None else ("event", event.id)
+        lost_by_recovery[recovery] = max(lost_by_recovery.get(recovery, 0), event.iterations_lost or 0)
+    lost = sum(lost_by_recovery.values())
     result.append(
         _histogram(
             "castor_recovery_phase_seconds",
@@ -173,13 +177,14 @@ async def database_families(database: Database) -> list[Metric]:
     result.append(
         _histogram(
             "castor_recovery_seconds",
-            "From a failure to training resumed, over recovered failures.",
+            "Recovery time of recovered failures: from detection to training resumed (every rank "
+            "completed its first iteration after the restore).",
             "kind",
             by_kind,
         )
     )
     counter = CounterMetricFamily(
-        "castor_iterations_lost", "Iterations lost (rolled back) by recovered failures."
+        "castor_iterations_lost", "Iterations lost (rolled back) by recoveries, counted once per recovery."
     )
     counter.add_metric([], lost)
     result.append(counter)

@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from services.root.web.phases import recovery_seconds
+
 JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
 
 # Numbers that end up in INTEGER / BIGINT columns: larger ones would be refused by the database with a
@@ -199,6 +201,16 @@ class FailureOut(BaseModel):
     tier: str | None
     iterations_lost: int | None
     details: dict[str, Any]
+    recovery_s: float | None = Field(
+        None,
+        description="Recovery time in seconds: from detection to training resumed (every rank completed its "
+        "first iteration after the restore); null until then. The pages, /metrics and the CLI show this.",
+    )
+
+    @model_validator(mode="after")
+    def _recovery_time(self) -> FailureOut:
+        self.recovery_s = recovery_seconds(self)
+        return self
 
 
 class PlanSource(BaseModel):

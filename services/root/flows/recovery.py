@@ -43,6 +43,7 @@ from services.root.flows.directives import directive_changed
 from services.root.flows.failures import machine_lost
 from services.root.flows.machines import live_machine_at
 from services.root.settings import Settings
+from services.root.web.phases import parse_timestamp
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +108,11 @@ async def advance(session: AsyncSession, job: Job, settings: Settings) -> list[R
 
     if plan.status == PlanStatus.READY:
         if all(m.restored_generation == plan.generation for m in live):
+            restored = _last_report(events, RESTORED_AT, now)
             for event in events:
-                event.restored_at = event.restored_at or now
+                event.restored_at = event.restored_at or restored
         if all(m.resumed_generation == plan.generation for m in live):
-            _finish_recovery(job, plan, events, now)
+            _finish_recovery(job, plan, events, _last_report(events, RESUMED_AT, now))
         elif plan.ready_at and now - plan.ready_at > timedelta(seconds=settings.restore_timeout_s):
             for machine in live:
                 if machine.resumed_generation != plan.generation:
@@ -299,8 +301,28 @@ def _give_up(session: AsyncSession, job: Job, events: list[FailureEvent], now: d
     log.error("job %s: %s", job.name, why)
 
 
+# Event details keys: when each machine's "restored" and "resumed" reports arrived (machine rank -> ISO
+# time). A phase ends at the last machine's report, not at the leader's next pass, which trails it.
+RESTORED_AT = "restored_reported_at"
+RESUMED_AT = "resumed_reported_at"
+
+
+def _now_iso() -> str:
+    return utcnow().isoformat()
+
+
+def _last_report(events: list[FailureEvent], key: str, now: datetime) -> datetime:
+    """The latest report time noted under `key` on the recovery's events (`now` if none was noted: a
+    recovery that began before this was recorded)."""
+    times = [
+        parse_timestamp(value) for event in events for value in (event.details or {}).get(key, {}).values()
+    ]
+    return max((t for t in times if t is not None), default=now)
+
+
 def _finish_recovery(job: Job, plan: RecoveryPlan, events: list[FailureEvent], now: datetime) -> None:
-    """Every rank completed an iteration after the restore: the failures are recovered."""
+    """Every rank completed an iteration after the restore (`now`: when the last one reported it): the
+    failures are recovered."""
     started = min(e.detected_at for e in events) if events else plan.created_at
     iteration_s = 60.0 / job.checkpoints_per_minute if job.checkpoints_per_minute else 0.0
     lost = max((e.iterations_lost or 0) for e in events) if events else 0
@@ -334,9 +356,13 @@ async def record_progress(session: AsyncSession, job: Job, rank: int, report: sc
     job is complete."""
     machine = await live_machine_at(session, job, rank, report.instance_id)
     if report.event == "restored":
+        if machine.restored_generation != report.generation:  # the first report counts, not a retry
+            await _note_on_events(session, job, report.generation, RESTORED_AT, {str(rank): _now_iso()})
         machine.restored_generation = report.generation
         await _note_on_events(session, job, report.generation, "restore", {str(rank): report.details})
     elif report.event == "resumed":
+        if machine.resumed_generation != report.generation:
+            await _note_on_events(session, job, report.generation, RESUMED_AT, {str(rank): _now_iso()})
         machine.resumed_generation = report.generation
     elif report.event == "restore_failed":
         now = utcnow()

@@ -165,7 +165,7 @@ class FailureRow:
     failed_at: datetime
     tier: str | None
     iterations_lost: int | None
-    total_s: float | None  # failure to training resumed; None while it is not
+    recovery_s: float | None  # detection to training resumed (phases.recovery_seconds); None until then
     elapsed_s: float  # so far, or in all
     phases: list[phases.Phase]
     segments: list[charts.Segment]
@@ -197,7 +197,7 @@ def failure_row(job_id: uuid.UUID, event: FailureEvent, now: datetime) -> Failur
         failed_at=phases.failed_at(event),
         tier=event.tier,
         iterations_lost=event.iterations_lost,
-        total_s=phases.total_seconds(event),
+        recovery_s=phases.recovery_seconds(event),
         elapsed_s=elapsed,
         phases=steps,
         segments=charts.phase_segments(steps, elapsed),
@@ -387,7 +387,7 @@ async def job_page(
         [(s.at, s.iteration) for s in history.samples(job.id)],
         [
             charts.ChartFailure(
-                r.id, r.kind, r.failed_at, r.phases[-1].end if r.total_s is not None else None, r.href
+                r.id, r.kind, r.failed_at, r.phases[-1].end if r.recovery_s is not None else None, r.href
             )
             for r in rows
         ],

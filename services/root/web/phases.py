@@ -11,6 +11,10 @@
     resume    restored -> every rank completed its first iteration after the restore.
 
 Used by the pages (the bars) and by /metrics (the histograms), so both say the same thing.
+
+A failure's *recovery time* has one definition, `recovery_seconds`: from its detection to training resumed
+(every rank completed its first iteration after the restore). The pages, /metrics, the API (`recovery_s`
+of a failure) and the CLI all show that number; the detect phase before it is shown on its own.
 """
 
 from __future__ import annotations
@@ -37,6 +41,13 @@ class Phase:
     start: datetime
     end: datetime | None  # None: under way
     seconds: float  # so far, when under way
+
+
+class RecoveryTimes(Protocol):
+    @property
+    def detected_at(self) -> datetime: ...
+    @property
+    def resumed_at(self) -> datetime | None: ...
 
 
 class EventTimes(Protocol):
@@ -104,8 +115,8 @@ def phases(event: EventTimes, now: datetime | None = None, *, finished: bool | N
     return result
 
 
-def total_seconds(event: EventTimes) -> float | None:
-    """From the failure to training resumed; None while the recovery is not done."""
+def recovery_seconds(event: RecoveryTimes) -> float | None:
+    """The recovery time: from the failure's detection to training resumed; None until it resumed."""
     if event.resumed_at is None:
         return None
-    return max(0.0, (event.resumed_at - failed_at(event)).total_seconds())
+    return max(0.0, (event.resumed_at - event.detected_at).total_seconds())

@@ -96,7 +96,7 @@ def test_failures_show(root: Root, failed: FailedJob) -> None:
     assert re.search(r"^\s+classify\s+\d{4}-\d\d-\d\d .*\)\s+(\d+ ms|0 s)$", out, re.MULTILINE), out
     for phase in ("replace", "restore", "resume"):
         assert re.search(rf"^\s+{phase}\s+-\s+pending$", out, re.MULTILINE), out
-    assert re.search(r"^\s+total\s+-$", out, re.MULTILINE)
+    assert re.search(r"^\s+recovery time\s+-$", out, re.MULTILINE)
     assert re.search(r"exit_code:\s+-9", out) and re.search(r"instance_id:\s+i-1", out)
 
     document = castor(root, "failures", "show", failed.job["id"], str(failed.failure_id), "--json").json()

@@ -70,11 +70,12 @@ def test_phase_rows_skipped_and_pending() -> None:
         "replace": "skipped",
         "restore": "3.0 s",
         "resume": "pending",
-        "total": "-",
+        "recovery time": "-",
     }
     failure["resumed_at"] = "2026-01-02T12:03:12Z"
+    failure["recovery_s"] = 192.0  # the API's recovery time: detection to training resumed
     rows = {name: took for name, _, took in cli_ops.phase_rows(failure)}
-    assert rows["resume"] == "3 min 9 s" and rows["total"] == "3 min 12 s"
+    assert rows["resume"] == "3 min 9 s" and rows["recovery time"] == "3 min 12 s"
 
 
 def test_mask_token() -> None:

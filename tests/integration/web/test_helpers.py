@@ -50,7 +50,7 @@ def test_a_recovered_hardware_failure_has_five_phases_from_its_last_heartbeat() 
         ("restore", 1.0),
         ("resume", 5.0),
     ]
-    assert phases.total_seconds(event) == 15.0
+    assert phases.recovery_seconds(event) == 13.0, "from detection, not from the last heartbeat"
     segments = charts.phase_segments(steps, 30.0)
     assert [(s.x, s.width) for s in segments] == [
         (0.0, 66.67),
@@ -69,7 +69,7 @@ def test_a_software_failure_in_progress_has_no_replace_phase_and_one_under_way()
         ("classify", 0.0, False),
         ("restore", 4.0, True),
     ]
-    assert phases.total_seconds(event) is None
+    assert phases.recovery_seconds(event) is None
     assert phases.phases(event, at(4), finished=True)[-1].name == "classify", "nothing under way once over"
 
 

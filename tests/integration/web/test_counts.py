@@ -1,0 +1,87 @@
+"""Counts that must agree wherever they are shown: the iterations a recovery lost are counted once per
+recovery, not once per failure that joined it; a failure's recovery time has one definition (detection to
+training resumed, the resume being when the last machine reported it) in the API, the pages and /metrics."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta
+
+import httpx
+from fastapi import FastAPI
+
+from services.root.db import repository as repo
+from services.root.db.models import FailureEvent, FailureKind, FailureState, utcnow
+from services.root.web.formatting import duration
+from tests.integration.conftest import admin
+from tests.integration.web.scenario import running_job
+from tests.integration.web.test_metrics import scrape, value
+from tests.integration.web.test_pages import text_of
+
+
+async def test_a_lost_group_loses_its_iterations_once(client: httpx.AsyncClient, root_app: FastAPI) -> None:
+    """A lost placement group is one recovery with a failure event per machine, each saying what the
+    recovery lost: /metrics counts the rollback once (it read 315 for 159 iterations lost before)."""
+    job = await running_job(client)
+    before = await scrape(client)
+    async with root_app.state.castor.database.session() as session:
+        plan = await repo.latest_plan(session, uuid.UUID(job.id))
+        assert plan is not None
+        machines = {m.rank: m for m in await repo.live_machines(session, uuid.UUID(job.id))}
+        now = utcnow()
+        for rank in (2, 3):  # one placement group, both machines lost, one recovery
+            session.add(
+                FailureEvent(
+                    job_id=plan.job_id,
+                    machine_id=machines[rank].id,
+                    rank=rank,
+                    kind=FailureKind.HARDWARE,
+                    cause=f"machine {rank} stopped heartbeating",
+                    detected_at=now - timedelta(seconds=9),
+                    classified_at=now - timedelta(seconds=8),
+                    replaced_at=now - timedelta(seconds=6),
+                    restored_at=now - timedelta(seconds=2),
+                    resumed_at=now,
+                    state=FailureState.RECOVERED,
+                    plan_id=plan.id,
+                    tier="persistent",
+                    iterations_lost=52,
+                    details={},
+                )
+            )
+    after = await scrape(client)
+    lost = value(after, "castor_iterations_lost_total") - value(before, "castor_iterations_lost_total")
+    assert lost == 52, "one recovery rolled back 52 iterations, however many failures joined it"
+    assert (
+        value(after, "castor_failures_total", kind="hardware")
+        - value(before, "castor_failures_total", kind="hardware")
+        == 2
+    ), "two machines failed"
+    events = [e for e in await job.api("/failures") if e["state"] == "recovered"]
+    assert [e["recovery_s"] for e in events] == [9.0, 9.0], "detection to resumed"
+
+
+async def test_recovery_time_is_detection_to_the_last_resumed_report_everywhere(
+    signed_in: httpx.AsyncClient,
+) -> None:
+    job = await running_job(signed_in)
+    failure_id = await job.kill_process(1)
+    await job.recover(20)
+    event = await job.api(f"/failures/{failure_id}")
+    reported = [datetime.fromisoformat(t) for t in event["details"]["resumed_reported_at"].values()]
+    assert len(reported) == 4, "every machine's resumed report is noted"
+    resumed, detected = (
+        datetime.fromisoformat(event["resumed_at"]),
+        datetime.fromisoformat(event["detected_at"]),
+    )
+    assert resumed == max(reported), "the recovery ends with the last machine's report, not a later pass"
+    restored = [datetime.fromisoformat(t) for t in event["details"]["restored_reported_at"].values()]
+    assert datetime.fromisoformat(event["restored_at"]) == max(restored)
+    assert event["recovery_s"] == (resumed - detected).total_seconds()
+
+    page = text_of((await signed_in.get(f"/jobs/{job.id}")).text)
+    assert f"Recovery time {duration(event['recovery_s'])}" in page
+    failure_page = text_of((await signed_in.get(f"/jobs/{job.id}/failures/{failure_id}")).text)
+    assert f"Recovery time {duration(event['recovery_s'])}" in failure_page
+    listed = (await signed_in.get(f"/api/v1/jobs/{job.id}/failures", headers=admin())).json()
+    assert [e["recovery_s"] for e in listed if e["id"] == failure_id] == [event["recovery_s"]]
