@@ -539,7 +539,15 @@ class DataPlaneServer:
             return session
         except (OSError, DataPlaneError, ValueError) as exc:
             self.counters.handshakes_dropped += 1
-            log.warning("dropped data-plane peer %s:%s during the handshake: %s", peer[0], peer[1], exc)
+            # A peer that just hung up (a port probe) is routine; one that overstepped a bound is not.
+            quiet = isinstance(exc, DataPlaneError) and exc.code == "connection_closed"
+            log.log(
+                logging.INFO if quiet else logging.WARNING,
+                "dropped data-plane peer %s:%s during the handshake: %s",
+                peer[0],
+                peer[1],
+                exc,
+            )
             return None
         finally:
             with self._connections_lock:
