@@ -97,8 +97,8 @@ def resolve_connection(
         if text:
             return Connection(url, text, f"the file {candidate}")
     raise CliError(
-        "no admin token: pass --token or set CASTOR_ADMIN_TOKEN (`castor serve` prints it when it starts; "
-        "the embedded service also keeps it in $CASTOR_STATE_DIR/admin-token, default .castor/admin-token)"
+        "no admin token: pass --token or set CASTOR_ADMIN_TOKEN (a service that generated its token keeps it "
+        "in $CASTOR_STATE_DIR/admin-token, default .castor/admin-token; `castor serve` prints where)"
     )
 
 
@@ -181,8 +181,8 @@ class RootClient:
         used = f"the admin token {mask_token(conn.token)} from {conn.token_source}"
         if status == 401:
             return ApiError(
-                f"the root service at {conn.root_url} rejected {used}: {message}. Use the token `castor "
-                "serve` printed when it started (--token or CASTOR_ADMIN_TOKEN)",
+                f"the root service at {conn.root_url} rejected {used}: {message}. Use the service's admin "
+                "token (--token or CASTOR_ADMIN_TOKEN; `castor serve` prints where it keeps it)",
                 status=status,
                 code=code,
             )
@@ -397,7 +397,9 @@ def jobs_create(client: RootClient, args: argparse.Namespace) -> int:
         print_json(job)
         return 0
     token = job["worker_token"]
-    agent = ["castor", "agent", "--root", client.connection.root_url, "--job", job["id"], "--token", token]
+    # The token goes in a file: on the command line every user of the machine could read it.
+    agent = ["castor", "agent", "--root", client.connection.root_url, "--job", job["id"]]
+    agent += ["--token-file", "worker-token"]
     if not args.warm_start:
         agent.append("--no-warm-start")
     training = shlex.join(command) if command else "<training command>"
@@ -412,7 +414,7 @@ def jobs_create(client: RootClient, args: argparse.Namespace) -> int:
     print()
     print(f"    {token}")
     print()
-    print("  A machine of this job runs:")
+    print("  A machine of this job runs, with the token in the file worker-token (mode 600):")
     print(f"    {shlex.join(agent)} -- {training}")
     print()
     if args.launch:
@@ -535,7 +537,7 @@ def _failure_rows(failures: Sequence[dict[str, Any]], now: datetime) -> list[tup
             f["state"],
             f["tier"],
             f["iterations_lost"],
-            format_duration(f.get("recovery_s")),  # the API's one definition: detection to resumed
+            format_duration(_seconds_between(f["detected_at"], f["resumed_at"])),
             shorten(f["cause"]),
         )
         for f in failures
@@ -760,8 +762,8 @@ def phase_rows(failure: dict[str, Any], now: datetime | None = None) -> list[tup
         took = "" if previous is None else format_duration(_seconds_between(previous, stamp))
         rows.append((name, format_time(stamp, now), took))
         previous = stamp
-    total = failure.get("recovery_s")  # detection to training resumed, as the pages and /metrics say
-    rows.append(("recovery time", "", format_duration(total) if total is not None else "-"))
+    total = _seconds_between(failure.get("detected_at"), failure.get("resumed_at"))
+    rows.append(("total", "", format_duration(total) if total is not None else "-"))
     return rows
 
 

@@ -23,8 +23,9 @@ def test_create_prints_the_worker_token_and_the_agent_command(root: Root) -> Non
     assert token, out
     job = root.api("GET", "/api/v1/jobs", params={"limit": 500}).json()["items"]
     job_id = next(j["id"] for j in job if j["name"] == name)
-    agent = f"castor agent --root {root.url} --job {job_id} --token {token.group(1)} -- <training command>"
+    agent = f"castor agent --root {root.url} --job {job_id} --token-file worker-token -- <training command>"
     assert agent in out
+    assert out.count(token.group(1)) == 1, "the token is shown once, never in the agent's command line"
     # The printed token is the job's real worker token.
     registered = root.api(
         "POST",
