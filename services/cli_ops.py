@@ -537,7 +537,7 @@ def _failure_rows(failures: Sequence[dict[str, Any]], now: datetime) -> list[tup
             f["state"],
             f["tier"],
             f["iterations_lost"],
-            format_duration(_seconds_between(f["detected_at"], f["resumed_at"])),
+            format_duration(f.get("recovery_s")),  # the API's one definition: detection to resumed
             shorten(f["cause"]),
         )
         for f in failures
@@ -762,8 +762,8 @@ def phase_rows(failure: dict[str, Any], now: datetime | None = None) -> list[tup
         took = "" if previous is None else format_duration(_seconds_between(previous, stamp))
         rows.append((name, format_time(stamp, now), took))
         previous = stamp
-    total = _seconds_between(failure.get("detected_at"), failure.get("resumed_at"))
-    rows.append(("total", "", format_duration(total) if total is not None else "-"))
+    total = failure.get("recovery_s")  # detection to training resumed, as the pages and /metrics say
+    rows.append(("recovery time", "", format_duration(total) if total is not None else "-"))
     return rows
 
 
