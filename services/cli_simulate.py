@@ -247,18 +247,26 @@ def _job_costs(
     with cli_ops.RootClient(connection, timeout=args.request_timeout) as client:
         job = cli_ops.resolve_job(client, args.from_job)
         failures = client.get(f"{cli_ops.API}/jobs/{job['id']}/failures")
+    return job_costs(job, failures, fallback)
+
+
+def job_costs(
+    job: dict[str, Any], failures: list[dict[str, Any]], fallback: sim.RecoveryCosts
+) -> tuple[sim.RecoveryCosts, dict[str, Any]]:
+    """Recovery costs from a job's API resource and its failures (the API's JSON)."""
     records = records_from_failures(failures)
     if not records:
         raise SimulateError(f"job {job['name']} has no recovered failures to take costs from")
     per_minute = job.get("checkpoints_per_minute")
     iteration_s = 60.0 / per_minute if per_minute else 0.0
     costs, counts = sim.costs_from_failures(records, iteration_s, fallback)
-    return costs, {
+    source = {
         "job": job["name"],
         "failures_used": len(records),
         "samples": counts,
         "iteration_s": round(iteration_s, 3),
     }
+    return costs, source
 
 
 # -- output -------------------------------------------------------------------------------------------------

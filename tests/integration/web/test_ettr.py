@@ -85,3 +85,26 @@ async def test_metrics_show_the_ettr_of_a_running_job_after_a_recovery(client: h
     # The recovery is over: its cost is fixed (the ratio itself rises as training goes on).
     assert api["restore_s"] == pytest.approx(restore, abs=0.001) and api["ettr"] >= ettr
     assert value(samples, "castor_job_productive_seconds", job=name) > 0
+
+
+async def test_simulate_from_job_takes_the_recorded_phases(client: httpx.AsyncClient) -> None:
+    """`castor simulate --from-job`'s costs from a real recovered failure, as the API returns it."""
+    from services.cli_simulate import job_costs
+    from services.root.domain.simulate import Setting, castor_inputs
+
+    job = await running_job(client)
+    await job.heartbeat(23)
+    await job.kill_process(2)
+    await job.recover(23)
+    resource = (await client.get(f"/api/v1/jobs/{job.id}", headers=admin())).json()
+    failures = (await client.get(f"/api/v1/jobs/{job.id}/failures", headers=admin())).json()
+    [failure] = failures
+    _, fallback = castor_inputs(Setting())
+    costs, source = job_costs(resource, failures, fallback)
+    assert source["failures_used"] == 1 and source["samples"]["restore_local_s"] == 1
+    restore = datetime.fromisoformat(failure["restored_at"]) - datetime.fromisoformat(
+        failure["classified_at"]
+    )
+    assert costs.restore_local_s == pytest.approx(restore.total_seconds(), abs=1e-3)
+    assert costs.restore_local_s != fallback.restore_local_s
+    assert costs.replace_standby_s == fallback.replace_standby_s  # no hardware failure recorded
