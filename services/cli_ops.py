@@ -497,9 +497,15 @@ def ettr_text(ettr: dict[str, Any] | None) -> str:
     return text
 
 
-def _job_fields(job: dict[str, Any], now: datetime) -> list[tuple[str, object]]:
+def _job_fields(
+    job: dict[str, Any], now: datetime, machines: Sequence[dict[str, Any]] = ()
+) -> list[tuple[str, object]]:
     per_minute = job["checkpoints_per_minute"]
-    checkpoints = f"{job['checkpoints_committed']} committed, {job['checkpoints_skipped']} skipped"
+    checkpoints = f"{job['checkpoints_committed']} committed, {job['checkpoints_skipped']} saves skipped"
+    # Replication's skips are another count: commits never sent to a peer because a newer one came.
+    replicas_skipped = sum(int((m.get("summary") or {}).get("replicas_skipped") or 0) for m in machines)
+    if replicas_skipped:
+        checkpoints += f", {replicas_skipped} replicas skipped"
     if per_minute is not None:
         checkpoints += f", {per_minute:.1f}/min"
     persist = (
@@ -561,7 +567,7 @@ def jobs_show(client: RootClient, args: argparse.Namespace) -> int:
         return 0
     now = datetime.now(UTC)
     print(f"Job {job['name']}")
-    print(render_fields(_job_fields(job, now)))
+    print(render_fields(_job_fields(job, now, [m for m in machines if m["state"] != "replaced"])))
     print()
     if machines:
         print(f"Machines ({len(machines)} of {job['machines']} registered)")

@@ -255,7 +255,13 @@ def _job_families(
     )
     skipped = CounterMetricFamily(
         "castor_checkpoints_skipped",
-        "Saves the machine skipped because replication lagged (since the agent started).",
+        "Saves the machine's training processes skipped: their slot was still being read (since the agent "
+        "started).",
+        labels=["job", "machine"],
+    )
+    replicas_skipped = CounterMetricFamily(
+        "castor_replicas_skipped",
+        "Commits the machine's replication never sent, superseded by a newer one (since the agent started).",
         labels=["job", "machine"],
     )
     lag = GaugeMetricFamily(
@@ -269,12 +275,13 @@ def _job_families(
         committed.add_metric(labels, _number(summary.get("committed")) or 0)
         replicated.add_metric(labels, _number(summary.get("replicated")) or 0)
         skipped.add_metric(labels, _number(summary.get("skipped")) or 0)
+        replicas_skipped.add_metric(labels, _number(summary.get("replicas_skipped")) or 0)
         value = _number(summary.get("replication_lag_s"))
         if value is not None:
             worst[job_id] = max(value, worst.get(job_id, 0.0))
     for job_id, value in worst.items():
         lag.add_metric([names[job_id]], value)
-    return [newest, frequency, wasted, committed, replicated, skipped, lag]
+    return [newest, frequency, wasted, committed, replicated, skipped, replicas_skipped, lag]
 
 
 class _Snapshot:

@@ -322,7 +322,14 @@ class CheckpointSummary(BaseModel):
         default_factory=dict, description="peer rank -> newest replicated iteration."
     )
     committed: Count = Field(0, description="Checkpoints committed since the agent started.")
-    skipped: Count = Field(0, description="Saves skipped because replication lagged.")
+    skipped: Count = Field(
+        0,
+        description="Saves the training processes skipped: the slot to write was still being read (by "
+        "replication or an upload) when training needed the state back.",
+    )
+    replicas_skipped: Count = Field(
+        0, description="Commits replication never sent: a newer one superseded them while a peer was busy."
+    )
     per_minute: Rate | None = Field(None, description="Effective checkpoint frequency.")
     replicated: Count = Field(0, description="Checkpoints peers verified and committed.")
     replication_lag_s: Rate | None = Field(

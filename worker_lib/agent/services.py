@@ -244,7 +244,11 @@ class MachineServices:
             "local": held["local"],
             "replicas": held["replicas"],
             "committed": self.committed,
-            "skipped": self.skipped + (self.replicator.stats.skipped if self.replicator else 0),
+            # Two different things, counted apart: saves the training skipped (their slot was still being
+            # read when training needed the state back) and commits replication never sent (a newer one
+            # superseded them while a peer was busy).
+            "skipped": self.skipped,
+            "replicas_skipped": self.replicator.stats.skipped if self.replicator else 0,
             "per_minute": min(rates) if rates else None,
             "replicated": self.replicator.stats.sent if self.replicator else 0,
             "replication_lag_s": self.replicator.stats.last_lag_s if self.replicator else None,

@@ -227,6 +227,7 @@ class MachineBox:
     replication_lag_s: float | None
     last_heartbeat_at: datetime | None
     sends_to: list[int]
+    replicas_skipped: int = 0  # commits its replication never sent (superseded); not saves skipped
 
 
 @dataclass(frozen=True)
@@ -298,6 +299,11 @@ class JobPage:
     def title(self) -> str:
         return self.job.name
 
+    @property
+    def replicas_skipped(self) -> int:
+        """Commits the live machines' replication never sent (the job's saves skipped are counted apart)."""
+        return sum(m.replicas_skipped for group in self.groups for m in group.machines)
+
 
 def _iterations(values: dict[str, Any]) -> tuple[int | None, str]:
     parsed = {}
@@ -340,6 +346,7 @@ def machine_box(rank: int, machine: Machine | None, sends_to: list[int]) -> Mach
         replication_lag_s=_number(summary.get("replication_lag_s")),
         last_heartbeat_at=machine.last_heartbeat_at,
         sends_to=sends_to,
+        replicas_skipped=int(_number(summary.get("replicas_skipped")) or 0),
     )
 
 

@@ -5,11 +5,12 @@ training resumed, the resume being when the last machine reported it) in the API
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import httpx
 from fastapi import FastAPI
 
+from services import cli_ops
 from services.root.db import repository as repo
 from services.root.db.models import FailureEvent, FailureKind, FailureState, utcnow
 from services.root.web.formatting import duration
@@ -85,3 +86,29 @@ async def test_recovery_time_is_detection_to_the_last_resumed_report_everywhere(
     assert f"Recovery time {duration(event['recovery_s'])}" in failure_page
     listed = (await signed_in.get(f"/api/v1/jobs/{job.id}/failures", headers=admin())).json()
     assert [e["recovery_s"] for e in listed if e["id"] == failure_id] == [event["recovery_s"]]
+
+
+async def test_saves_skipped_and_replicas_skipped_are_counted_apart(signed_in: httpx.AsyncClient) -> None:
+    """ "N committed, M skipped" mixed the two: saves the training skipped, and commits replication never
+    sent. The job's counter, the pages, /metrics and the CLI now tell them apart."""
+    job = await running_job(signed_in)
+    for rank, instance in enumerate(job.instances):
+        summary = {
+            "local": {str(rank): 30},
+            "committed": 31,
+            "skipped": 1,  # saves
+            "replicas_skipped": 5,  # replication
+            "per_minute": 120.0,
+        }
+        await job.post(f"/machines/{rank}/heartbeat", {"instance_id": instance, "summary": summary}, 200)
+    state = await job.api("")
+    assert state["checkpoints_skipped"] == 4, "saves skipped only, not replication's"
+    samples = await scrape(signed_in)
+    name = str(job.job["name"])
+    assert value(samples, "castor_checkpoints_skipped_total", job=name, machine="2") == 1
+    assert value(samples, "castor_replicas_skipped_total", job=name, machine="2") == 5
+    page = text_of((await signed_in.get(f"/jobs/{job.id}")).text)
+    assert "4 saves skipped · 20 replicas skipped" in page
+    machines = await job.api("/machines")
+    fields = dict(cli_ops._job_fields(state, datetime.now(UTC), machines))
+    assert fields["checkpoints"] == "124 committed, 4 saves skipped, 20 replicas skipped, 120.0/min"
