@@ -18,6 +18,7 @@ no counter records (the iterations lost are the committed iterations rolled back
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,12 +84,21 @@ def measure_ettr(
             if end > start:
                 spans.append((start, end, order, PHASE_CAUSE.get(phase.name, "restore")))
 
-    # Sweep the breakpoints: each elementary segment goes to the earliest failure covering it.
+    # Sweep the breakpoints: each elementary segment goes to the earliest failure covering it (a heap of
+    # the spans under way, keyed by failure order; spans that ended are dropped lazily). O(n log n).
     points = sorted({p for s in spans for p in (s[0], s[1])})
+    spans.sort()
+    active: list[tuple[int, float, str]] = []  # (failure order, end, cause)
+    next_span = 0
     for a, b in itertools.pairwise(points):
-        covering = [s for s in spans if s[0] <= a and s[1] >= b]
-        if covering:
-            wasted[min(covering, key=lambda s: s[2])[3]] += b - a
+        while next_span < len(spans) and spans[next_span][0] <= a:
+            start, end, order, cause = spans[next_span]
+            heapq.heappush(active, (order, end, cause))
+            next_span += 1
+        while active and active[0][1] < b:
+            heapq.heappop(active)
+        if active:
+            wasted[active[0][2]] += b - a
 
     # Iterations lost: once per recovery (failures joined in one recovery report the same rollback).
     lost_iterations = 0

@@ -337,11 +337,12 @@ def run_castor(
         current = progress + done
 
         newest_local = _newest(progress, current, 1, seg_start, it_wall, inputs.local_commit_s, first.at)
-        newest_replica = _newest(
-            progress, current, rep_every, seg_start, it_wall, inputs.replicate_s, first.at
-        )
+        # A replica is sent once the local copy is committed.
+        replica_delay = inputs.local_commit_s + inputs.replicate_s
+        newest_replica = _newest(progress, current, rep_every, seg_start, it_wall, replica_delay, first.at)
         if k_persist:
-            # persist points are global multiples of K after the segment start
+            # Persist points are global multiples of K; an upload still under way at the failure does not
+            # count (conservative: the agents of surviving machines would finish it).
             top = (current // k_persist) * k_persist
             while top > progress and seg_start + (top - progress) * it_wall + upload_s > first.at:
                 top -= k_persist
@@ -387,7 +388,7 @@ def run_castor(
             restored = persisted if k_persist else 0
         else:
             result.from_memory += 1
-            restored = newest_replica if tier == "peer" else newest_local
+            restored = min(newest_replica, newest_local) if tier == "peer" else newest_local
 
         # Accounting (capped at the period's end).
         w = result.waste_s

@@ -87,3 +87,41 @@ def test_ettr_falls_with_more_failures() -> None:
         ]
         values.append(measure_ettr(started_at=T0, ended_at=at(1000), failures=failures, iteration_s=1.0).ettr)
     assert values == sorted(values, reverse=True) and len(set(values)) == 5
+
+
+def brute_force_downtime(failures: list[FailureRecord], iteration_s: float) -> dict[str, float]:
+    """Second by second (in 0.5 s steps): the phase of the earliest failure under way."""
+    from services.root.domain.ettr import PHASE_CAUSE
+
+    out = dict.fromkeys(("detection", "replacement", "restore", "warmup"), 0.0)
+    ordered = sorted(failures, key=lambda f: f.failed_at)
+    for step in range(0, 2000):
+        t = at(step * 0.5 + 0.25)
+        for f in ordered:
+            phase = next((p for p in f.phases if p.start <= t < p.end), None)
+            if (
+                phase is not None
+                and phase.name == "resume"
+                and t >= phase.end - timedelta(seconds=iteration_s)
+            ):
+                phase = None  # the kept first iteration
+            if phase is not None:
+                out[PHASE_CAUSE[phase.name]] += 0.5
+                break
+    return out
+
+
+def test_overlap_attribution_matches_brute_force() -> None:
+    import random
+
+    rng = random.Random(7)
+    for _ in range(30):
+        failures = []
+        for _ in range(rng.randint(1, 6)):
+            start = rng.randint(0, 150) * 5.0
+            names = ["detect", "classify", *(["replace"] if rng.random() < 0.5 else []), "restore", "resume"]
+            failures.append(failure(start, [(n, rng.randint(0, 12) * 5.0) for n in names], lost=1))
+        result = measure_ettr(started_at=T0, ended_at=at(1000), failures=failures, iteration_s=5.0)
+        expected = brute_force_downtime(failures, 5.0)
+        for cause, seconds in expected.items():
+            assert result.wasted_s[cause] == pytest.approx(seconds), cause
