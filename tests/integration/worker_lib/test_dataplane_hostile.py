@@ -6,6 +6,7 @@ the recovery plan chose."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import shutil
 import socket
@@ -275,7 +276,8 @@ def serve_once(handler: object) -> tuple[socket.socket, threading.Thread]:
             session = _server_handshake(connection, KEY, JOB, lambda: None)
             assert session is not None
             request = recv_message(connection)
-            handler(connection, session, request)  # type: ignore[operator]
+            with contextlib.suppress(OSError):  # the client hangs up once it refused what it got
+                handler(connection, session, request)  # type: ignore[operator]
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
