@@ -203,8 +203,21 @@ def tolerating_known_issues(check: Callable[..., bool | None]) -> Callable[..., 
     return wrapped
 
 
+RETRIES_SEEN: set[str] = set()
+
+
+def no_server_error(ctx: Any, response: Any, case: Any) -> bool | None:
+    """No 5xx, except the documented 503 `retry` of a transaction that lost a race inside the database (the
+    service's own recovery work runs beside the fuzzer); counted, and named at the end."""
+    retry = response.status_code == 503 and response.headers.get("retry-after")
+    if retry and response.json().get("error", {}).get("code") == "retry":
+        RETRIES_SEEN.add(case.id)
+        return None
+    return not_a_server_error(ctx, response, case)
+
+
 CHECKS = [
-    not_a_server_error,
+    no_server_error,
     tolerating_known_issues(status_code_conformance),
     content_type_conformance,
     response_schema_conformance,
@@ -265,6 +278,8 @@ def test_the_service_logged_no_error(live_root: LiveRoot) -> None:
     lines = live_root.log_path.read_text(errors="replace").splitlines()
     errors = [line for line in lines if " ERROR " in line or line.startswith(("ERROR", "Traceback"))]
     assert not errors, "\n".join(lines[-60:])
+    if RETRIES_SEEN:
+        warnings.warn(f"{len(RETRIES_SEEN)} requests were answered 503 retry", stacklevel=1)
     if KNOWN_ISSUES_SEEN:
         seen = "; ".join(f"{issue} ({len(cases)} requests)" for issue, cases in KNOWN_ISSUES_SEEN.items())
         warnings.warn(f"fuzzing let known issues through: {seen}", stacklevel=1)
@@ -313,3 +328,14 @@ def test_every_operation_refuses_a_missing_or_foreign_token(
             "details",
         }, f"{what}: {response.text}"
         assert str(status) in OPENAPI["paths"][path][method.lower()]["responses"], f"{status} undocumented"
+
+
+def test_every_operation_documents_its_errors() -> None:
+    """openapi.yaml names, in the one error shape, what every protected operation can answer besides its
+    own outcomes: 401/403 (the token), 422 (bad input) and 503 (a lost race in the database: retry)."""
+    for method, path in _protected_operations():
+        responses = OPENAPI["paths"][path][method.lower()]["responses"]
+        for status in ("401", "403", "422", "503"):
+            assert status in responses, f"{method} {path} does not document {status}"
+            body = responses[status]["content"]["application/json"]["schema"]
+            assert body == {"$ref": "#/components/schemas/ErrorResponse"}, f"{method} {path} {status}: {body}"

@@ -6,10 +6,12 @@ stay in the agent's shared memory."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
 import time
+import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +19,7 @@ from typing import Any
 
 from worker_lib.agent.dataplane import PeerConnection
 from worker_lib.agent.heartbeat import REPLACED_CODES, Replaced
+from worker_lib.agent.holdings import Holdings
 from worker_lib.agent.launcher import LaunchSpec, ProcessExit, WorkerGroup
 from worker_lib.agent.services import MachineIdentity, MachineServices, free_port
 from worker_lib.agent.stale import kill_stale
@@ -47,6 +50,21 @@ class AgentConfig:
 
     def resolved_shm_root(self) -> Path:
         return self.shm_root or Path("/dev/shm/castor") / self.job_id / self.instance_id
+
+
+def free_shared_memory(holdings: Holdings, job_id: str) -> None:
+    """Remove the machine's shared-memory directory, and the job's directory above it once it is empty
+    (the last of the job's machines on this host removes it): named after the job, as the default
+    /dev/shm/castor/<job>/<instance> and the local operator's <base>/<job hex>/<instance> are. A directory
+    the user chose (--shm-dir) is left alone above the machine's own."""
+    holdings.remove()
+    parent = holdings.root.parent
+    names = {job_id}
+    with contextlib.suppress(ValueError):
+        names.add(uuid.UUID(job_id).hex)
+    if parent.name in names:
+        with contextlib.suppress(OSError):  # not empty: another machine of the job still uses it
+            parent.rmdir()
 
 
 def exit_status(codes: list[int]) -> int:
@@ -126,7 +144,8 @@ class Agent:
         finally:
             await self.machine.close()
             if self.job_over and not self.config.keep_shm:
-                self.machine.holdings.remove()  # give the memory back (a failed job's stays, to salvage)
+                # Give the memory back (a failed job's stays, to salvage).
+                free_shared_memory(self.machine.holdings, self.config.job_id)
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -307,3 +307,9 @@ def test_launch_warm_start_switch(root: Root, tmp_path: Path, warm: bool) -> Non
     assert "started as" in text, text
     assert ("worker_lib.agent.warm" in text.split("started as", 1)[1].splitlines()[0]) is warm, text
     assert ("started 1 training processes (1 warm" in text) is warm, text
+    # The job completed: its machine gave its shared memory back, the job's directory included.
+    shm = root.state_dir / "shm" / job_id.replace("-", "")
+    deadline = time.monotonic() + 60
+    while shm.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not shm.exists(), list(shm.rglob("*"))
