@@ -14,7 +14,8 @@ from services.root.db.models import JobState
 from services.root.errors import Invalid, NotFound, error_responses
 from services.root.flows import jobs as job_flows
 
-router = APIRouter(prefix="/api/v1", tags=["jobs"], responses=error_responses(401, 403, 422))
+# 503: the request's transaction lost a race inside the database and was rolled back (retry it).
+router = APIRouter(prefix="/api/v1", tags=["jobs"], responses=error_responses(401, 403, 422, 503))
 
 
 @router.post(

@@ -17,7 +17,9 @@ from services.root.persistent_store import delete_persisted
 RankPath = Annotated[int, Path(ge=0, le=schemas.INT32_MAX, description="The machine's rank.")]
 
 router = APIRouter(
-    prefix="/api/v1/worker/jobs/{job_id}", tags=["worker"], responses=error_responses(401, 403, 404, 422)
+    prefix="/api/v1/worker/jobs/{job_id}",
+    tags=["worker"],
+    responses=error_responses(401, 403, 404, 422, 503),  # 503: see public.py
 )
 
 
