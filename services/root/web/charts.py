@@ -74,6 +74,27 @@ class FailureMark:
     band_width: float
     label: str
     href: str
+    label_y: float = 0.0  # baseline of the label: failures close together get their labels stacked
+
+
+# The failure labels' size in chart units (11 px bold text): enough to keep neighbours from overlapping.
+LABEL_CHAR_WIDTH = 7.0
+LABEL_ROW_HEIGHT = 13.0
+
+
+def _label_rows(lefts_and_widths: list[tuple[float, float]]) -> list[int]:
+    """A row for each label (given in x order) such that labels in one row do not overlap: the first row
+    with room, greedily. Simultaneous failures (a lost group, a crash cascade) stack instead of printing
+    over each other."""
+    ends: list[float] = []  # right edge of the last label in each row
+    rows = []
+    for left, width in lefts_and_widths:
+        row = next((r for r, end in enumerate(ends) if end + 3 <= left), len(ends))
+        if row == len(ends):
+            ends.append(0.0)
+        ends[row] = left + width
+        rows.append(row)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -213,10 +234,18 @@ def iteration_chart(
         chart.x_ticks.append(Tick(x_of(at), at.strftime("%H:%M:%S")))
         tick += t_step
 
+    shown = []
     for failure in failures:
         if not start <= failure.start <= end:
             chart.outside += 1
             continue
+        shown.append(failure)
+    shown.sort(key=lambda f: (f.start, f.failure_id))
+    labels = [f"#{failure.failure_id}" for failure in shown]
+    rows = _label_rows(
+        [(x_of(f.start) + 4, LABEL_CHAR_WIDTH * len(label)) for f, label in zip(shown, labels, strict=True)]
+    )
+    for failure, label, row in zip(shown, labels, rows, strict=True):
         band_end = min(failure.end or end, end)
         chart.failures.append(
             FailureMark(
@@ -225,8 +254,9 @@ def iteration_chart(
                 x=x_of(failure.start),
                 band_x=x_of(failure.start),
                 band_width=max(0.0, round(x_of(band_end) - x_of(failure.start), 1)),
-                label=f"#{failure.failure_id}",
+                label=label,
                 href=failure.href,
+                label_y=chart.top + 12 + LABEL_ROW_HEIGHT * row,
             )
         )
     chart.resumes = [

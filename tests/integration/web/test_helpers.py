@@ -3,6 +3,7 @@ the iteration ring buffer, safe redirects, formatting."""
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -93,6 +94,24 @@ def test_iteration_chart_marks_failures_in_its_window_and_counts_the_others() ->
     assert last.startswith(f"{chart.plot_right}.0,")
     assert chart.resumes[0].label == "generation 2 resumed from iteration 38"
     assert charts.iteration_chart([], failures, [], now=at(0), live=True).empty
+
+
+def test_labels_of_simultaneous_failures_stack_instead_of_overlapping() -> None:
+    samples = [(at(s), s) for s in range(0, 601)]
+    failures = [  # a lost group: two failures a second apart; a third much later
+        charts.ChartFailure(41, "hardware", at(300), at(320), "/jobs/x/failures/41"),
+        charts.ChartFailure(42, "hardware", at(301), at(320), "/jobs/x/failures/42"),
+        charts.ChartFailure(43, "software", at(302), at(310), "/jobs/x/failures/43"),
+        charts.ChartFailure(44, "software", at(500), at(505), "/jobs/x/failures/44"),
+    ]
+    chart = charts.iteration_chart(samples, failures, [], now=at(600), live=False)
+    marks = {m.label: m for m in chart.failures}
+    close = [marks["#41"], marks["#42"], marks["#43"]]
+    assert len({m.label_y for m in close}) == 3, "each label of the cluster on its own line"
+    assert marks["#44"].label_y == marks["#41"].label_y, "a failure far away uses the first line again"
+    for a, b in itertools.pairwise(close):
+        assert abs(a.x - b.x) < charts.LABEL_CHAR_WIDTH * 3, "they would have overlapped on one line"
+        assert b.label_y - a.label_y == charts.LABEL_ROW_HEIGHT
 
 
 def test_the_ring_buffer_compresses_flat_stretches_and_drops_the_oldest() -> None:
