@@ -38,10 +38,12 @@ from services.root.db.models import (
     RecoveryPlan,
     utcnow,
 )
+from services.root.domain import persisted
 from services.root.domain.recovery import MemoryCopy, PersistedShard, plan_recovery
 from services.root.flows.directives import directive_changed
 from services.root.flows.failures import machine_lost
 from services.root.flows.machines import live_machine_at
+from services.root.flows.persistence import tier_of
 from services.root.settings import Settings
 from services.root.web.phases import parse_timestamp
 
@@ -95,7 +97,7 @@ async def advance(session: AsyncSession, job: Job, settings: Settings) -> list[R
             return actions  # waiting for replacements to register
         missing = [m for m in live if m.inventory_generation != plan.generation]
         if not missing:
-            await _decide(session, job, plan, live, events, now)
+            await _decide(session, job, plan, live, events, now, settings)
         # A replacement's clock starts when it registered: EC2 takes minutes to deliver one.
         late = [
             m
@@ -201,8 +203,10 @@ async def _decide(
     live: list[Machine],
     events: list[FailureEvent],
     now: datetime,
+    settings: Settings,
 ) -> None:
     """Every machine reported: choose the iteration and the sources, and release the plan."""
+    tier = tier_of(settings)
     decision = plan_recovery(
         world_size=job.num_machines * job.procs_per_machine,
         procs_per_machine=job.procs_per_machine,
@@ -220,7 +224,15 @@ async def _decide(
             for h in m.inventory.get("holdings", [])
         ],
         persisted=[
-            PersistedShard(shard.rank, checkpoint.iteration, shard.key, shard.digest, shard.generation)
+            # The key is computed again, never read back: a row stored before the root computed keys
+            # could name another job's objects.
+            PersistedShard(
+                shard.rank,
+                checkpoint.iteration,
+                persisted.shard_of(tier, str(job.id), checkpoint.iteration, shard.rank, shard.generation),
+                shard.digest,
+                shard.generation,
+            )
             for checkpoint, shard in await repo.persisted_shards(session, job.id)
         ],
         resumed_from=await repo.resumed_from(session, job.id),

@@ -19,10 +19,12 @@ from fastapi import FastAPI
 
 from services.root.app import create_app
 from services.root.db import repository as repo
+from services.root.db.models import PersistedCheckpoint, PersistedShard
 from services.root.flows.failures import machine_lost
 from services.root.settings import Settings
 from tests.integration.conftest import ADMIN_TOKEN, create_job, fresh_client
 from tests.integration.web.scenario import Scenario, eventually
+from worker_lib.persistent_keys import shard_key
 
 MAX_FAILED_RECOVERIES = 2
 INVENTORY_TIMEOUT_S = 2.0
@@ -155,3 +157,32 @@ async def test_a_late_replacement_gets_its_own_time_to_report(
 async def _job_in_state(scenario: Scenario, state: str) -> dict[str, Any] | None:
     job: dict[str, Any] = await scenario.api("")
     return job if job["state"] == state else None
+
+
+async def test_a_plan_points_at_the_key_the_root_computes_never_a_stored_one(
+    client: httpx.AsyncClient, tight_app: FastAPI
+) -> None:
+    """A persisted shard recorded before the root computed keys may name anything (another job's
+    objects): the plan's restore location is computed again from (prefix, job, iteration, rank,
+    generation)."""
+    scenario = await two_machines(client)
+    async with tight_app.state.castor.database.session() as session:
+        legacy = PersistedCheckpoint(job_id=uuid.UUID(scenario.id), iteration=3, location="castor")
+        session.add(legacy)
+        await session.flush()
+        for rank in (0, 1):
+            session.add(
+                PersistedShard(
+                    checkpoint_id=legacy.id, rank=rank, key="castor/another-job", digest=f"d{rank}", nbytes=1
+                )
+            )
+    await scenario.kill_process(1)
+    await scenario.plan(2, "collecting")
+    for rank, instance in enumerate(scenario.instances):  # memory lost: only the persistent tier is left
+        body = {"instance_id": instance, "generation": 2, "holdings": []}
+        await scenario.post(f"/machines/{rank}/inventory", body, 204)
+    plan = await scenario.plan(2, "ready")
+    assert plan["iteration"] == 3
+    assert {s["rank"]: (s["tier"], s["location"]) for s in plan["sources"]} == {
+        rank: ("persistent", shard_key("castor", scenario.id, 3, rank, 1)) for rank in (0, 1)
+    }
