@@ -21,6 +21,8 @@ from services.root.clients.local import LocalOperator
 from services.root.db.database import Database
 from services.root.db.migrate import upgrade_async
 from services.root.errors import install_error_handlers
+from services.root.logs import escape_control_characters
+from services.root.middleware import BodyLimitMiddleware, HeadMiddleware
 from services.root.orchestrator import Orchestrator
 from services.root.settings import Settings
 from services.root.web import routes as web_routes
@@ -39,11 +41,17 @@ def cloud_operator(settings: Settings) -> CloudOperator:
             use_standby=settings.use_standby,
         )
     root_urls = settings.root_urls or settings.resolved_public_url
-    return LocalOperator(root_urls, settings.state_dir.resolve(), settings.local_shm_base)
+    return LocalOperator(
+        root_urls,
+        settings.state_dir.resolve(),
+        settings.local_shm_base,
+        max_machines=settings.local_max_machines,
+    )
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
+    escape_control_characters()  # agents' strings (instance ids, causes) reach the service's log lines
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -92,7 +100,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(public.router)
     app.include_router(worker.router)
     web_routes.install(app)  # status pages
-    metrics.install(app)  # /metrics and request latencies
+    app.add_middleware(HeadMiddleware)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    metrics.install(app)  # /metrics and request latencies (outermost: sees every request as sent)
 
     @app.get("/healthz", tags=["health"])
     async def healthz(request: Request) -> dict[str, str | bool]:

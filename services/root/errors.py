@@ -8,6 +8,8 @@ same shape, so no client ever has to parse two formats, and bad input never yiel
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,6 +20,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.root.db.database import is_transient_conflict
+from services.root.middleware import allowed_methods
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +76,39 @@ _DESCRIPTIONS = {
     403: "The token may not act on this resource",
     404: "No such resource",
     409: "Conflicts with the current state",
+    413: "The request body exceeds the service's limit (CASTOR_MAX_BODY_BYTES)",
     422: "The request is malformed",
     503: "A concurrent change got in the way; retry after the Retry-After seconds",
 }
 
-_HTTP_CODES = {401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
+_HTTP_CODES = {
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+}
+_SURROGATE = re.compile("[\ud800-\udfff]")
+MAX_FIELD_CHARS = 200
 
 
-def _body(status: int, code: str, message: str, details: dict[str, Any] | None = None) -> JSONResponse:
-    headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": "1"}}.get(status)
+def _field_name(loc: Any) -> str:
+    """A validation error's location as text that can always be sent: it may hold a client's own object
+    keys (lone surrogates have no UTF-8 encoding and would fail the response; long keys are cut)."""
+    name = _SURROGATE.sub("\ufffd", ".".join(str(part) for part in loc))
+    return name if len(name) <= MAX_FIELD_CHARS else name[:MAX_FIELD_CHARS] + "..."
+
+
+def _body(
+    status: int,
+    code: str,
+    message: str,
+    details: dict[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    default = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": "1"}}.get(status, {})
     content = {"error": {"code": code, "message": message, "details": details or {}}}
-    return JSONResponse(content, status_code=status, headers=headers)
+    return JSONResponse(content, status_code=status, headers={**default, **(headers or {})})
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -95,7 +120,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         problems = [
             {
-                "field": ".".join(str(p) for p in err["loc"]),
+                "field": _field_name(err["loc"]),
                 "problem": err["msg"].removeprefix("Value error, "),
             }
             for err in exc.errors()
@@ -104,9 +129,21 @@ def install_error_handlers(app: FastAPI) -> None:
         return _body(422, "validation_error", f"invalid request: {summary}", {"errors": problems})
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and isinstance(exc.__cause__, ValueError | RecursionError):
+            # FastAPI's "error parsing the body": not UTF-8 (UnicodeDecodeError), or nested deeper than
+            # the JSON parser recurses. Malformed input like any other: a 422 in the one shape.
+            problem = "not valid JSON: " + (
+                "nested too deep" if isinstance(exc.__cause__, RecursionError) else "not UTF-8 text"
+            )
+            errors = [{"field": "body", "problem": problem}]
+            return _body(422, "validation_error", f"invalid request: body: {problem}", {"errors": errors})
         code = _HTTP_CODES.get(exc.status_code, "http_error")
-        return _body(exc.status_code, code, str(exc.detail))
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette names only the first route matching the path; the Allow header lists them all.
+            headers["Allow"] = ", ".join(allowed_methods(request.app, request.scope))
+        return _body(exc.status_code, code, str(exc.detail), headers=headers)
 
     @app.exception_handler(IntegrityError)
     async def _integrity(_: Request, exc: IntegrityError) -> JSONResponse:

@@ -38,6 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.root.db.database import Database
 from services.root.db.models import FailureKind, JobState, MachineState, Tier
+from services.root.middleware import KNOWN_METHODS
 from services.root.domain.ettr import MeasuredEttr
 from services.root.flows import ettr as ettr_flows
 from services.root.web import phases, queries
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PHASE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 UNMATCHED = "unmatched"
+OTHER_METHOD = "other"
 
 
 class ProcessMetrics:
@@ -72,6 +74,13 @@ def route_template(scope: Scope) -> str:
     return str(path) if path else UNMATCHED
 
 
+def method_label(scope: Scope) -> str:
+    """The request's method when it is one HTTP defines, else "other": any client can send an invented
+    method, and each would be a new series without bound."""
+    method = scope.get("method", "")
+    return method if method in KNOWN_METHODS else OTHER_METHOD
+
+
 class LatencyMiddleware:
     """Pure ASGI (no buffering of streamed responses): times each HTTP request to its last byte."""
 
@@ -84,6 +93,7 @@ class LatencyMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
+        method = method_label(scope)  # before the app: HeadMiddleware answers HEAD as a GET
         status = 500
 
         async def send_and_note(message: Message) -> None:
@@ -95,7 +105,7 @@ class LatencyMiddleware:
         try:
             await self.app(scope, receive, send_and_note)
         finally:
-            self.metrics.latency.labels(route_template(scope), scope.get("method", ""), str(status)).observe(
+            self.metrics.latency.labels(route_template(scope), method, str(status)).observe(
                 time.perf_counter() - started
             )
 

@@ -2,33 +2,124 @@
 
 from __future__ import annotations
 
+import json
+import math
+import re
 import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
 
 from services.root.web.phases import recovery_seconds
 
 JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
+# Hard ceilings of the schema; the service's own, lower limit on machines is a setting
+# (CASTOR_MAX_MACHINES_PER_JOB), checked when a job is created.
+MAX_MACHINES = 100_000
+MAX_PROCS_PER_MACHINE = 64
 
 # Numbers that end up in INTEGER / BIGINT columns: larger ones would be refused by the database with a
 # server error, so they are refused here, as bad input, with a 422 naming the field.
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
-Count = Annotated[int, Field(ge=0, le=INT32_MAX)]  # ranks, iterations, generations, counters
-ByteCount = Annotated[int, Field(ge=0, le=INT64_MAX)]
-Rate = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+INT64_MIN = -(2**63)
+# Numbers in request bodies are strict: `true` or "1" is not a count (pydantic's lax mode would take them
+# as 1). Only JSON object keys (always strings on the wire) are parsed into integers: CountKey.
+Count = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)]  # ranks, iterations, generations, counters
+CountKey = Annotated[int, Field(ge=0, le=INT32_MAX)]
+ByteCount = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
+Rate = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
+Port = Annotated[int, Field(strict=True, ge=1, le=65535)]
+
+# What a free-form JSON field of a request (a progress report's details) may hold: it is stored as is and
+# shown by every read of it, so it must stay small, shallow and valid JSON for every database.
+MAX_JSON_DEPTH = 8
+MAX_JSON_BYTES = 16 * 1024
+# Stored JSON is cut at this depth when read (wrappers the root adds around a report's details included),
+# so rows written before these limits existed can still be shown.
+MAX_READ_DEPTH = 32
+
+# Python strings can hold UTF-16 surrogates that pair with nothing (JSON's "\ud800"); they have no UTF-8
+# encoding, so Postgres (and SQLite's driver) cannot store them.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _no_nul(value: str) -> str:
+def _valid_text(value: str) -> str:
     if "\x00" in value:
         raise ValueError("must not contain NUL characters")
+    if _SURROGATE.search(value):
+        raise ValueError("must not contain lone UTF-16 surrogates (text must be valid UTF-8)")
     return value
 
 
-# Text stored in the database: Postgres refuses NUL characters in text columns.
-Text = Annotated[str, AfterValidator(_no_nul)]
+# Text stored in the database: Postgres refuses NUL characters in text columns, and every database
+# refuses text that has no UTF-8 encoding.
+Text = Annotated[str, AfterValidator(_valid_text)]
+
+
+def _check_json(value: Any, depth: int) -> None:
+    if isinstance(value, dict | list):
+        if depth >= MAX_JSON_DEPTH:
+            raise ValueError(f"must not nest objects and arrays more than {MAX_JSON_DEPTH} levels deep")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _valid_text(key)
+                _check_json(item, depth + 1)
+        else:
+            for item in value:
+                _check_json(item, depth + 1)
+    elif isinstance(value, str):
+        _valid_text(value)
+    elif isinstance(value, bool) or value is None:
+        return
+    elif isinstance(value, int):
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError("must not hold integers beyond 64 bits")
+    elif isinstance(value, float):
+        # json.loads reads NaN and Infinity, and 1e400 as infinity; no database stores them as JSON.
+        if not math.isfinite(value):
+            raise ValueError("must hold finite numbers only (no NaN, Infinity or numbers beyond a double)")
+    else:
+        raise ValueError(f"must hold JSON values only, not {type(value).__name__}")
+
+
+def _bounded_json(value: dict[str, Any]) -> dict[str, Any]:
+    _check_json(value, 0)
+    size = len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"must not exceed {MAX_JSON_BYTES} bytes as JSON (it has {size})")
+    return value
+
+
+# A free-form JSON object from a client (at most MAX_JSON_DEPTH deep and MAX_JSON_BYTES long).
+JsonObject = Annotated[dict[str, Any], AfterValidator(_bounded_json)]
+
+
+def readable_json(value: Any, depth: int = 0) -> Any:
+    """Stored JSON as it can always be serialized: cut below MAX_READ_DEPTH, non-finite numbers as null,
+    lone surrogates replaced. Reads of rows stored before the request limits existed never fail."""
+    if isinstance(value, dict | list):
+        if depth >= MAX_READ_DEPTH:
+            return "..."
+        if isinstance(value, dict):
+            return {readable_json(str(k), depth): readable_json(v, depth + 1) for k, v in value.items()}
+        return [readable_json(item, depth + 1) for item in value]
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    return readable_json(str(value), depth)
 
 
 class LaunchSpec(BaseModel):
@@ -53,16 +144,29 @@ class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=JOB_NAME_PATTERN, description="Unique name: letters, digits, '.', '_', '-'.")
-    machines: int = Field(ge=1, le=100_000, description="Number of machines N.")
-    replicas: int = Field(2, ge=1, le=16, description="Copies of each checkpoint m, the local one included.")
-    procs_per_machine: int = Field(1, ge=1, le=64, description="Training processes per machine.")
+    machines: int = Field(
+        strict=True,
+        ge=1,
+        le=MAX_MACHINES,
+        description="Number of machines N; at most the service's CASTOR_MAX_MACHINES_PER_JOB (default "
+        "4096), and CASTOR_LOCAL_MAX_MACHINES (default 64) with a launch spec.",
+    )
+    replicas: int = Field(
+        2, strict=True, ge=1, le=16, description="Copies of each checkpoint m, the local one included."
+    )
+    procs_per_machine: int = Field(
+        1, strict=True, ge=1, le=MAX_PROCS_PER_MACHINE, description="Training processes per machine."
+    )
     persist_every: int = Field(
         100,
+        strict=True,
         ge=0,
         le=INT32_MAX,
         description="Upload to the persistent tier every K iterations; 0 disables it.",
     )
-    keep_persisted: int = Field(3, ge=1, le=1000, description="Persisted checkpoints kept per job.")
+    keep_persisted: int = Field(
+        3, strict=True, ge=1, le=1000, description="Persisted checkpoints kept per job."
+    )
     checkpoint_bytes_max: int | None = Field(
         None,
         strict=True,
@@ -159,6 +263,11 @@ class MachineOut(BaseModel):
     last_heartbeat_at: datetime | None
     summary: dict[str, Any]
 
+    @field_validator("summary", mode="before")
+    @classmethod
+    def _readable_summary(cls, value: Any) -> Any:
+        return readable_json(value)
+
 
 class PlacementGroupOut(BaseModel):
     index: int
@@ -201,6 +310,11 @@ class FailureOut(BaseModel):
     tier: str | None
     iterations_lost: int | None
     details: dict[str, Any]
+
+    @field_validator("details", mode="before")
+    @classmethod
+    def _readable_details(cls, value: Any) -> Any:
+        return readable_json(value)
     recovery_s: float | None = Field(
         None,
         description="Recovery time in seconds: from detection to training resumed (every rank completed its "
@@ -262,15 +376,13 @@ class RegisterRequest(BaseModel):
 
     instance_id: Text = Field(min_length=1, max_length=128, description="Cloud instance id or host identity.")
     address: Text = Field(min_length=1, max_length=255, description="Address peers reach the agent at.")
-    data_port: int = Field(ge=1, le=65535, description="Port of the agent's checkpoint data plane.")
-    rendezvous_port: int | None = Field(
-        None, ge=1, le=65535, description="A free port for torch.distributed's store if this is machine 0."
+    data_port: Port = Field(description="Port of the agent's checkpoint data plane.")
+    rendezvous_port: Port | None = Field(
+        None, description="A free port for torch.distributed's store if this is machine 0."
     )
     hostname: Text = Field("", max_length=255)
-    rank: int | None = Field(
-        None, ge=0, le=INT32_MAX, description="Ask for this machine rank (default: the next free one)."
-    )
-    embedded: bool = Field(
+    rank: Count | None = Field(None, description="Ask for this machine rank (default: the next free one).")
+    embedded: StrictBool = Field(
         False,
         description="Embedded mode (training launched by torchrun): the root records failures but leaves "
         "restarts to torchrun instead of orchestrating recoveries.",
@@ -317,8 +429,10 @@ class RegisterResponse(BaseModel):
 class CheckpointSummary(BaseModel):
     """What an agent holds, in brief (the full inventory is asked for only during a recovery)."""
 
-    local: dict[Count, Count] = Field(default_factory=dict, description="rank -> newest committed iteration.")
-    replicas: dict[Count, Count] = Field(
+    local: dict[CountKey, Count] = Field(
+        default_factory=dict, description="rank -> newest committed iteration."
+    )
+    replicas: dict[CountKey, Count] = Field(
         default_factory=dict, description="peer rank -> newest replicated iteration."
     )
     committed: Count = Field(0, description="Checkpoints committed since the agent started.")
@@ -361,7 +475,9 @@ class ExitReport(BaseModel):
     instance_id: Text = Field(min_length=1, max_length=128)
     local_rank: Count
     global_rank: Count
-    exit_code: int = Field(ge=-128, le=255, description="Process exit code; negative: killed by that signal.")
+    exit_code: int = Field(
+        strict=True, ge=-128, le=255, description="Process exit code; negative: killed by that signal."
+    )
 
 
 class ExitAck(BaseModel):
@@ -395,14 +511,18 @@ class ProgressReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     instance_id: Text = Field(min_length=1, max_length=128)
-    generation: int = Field(ge=1, le=INT32_MAX)
+    generation: int = Field(strict=True, ge=1, le=INT32_MAX)
     event: Literal["restored", "resumed", "finished", "restore_failed"] = Field(
         description="restored: this machine's ranks hold the plan's iteration locally and training "
         "restarted; resumed: its first iteration after the restore completed; finished: every process "
         "exited cleanly; restore_failed: a source could not deliver (details say why)."
     )
     iteration: Count | None = None
-    details: dict[str, Any] = Field(default_factory=dict)
+    details: JsonObject = Field(
+        default_factory=dict,
+        description=f"Free-form JSON object: at most {MAX_JSON_DEPTH} levels deep and {MAX_JSON_BYTES} "
+        "bytes, finite numbers within 64 bits, no NUL characters or lone surrogates.",
+    )
 
 
 class Holding(BaseModel):
@@ -413,8 +533,12 @@ class Holding(BaseModel):
     tier: Literal["local", "replica"]
     digest: Text = Field(max_length=64)
     data_bytes: ByteCount
-    verified: bool | None = Field(description="The checksums of every stripe matched (None: not checked).")
-    generation: int = Field(1, ge=1, le=INT32_MAX, description="The plan generation whose training made it.")
+    verified: StrictBool | None = Field(
+        description="The checksums of every stripe matched (None: not checked)."
+    )
+    generation: int = Field(
+        1, strict=True, ge=1, le=INT32_MAX, description="The plan generation whose training made it."
+    )
     problem: Text | None = Field(None, max_length=2000)
 
 
@@ -422,9 +546,11 @@ class InventoryReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     instance_id: Text = Field(min_length=1, max_length=128)
-    generation: int = Field(ge=1, le=INT32_MAX, description="The recovery generation being collected.")
+    generation: int = Field(
+        strict=True, ge=1, le=INT32_MAX, description="The recovery generation being collected."
+    )
     holdings: list[Holding]
-    rendezvous_port: int | None = Field(None, ge=1, le=65535)
+    rendezvous_port: Port | None = None
 
 
 class PersistedReport(BaseModel):

@@ -106,6 +106,25 @@ class Settings(BaseSettings):
     s3_prefix: str = Field("castor", description="Key prefix of persisted checkpoints in the bucket.")
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint override. Default: aws_endpoint_url.")
 
+    max_body_bytes: int = Field(
+        1024 * 1024,
+        ge=1024,
+        description="Largest request body the API reads (bytes); a larger one is answered 413.",
+    )
+    max_machines_per_job: int = Field(
+        4096,
+        ge=1,
+        le=100_000,
+        description="Most machines a job may have; creating a larger one is answered 422. Creation "
+        "time, the placement response and the job page grow with it.",
+    )
+    local_max_machines: int = Field(
+        64,
+        ge=1,
+        description="Local cloud operator: most machines of a job it starts as agent processes on this "
+        "host (a job with a launch spec and more machines is answered 422).",
+    )
+
     @field_validator("etcd_endpoints", mode="before")
     @classmethod
     def _split_endpoints(cls, value: object) -> object:

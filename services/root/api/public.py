@@ -22,7 +22,7 @@ router = APIRouter(prefix="/api/v1", tags=["jobs"], responses=error_responses(40
     "/jobs",
     status_code=status.HTTP_201_CREATED,
     response_model=schemas.JobCreated,
-    responses=error_responses(409),
+    responses=error_responses(409, 413),
 )
 async def create_job(
     body: schemas.JobCreate, _: AdminDep, db: SessionDep, state: StateDep, background: BackgroundTasks
@@ -32,6 +32,22 @@ async def create_job(
     if body.launch is not None and state.settings.cloud != "local":
         raise Invalid(
             "a launch spec needs the local cloud operator (CASTOR_CLOUD=local)", code="launch_unsupported"
+        )
+    limit = state.settings.max_machines_per_job
+    if body.machines > limit:
+        problem = f"at most {limit} machines per job (CASTOR_MAX_MACHINES_PER_JOB)"
+        raise Invalid(
+            f"invalid request: body.machines: {problem}",
+            code="validation_error",
+            details={"errors": [{"field": "body.machines", "problem": problem}]},
+        )
+    local_limit = state.settings.local_max_machines
+    if body.launch is not None and body.machines > local_limit:
+        raise Invalid(
+            f"the local operator starts at most {local_limit} machines on this host "
+            f"(CASTOR_LOCAL_MAX_MACHINES); this job asks for {body.machines}: start its machines "
+            "outside Castor (no launch spec) or raise the limit",
+            code="launch_too_large",
         )
     job, token = await job_flows.create_job(db, body)
     info = JobInfo(job.id, job.name, job.num_machines, job.launch)

@@ -19,7 +19,7 @@ RankPath = Annotated[int, Path(ge=0, le=schemas.INT32_MAX, description="The mach
 router = APIRouter(
     prefix="/api/v1/worker/jobs/{job_id}",
     tags=["worker"],
-    responses=error_responses(401, 403, 404, 422, 503),  # 503: see public.py
+    responses=error_responses(401, 403, 404, 413, 422, 503),  # 503: see public.py
 )
 
 

@@ -30,10 +30,11 @@ ROOT_SECRETS = frozenset(
 class LocalOperator:
     name = "local"
 
-    def __init__(self, root_url: str, state_dir: Path, shm_base: Path):
+    def __init__(self, root_url: str, state_dir: Path, shm_base: Path, max_machines: int = 64):
         self.root_url = root_url
         self.state_dir = state_dir
         self.shm_base = shm_base
+        self.max_machines = max_machines  # CASTOR_LOCAL_MAX_MACHINES: one host runs every agent
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
 
     def _job_dir(self, job: JobInfo) -> Path:
@@ -42,6 +43,12 @@ class LocalOperator:
     async def provision(self, job: JobInfo, worker_token: str) -> None:
         if job.launch is None:
             return  # the machines are started by someone else
+        if job.num_machines > self.max_machines:
+            # The API refuses such a job (422); never start thousands of processes on one host anyway.
+            raise CloudOperatorError(
+                f"job {job.name!r} has {job.num_machines} machines; this host starts at most "
+                f"{self.max_machines} (CASTOR_LOCAL_MAX_MACHINES)"
+            )
         directory = self._job_dir(job)
         directory.mkdir(parents=True, exist_ok=True)
         # Private from its first byte (an existing file keeps its mode through open(), hence the fchmod).

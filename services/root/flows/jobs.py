@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -25,7 +27,10 @@ async def create_job(session: AsyncSession, request: schemas.JobCreate) -> tuple
     """Store a new job with its placement, recovery probabilities and first plan (start fresh)."""
     if await repo.job_by_name(session, request.name) is not None:
         raise Conflict(f"a job named {request.name!r} already exists", code="job_exists")
-    placement = plan_placement(request.machines, request.replicas, request.placement)
+    # Seconds of CPU for thousands of machines: in a thread, so the event loop keeps serving heartbeats.
+    placement, probabilities = await asyncio.to_thread(
+        _plan, request.machines, request.replicas, request.placement
+    )
     job = Job(
         name=request.name,
         state=JobState.PENDING,
@@ -37,7 +42,7 @@ async def create_job(session: AsyncSession, request: schemas.JobCreate) -> tuple
         checkpoint_bytes_max=request.checkpoint_bytes_max,
         placement_strategy=placement.strategy,
         launch=request.launch.model_dump() if request.launch else None,
-        recovery_probabilities={str(k): p for k, p in recovery_probabilities(placement, 4).items()},
+        recovery_probabilities=probabilities,
         worker_token_hash="",
     )
     session.add(job)
@@ -60,6 +65,11 @@ async def create_job(session: AsyncSession, request: schemas.JobCreate) -> tuple
     )
     await session.flush()
     return job, token
+
+
+def _plan(machines: int, replicas: int, strategy: Any) -> tuple[Placement, dict[str, float]]:
+    placement = plan_placement(machines, replicas, strategy)
+    return placement, {str(k): p for k, p in recovery_probabilities(placement, 4).items()}
 
 
 async def stop_job(session: AsyncSession, job: Job) -> None:
@@ -102,7 +112,9 @@ def placement_out(job: Job, placement: Placement) -> schemas.PlacementOut:
 
 
 async def job_placement(session: AsyncSession, job: Job) -> schemas.PlacementOut:
-    return placement_out(job, stored_placement(job, await repo.placement_groups(session, job.id)))
+    placement = stored_placement(job, await repo.placement_groups(session, job.id))
+    _ = job.recovery_probabilities  # loaded here: the thread below must not touch the database
+    return await asyncio.to_thread(placement_out, job, placement)  # O(N * m): every rank's holders
 
 
 async def jobs_out(session: AsyncSession, jobs: Sequence[Job]) -> list[schemas.JobOut]:
