@@ -60,6 +60,12 @@ class CheckpointerStats:
     last_copy_s: float = 0.0  # copy + checksums + commit of the last committed checkpoint
     last_bytes: int = 0
     total_bytes: int = 0
+    # What checkpointing cost the training thread, cumulative: seconds it was blocked inside Castor (whole
+    # save() calls, and waits for a copy at the optimizer step, a saved module's forward, and wait()), over
+    # `save_calls` calls of save(). The agent reports both in its heartbeats; the root charges them to the
+    # job's ETTR as checkpoint stalls. Cores a background copy takes from compute are not in it.
+    stalled_s: float = 0.0
+    save_calls: int = 0
 
 
 class Checkpointer:
@@ -136,7 +142,7 @@ class Checkpointer:
         writer = self._store.open_write(iteration, layout.data_bytes, self._on_busy)
         if writer is None and self._blocking:
             self._skipped(iteration)
-            self._update(last_save_s=time.perf_counter() - started)
+            self._save_returned(started)
             return False
         try:
             sources, ready = self._stager.stage([blob_source(blob, flat.tensors) for blob in layout.blobs])
@@ -156,15 +162,52 @@ class Checkpointer:
         else:
             self._pending = self._background.submit(write)
             self._hook_forward(flat.modules)
-        self._update(last_save_s=time.perf_counter() - started)
+        self._save_returned(started)
         return True
+
+    def _save_returned(self, started: float) -> None:
+        blocked = time.perf_counter() - started
+        with self._stats_lock:
+            stats = self._stats
+            self._stats = replace(
+                stats,
+                last_save_s=blocked,
+                stalled_s=stats.stalled_s + blocked,
+                save_calls=stats.save_calls + 1,
+            )
 
     def wait(self) -> None:
         """Block until the last save is committed; raises CheckpointError if it failed.
 
         Call it before changing saved tensors in place anywhere but in an optimizer step. A save whose slot
-        a reader holds is waited for too, up to BUSY_WAIT_LIMIT_S, then skipped.
+        a reader holds is waited for too, up to BUSY_WAIT_LIMIT_S, then skipped. The time it blocks counts
+        in `stats.stalled_s`.
         """
+        started = time.perf_counter()
+        try:
+            self._wait()
+        finally:
+            self._stalled(started)
+
+    def _fence(self) -> None:
+        """Training needs the saved state back (an optimizer step, the forward of a saved module): settle,
+        and count the time it blocks in `stats.stalled_s`."""
+        if self._pending is None and self._give_up is None:
+            return  # the common case, many times per iteration (one forward hook per module with buffers)
+        started = time.perf_counter()
+        try:
+            self._settle()
+        finally:
+            self._stalled(started)
+
+    def _stalled(self, started: float) -> None:
+        blocked = time.perf_counter() - started
+        with self._stats_lock:
+            self._stats = replace(self._stats, stalled_s=self._stats.stalled_s + blocked)
+
+    def _wait(self) -> None:
+        """wait() without the stall accounting: for save(), which counts its whole call, and for restore
+        and close, which are not training."""
         pending, self._pending, self._give_up = self._pending, None, None
         if pending is None:
             return
@@ -183,7 +226,7 @@ class Checkpointer:
         still waiting for its slot (skipping it) rather than hold training up for a reader."""
         if self._give_up is not None:
             self._give_up.set()
-        self.wait()
+        self._wait()
 
     def restore(self, into: Any = None, iteration: int | None = None) -> Restored | None:
         """Read back the newest committed checkpoint, or exactly `iteration`; None when there is none.
@@ -198,7 +241,7 @@ class Checkpointer:
         in place; optimizers get load_state_dict.
         """
         self._check_open()
-        self.wait()
+        self._wait()
         if iteration is None:
             planned = os.environ.get(RESTORE_ITERATION_ENV, "").strip()
             if planned.lower() == "none":
@@ -236,7 +279,7 @@ class Checkpointer:
         if self._closed:
             return
         try:
-            self.wait()
+            self._wait()
             if finished:
                 newest = self._store.committed()
                 self._notify("finished", newest[0].iteration if newest else -1, None)
@@ -332,12 +375,18 @@ class Checkpointer:
         training must not notice)."""
         if not self._notify_path:
             return
+        stats = self.stats
         message = {
             "event": event,
             "rank": self._rank,
             "iteration": iteration,
             "slot": slot,
             "dir": str(self.directory),
+            # The stall so far (cumulative, this process): the agent adds up its training processes' figures
+            # (a restarted process starts again from 0, told apart by its pid).
+            "pid": os.getpid(),
+            "stalled_s": stats.stalled_s,
+            "save_calls": stats.save_calls,
         }
         try:
             if self._notify_socket is None:
@@ -410,12 +459,12 @@ def _wait_before_step(
     checkpointer: weakref.ref[Checkpointer], optimizer: object, args: object, kwargs: object
 ) -> None:
     if (alive := checkpointer()) is not None:
-        alive._settle()
+        alive._fence()
 
 
 def _wait_before_forward(checkpointer: weakref.ref[Checkpointer], module: object, args: object) -> None:
     if (alive := checkpointer()) is not None:
-        alive._settle()
+        alive._fence()
 
 
 def _wait_before_wrapper_forward(
@@ -426,4 +475,4 @@ def _wait_before_wrapper_forward(
     if not getattr(module, "broadcast_buffers", False) or not isinstance(inner, nn.Module):
         return
     if (alive := checkpointer()) is not None and inner in alive._hooked:
-        alive._settle()
+        alive._fence()

@@ -347,7 +347,9 @@ def test_each_commit_notifies_the_agent(
         checkpointer.save(7, {"x": torch.ones(2)})
         message = json.loads(receiver.recv(65536))
         restored = checkpointer.restore()
+    stall = {key: message.pop(key) for key in ("pid", "stalled_s", "save_calls")}  # test_checkpoint_stall
     assert message == {"event": "commit", "rank": 3, "iteration": 7, "slot": 0, "dir": str(shm_dir)}
+    assert stall["pid"] == os.getpid()
     assert json.loads((shm_dir / "slot-0.json").read_bytes())["iteration"] == 7
     assert restored is not None and restored.meta == {"rank": 3, "world_size": 8}
 
