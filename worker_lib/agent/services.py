@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -59,6 +60,11 @@ class MachineServices:
         self.commits: dict[int, deque[float]] = {}  # rank -> commit times in the last minute
         self.committed = 0
         self.skipped = 0
+        # What checkpointing cost each local rank's training thread (Checkpointer stats: seconds blocked in
+        # Castor, over save() calls), summed over its training processes since the agent started: the
+        # processes that ended, and the current one as (pid, seconds, calls).
+        self._stall_ended: dict[int, tuple[float, int]] = {}
+        self._stall_current: dict[int, tuple[int, float, int]] = {}
         self.on_commit: Callable[[int, int], None] | None = None  # the agent watches for resumption
         self.finished_ranks: set[int] = set()  # ranks whose Checkpointer closed without an exception
         self.extra_summary: Callable[[], dict[str, Any]] = dict
@@ -212,6 +218,7 @@ class MachineServices:
         except (ValueError, KeyError, TypeError):
             log.warning("ignored a malformed notice from a training process")
             return
+        self._note_stall(rank, notice)
         if notice.get("event") == "skip":
             self.skipped += 1
             return
@@ -230,9 +237,37 @@ class MachineServices:
         if self.on_commit is not None:
             self.on_commit(rank, iteration)
 
+    def _note_stall(self, rank: int, notice: dict[str, Any]) -> None:
+        """Every notice carries its process's stall so far; a new pid is a restarted training process,
+        whose count starts again from 0."""
+        try:
+            pid, seconds, calls = int(notice["pid"]), float(notice["stalled_s"]), int(notice["save_calls"])
+        except (KeyError, TypeError, ValueError):
+            return  # a worker library from before the figure
+        if not math.isfinite(seconds) or seconds < 0 or calls < 0:
+            return
+        current = self._stall_current.get(rank)
+        if current is not None and current[0] != pid:
+            ended = self._stall_ended.get(rank, (0.0, 0))
+            self._stall_ended[rank] = (ended[0] + current[1], ended[1] + current[2])
+        elif current is not None:
+            # Notices leave from two threads (training, background copy): the figures only grow.
+            seconds, calls = max(seconds, current[1]), max(calls, current[2])
+        self._stall_current[rank] = (pid, seconds, calls)
+
+    def stalls(self) -> dict[int, tuple[float, int]]:
+        """rank -> (seconds its training thread was blocked in Castor, save() calls), since the agent
+        started, over all its training processes."""
+        totals = dict(self._stall_ended)
+        for rank, (_, seconds, calls) in self._stall_current.items():
+            ended = totals.get(rank, (0.0, 0))
+            totals[rank] = (ended[0] + seconds, ended[1] + calls)
+        return totals
+
     def summary(self) -> dict[str, Any]:
         """What heartbeats carry: newest iteration per rank held here, saves taken and skipped, rate."""
         held = self.holdings.summary()
+        stalls = self.stalls()
         # Commits per minute over the last minute's commits (not their count: a machine that started a
         # few seconds ago is not checkpointing slowly).
         rates = [
@@ -253,6 +288,10 @@ class MachineServices:
             "replicated": self.replicator.stats.sent if self.replicator else 0,
             "replication_lag_s": self.replicator.stats.last_lag_s if self.replicator else None,
             "uploaded": self.uploads.uploaded,
+            # Per rank, cumulative: the root charges the job the slowest rank's figure (README: "Planning a
+            # cluster"), since ranks that meet in collectives all wait for the one that stalls.
+            "stalled_s": {str(rank): round(seconds, 6) for rank, (seconds, _) in sorted(stalls.items())},
+            "save_calls": {str(rank): calls for rank, (_, calls) in sorted(stalls.items())},
             **self.extra_summary(),
         }
 

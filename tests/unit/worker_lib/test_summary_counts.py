@@ -1,7 +1,8 @@
-"""The agent's heartbeat summary counts saves skipped and replicas skipped apart."""
+"""The agent's heartbeat summary: saves skipped and replicas skipped apart; each rank's checkpoint stall."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,3 +19,24 @@ def test_saves_skipped_and_replicas_skipped_are_reported_apart(tmp_path: Path) -
     )
     summary = services.summary()
     assert summary["skipped"] == 1 and summary["replicas_skipped"] == 7
+
+
+def test_the_summary_adds_up_each_ranks_stall_over_its_training_processes(tmp_path: Path) -> None:
+    """Notices carry a process's cumulative stall; a restarted process (a new pid) starts again from 0."""
+    client: Any = SimpleNamespace(job_id="job")
+    services = MachineServices(client, "castor-job.x.secret", MachineIdentity("i-0"), tmp_path / "shm")
+
+    def notice(event: str, rank: int, pid: int, seconds: float, calls: int) -> bytes:
+        body = {"event": event, "rank": rank, "iteration": calls, "pid": pid}
+        return json.dumps({**body, "stalled_s": seconds, "save_calls": calls}).encode()
+
+    services.on_notice(notice("commit", 4, 100, 0.5, 10))
+    services.on_notice(notice("commit", 4, 100, 0.75, 12))
+    services.on_notice(notice("commit", 4, 100, 0.7, 11))  # from the other thread, sent late: no step back
+    services.on_notice(notice("commit", 5, 101, 0.25, 12))
+    services.on_notice(notice("commit", 4, 200, 0.125, 3))  # rank 4's training restarted
+    services.on_notice(notice("skip", 4, 200, 0.25, 4))
+    services.on_notice(b'{"event": "commit", "rank": 5, "iteration": 13}')  # an older library: no figure
+    summary = services.summary()
+    assert summary["stalled_s"] == {"4": 1.0, "5": 0.25}
+    assert summary["save_calls"] == {"4": 16, "5": 12}
