@@ -487,13 +487,14 @@ def ettr_text(ettr: dict[str, Any] | None) -> str:
             ("restore", "restore_s"),
             ("warm-up", "warmup_s"),
             ("lost iterations", "lost_iterations_s"),
+            ("checkpoint stalls", "checkpoint_overhead_s"),
         )
     ]
     wasted = ", ".join(f"{label} {format_duration(seconds)}" for label, seconds in parts if seconds > 0)
     text = f"{ettr['ettr']:.4f} of {format_duration(ettr['wall_s'])}"
     text += f" (wasted: {wasted})" if wasted else " (nothing wasted)"
     if ettr.get("checkpoint_overhead_s") is None:
-        text += "; checkpoint overhead not measured"
+        text += "; checkpoint stalls not measured"
     return text
 
 

@@ -217,7 +217,8 @@ def _ettr_families(active: Sequence[Any], ettrs: dict[Any, MeasuredEttr]) -> lis
     )
     wasted = GaugeMetricFamily(
         "castor_job_wasted_by_cause_seconds",
-        "Wasted time by cause: detection, replacement, restore, warmup, lost_iterations.",
+        "Wasted time by cause: detection, replacement, restore, warmup, lost_iterations, checkpoint (stalls "
+        "of the training threads in Castor; absent while not measured).",
         labels=["job", "cause"],
     )
     for job in active:
@@ -228,6 +229,8 @@ def _ettr_families(active: Sequence[Any], ettrs: dict[Any, MeasuredEttr]) -> lis
         productive.add_metric([job.name], measured.productive_s)
         for cause, seconds in measured.wasted_s.items():
             wasted.add_metric([job.name, cause], seconds)
+        if measured.checkpoint_overhead_s is not None:
+            wasted.add_metric([job.name, "checkpoint"], measured.checkpoint_overhead_s)
     return [ratio, productive, wasted]
 
 

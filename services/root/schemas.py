@@ -208,7 +208,9 @@ class EttrOut(BaseModel):
     warmup_s: float = Field(description="Downtime restarting training, less the first iteration (kept work).")
     lost_iterations_s: float = Field(description="Iterations rolled back, at the measured iteration time.")
     checkpoint_overhead_s: float | None = Field(
-        description="What checkpointing cost training; null: not measured (agents do not report it)."
+        description="Checkpoint stalls: seconds the training threads were blocked in Castor (save() calls, "
+        "waits for a copy), the slowest rank's, less those of iterations rolled back (in lost_iterations_s); "
+        "null: not measured (no agent reported it)."
     )
     iteration_s: float | None = Field(description="Iteration time used (from the checkpoint frequency).")
 
@@ -452,6 +454,15 @@ class CheckpointSummary(BaseModel):
     uploaded: Count = Field(0, description="Checkpoints uploaded to the persistent tier.")
     warm_spares: Count | None = Field(
         None, description="Warm interpreters (torch imported) ready for the next restart."
+    )
+    stalled_s: dict[CountKey, Rate] = Field(
+        default_factory=dict,
+        description="rank -> seconds its training thread was blocked in Castor (save() calls and waits for a "
+        "copy at the optimizer step, a forward, wait()), summed over its training processes since the agent "
+        "started. The job's ETTR charges the slowest rank's as checkpoint stalls.",
+    )
+    save_calls: dict[CountKey, Count] = Field(
+        default_factory=dict, description="rank -> save() calls over which stalled_s was counted."
     )
 
 

@@ -133,5 +133,7 @@ def test_jobs_show_ettr_line() -> None:
     }
     text = ettr_text(ettr)
     assert text.startswith("0.9400 of ")
-    assert "replacement 30" in text and "lost iterations 12" in text and "overhead not measured" in text
+    assert "replacement 30" in text and "lost iterations 12" in text and "stalls not measured" in text
+    measured = ettr_text({**ettr, "checkpoint_overhead_s": 2.5})
+    assert "checkpoint stalls 2.5 s" in measured and "not measured" not in measured
     assert ettr_text(None) == "-" and ettr_text({**ettr, "ettr": None}) == "-"

@@ -2,7 +2,7 @@
 
     wall        started_at -> finished_at (or now)
     wasted      downtime (the union of every failure's recovery, by phase) + iterations lost x iteration time
-                (+ what checkpointing cost training, when it is measured)
+                + checkpoint stalls (what checkpointing cost training, when the agents report it)
     productive  wall - wasted
     ETTR        productive / wall
 
@@ -11,16 +11,26 @@ restart warm-up (the resume phase less its first iteration, which is kept work),
 whose recoveries overlap (one failure during another's recovery) are counted once: each second of downtime
 goes to the phase of the earliest failure under way at that second.
 
-What is not measured: the checkpoint overhead (agents do not report their iteration time with and without
-checkpointing), so it is None, not 0; and the part of the iteration in progress when the failure hit, which
-no counter records (the iterations lost are the committed iterations rolled back).
+Checkpoint stalls: every training process counts the seconds its training thread was blocked inside Castor
+(save() calls, and waits for a copy at the optimizer step, a saved module's forward, wait()) and the save()
+calls; agents report them per rank in their heartbeat summaries (cumulative). Ranks meet in collectives, so
+a stall on one holds up all: the job's cost of an iteration is the slowest rank's stall. Only cumulative
+figures reach the root, so it charges the largest rank total (a rank's figures summed over the machines that
+ran it, replaced ones included): a lower bound of the sum over iterations of the slowest rank, exact when
+the same rank is the slowest every time (equal shards). The stalls of iterations later rolled back are
+already in the lost iterations (their iteration time includes them), so they are taken out, at the rank's
+mean stall per save (one save per iteration, as the iteration time assumes). Not in it: the cores a
+background copy takes from compute (training slowed, not blocked); and, while nothing reports them, it is
+None, not 0. Not measured either: the part of the iteration in progress when the failure hit, which no
+counter records (the iterations lost are the committed iterations rolled back).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -54,8 +64,59 @@ class MeasuredEttr:
     wall_s: float
     productive_s: float
     wasted_s: dict[str, float]  # by cause (CAUSES)
-    checkpoint_overhead_s: float | None  # None: not measured
+    checkpoint_overhead_s: float | None  # checkpoint stalls charged; None: not measured
     iteration_s: float | None  # the iteration time used for lost iterations and the warm-up
+
+
+@dataclass(frozen=True)
+class CheckpointStall:
+    """The slowest rank's cumulative stall: seconds its training thread was blocked in Castor, over saves."""
+
+    rank: int
+    seconds: float
+    saves: int
+
+
+def checkpoint_stall(summaries: Iterable[Mapping[str, object]]) -> CheckpointStall | None:
+    """The job's checkpoint stall from the newest heartbeat summary of each of its machines (every machine
+    that ran it, replaced ones too: a rank's figures are summed over them): the rank with the most seconds.
+    None when no summary carries the figure (agents from before it). Summaries from etcd are not validated
+    by a schema: anything that is not a rank -> non-negative number is skipped."""
+    seconds: dict[int, float] = {}
+    saves: dict[int, int] = {}
+    for summary in summaries:
+        stalled, calls = summary.get("stalled_s"), summary.get("save_calls")
+        if not isinstance(stalled, Mapping):
+            continue
+        calls = calls if isinstance(calls, Mapping) else {}
+        for key, value in stalled.items():
+            rank = _rank(key)
+            if rank is None or not _non_negative(value):
+                continue
+            seconds[rank] = seconds.get(rank, 0.0) + float(value)
+            count = calls.get(key)
+            if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+                saves[rank] = saves.get(rank, 0) + count
+            else:
+                saves.setdefault(rank, 0)
+    if not seconds:
+        return None
+    slowest = max(seconds, key=lambda rank: (seconds[rank], -rank))
+    return CheckpointStall(slowest, seconds[slowest], saves[slowest])
+
+
+def _rank(key: object) -> int | None:
+    try:
+        rank = int(str(key))
+    except ValueError:
+        return None
+    return rank if rank >= 0 else None
+
+
+def _non_negative(value: object) -> bool:
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    )
 
 
 def measure_ettr(
@@ -64,11 +125,11 @@ def measure_ettr(
     ended_at: datetime,
     failures: Sequence[FailureRecord],
     iteration_s: float | None,
-    checkpoint_overhead_s: float | None = None,
+    stall: CheckpointStall | None = None,
 ) -> MeasuredEttr:
     wasted = dict.fromkeys(CAUSES, 0.0)
     if started_at is None or ended_at <= started_at:
-        return MeasuredEttr(None, 0.0, 0.0, wasted, checkpoint_overhead_s, iteration_s)
+        return MeasuredEttr(None, 0.0, 0.0, wasted, None if stall is None else 0.0, iteration_s)
     wall = (ended_at - started_at).total_seconds()
     it = iteration_s or 0.0
 
@@ -114,6 +175,14 @@ def measure_ettr(
             group_max, recovery_end = failure.iterations_lost or 0, finished
     lost_iterations += group_max
     wasted["lost_iterations"] = lost_iterations * it
+
+    # Checkpoint stalls, less those of the iterations rolled back (already charged, stalls included, above).
+    checkpoint_overhead_s: float | None = None
+    if stall is not None:
+        charged = stall.seconds
+        if it > 0 and stall.saves > 0:
+            charged *= 1.0 - min(1.0, lost_iterations / stall.saves)
+        checkpoint_overhead_s = min(charged, wall)
 
     total = sum(wasted.values()) + (checkpoint_overhead_s or 0.0)
     productive = max(0.0, wall - total)

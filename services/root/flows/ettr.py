@@ -1,17 +1,19 @@
-"""A job's measured ETTR (domain/ettr.py) from its failure events, for the API, the pages and /metrics."""
+"""A job's measured ETTR (domain/ettr.py) from its failure events and its machines' heartbeat summaries (the
+checkpoint stalls), for the API, the pages and /metrics."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.root import schemas
-from services.root.db.models import FailureEvent, FailureState, Job
-from services.root.domain.ettr import FailureRecord, MeasuredEttr, PhaseSpan, measure_ettr
+from services.root.db.models import FailureEvent, FailureState, Job, Machine
+from services.root.domain.ettr import FailureRecord, MeasuredEttr, PhaseSpan, checkpoint_stall, measure_ettr
 from services.root.web import phases
 
 FINISHED = (FailureState.RECOVERED, FailureState.UNRECOVERABLE)
@@ -29,6 +31,21 @@ async def failures_of(
     return found
 
 
+async def summaries_of(
+    session: AsyncSession, job_ids: Sequence[uuid.UUID]
+) -> dict[uuid.UUID, list[Mapping[str, Any]]]:
+    """The newest heartbeat summary of every machine of the jobs, replaced ones included (their ranks'
+    stalls up to the failure count as much as their replacements')."""
+    if not job_ids:
+        return {}
+    query = select(Machine.job_id, Machine.summary).where(Machine.job_id.in_(job_ids))
+    found: dict[uuid.UUID, list[Mapping[str, Any]]] = {}
+    for job_id, summary in (await session.execute(query)).all():
+        if isinstance(summary, Mapping):
+            found.setdefault(job_id, []).append(summary)
+    return found
+
+
 def record(event: FailureEvent, now: datetime) -> FailureRecord:
     """A failure event's phases, as the pages draw them (a phase under way ends now)."""
     spans = tuple(
@@ -38,7 +55,12 @@ def record(event: FailureEvent, now: datetime) -> FailureRecord:
     return FailureRecord(phases.failed_at(event), spans, event.iterations_lost)
 
 
-def job_ettr(job: Job, events: Sequence[FailureEvent], now: datetime | None = None) -> MeasuredEttr:
+def job_ettr(
+    job: Job,
+    events: Sequence[FailureEvent],
+    now: datetime | None = None,
+    summaries: Sequence[Mapping[str, Any]] = (),
+) -> MeasuredEttr:
     now = now or datetime.now(UTC)
     # The iteration time as the recovery accounting takes it: from the effective checkpoint frequency.
     iteration_s = 60.0 / job.checkpoints_per_minute if job.checkpoints_per_minute else None
@@ -47,6 +69,7 @@ def job_ettr(job: Job, events: Sequence[FailureEvent], now: datetime | None = No
         ended_at=job.finished_at or now,
         failures=[record(e, now) for e in events],
         iteration_s=iteration_s,
+        stall=checkpoint_stall(summaries),
     )
 
 
@@ -61,12 +84,15 @@ def ettr_out(measured: MeasuredEttr) -> schemas.EttrOut:
         restore_s=round(wasted["restore"], 3),
         warmup_s=round(wasted["warmup"], 3),
         lost_iterations_s=round(wasted["lost_iterations"], 3),
-        checkpoint_overhead_s=measured.checkpoint_overhead_s,
+        checkpoint_overhead_s=(
+            None if measured.checkpoint_overhead_s is None else round(measured.checkpoint_overhead_s, 3)
+        ),
         iteration_s=None if measured.iteration_s is None else round(measured.iteration_s, 6),
     )
 
 
 async def ettr_by_job(session: AsyncSession, jobs: Sequence[Job]) -> dict[uuid.UUID, MeasuredEttr]:
     now = datetime.now(UTC)
-    events = await failures_of(session, [job.id for job in jobs])
-    return {job.id: job_ettr(job, events.get(job.id, []), now) for job in jobs}
+    ids = [job.id for job in jobs]
+    events, summaries = await failures_of(session, ids), await summaries_of(session, ids)
+    return {job.id: job_ettr(job, events.get(job.id, []), now, summaries.get(job.id, [])) for job in jobs}

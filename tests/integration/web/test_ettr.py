@@ -108,3 +108,44 @@ async def test_simulate_from_job_takes_the_recorded_phases(client: httpx.AsyncCl
     assert costs.restore_local_s == pytest.approx(restore.total_seconds(), abs=1e-3)
     assert costs.restore_local_s != fallback.restore_local_s
     assert costs.replace_standby_s == fallback.replace_standby_s  # no hardware failure recorded
+
+
+async def test_heartbeats_that_report_checkpoint_stalls_make_the_overhead_measured(
+    root_app: FastAPI, client: httpx.AsyncClient, signed_in: httpx.AsyncClient
+) -> None:
+    """The agents' summaries carry each rank's cumulative stall; the job is charged the slowest rank's."""
+    job = await running_job(client)
+    async with root_app.state.castor.database.session() as session:
+        row = await session.get(Job, uuid.UUID(job.id))
+        assert row is not None
+        row.started_at = datetime.now(UTC) - timedelta(hours=1)  # wall time well above the stalls
+    before = (await client.get(f"/api/v1/jobs/{job.id}", headers=admin())).json()["ettr"]
+    assert before["checkpoint_overhead_s"] is None  # the scenario's summaries carry no figure
+    name = str(job.job["name"])
+    assert (
+        "castor_job_wasted_by_cause_seconds",
+        frozenset({"job": name, "cause": "checkpoint"}.items()),
+    ) not in (await scrape(client))
+
+    for rank, instance in enumerate(job.instances):
+        summary = {
+            "local": {str(rank): 30},
+            "committed": 31,
+            "per_minute": 120.0,
+            "stalled_s": {str(rank): 1.5 + rank},  # rank 3 waited longest: 4.5 s
+            "save_calls": {str(rank): 31},
+        }
+        await job.post(f"/machines/{rank}/heartbeat", {"instance_id": instance, "summary": summary}, 200)
+
+    ettr = (await client.get(f"/api/v1/jobs/{job.id}", headers=admin())).json()["ettr"]
+    assert ettr["checkpoint_overhead_s"] == pytest.approx(4.5)
+    assert ettr["productive_s"] == pytest.approx(ettr["wall_s"] - 4.5, abs=0.01)  # no failure: only stalls
+    machines = (await client.get(f"/api/v1/jobs/{job.id}/machines", headers=admin())).json()
+    assert {m["rank"]: m["summary"]["stalled_s"] for m in machines} == {
+        r: {str(r): 1.5 + r} for r in range(4)
+    }
+
+    samples = await scrape(client)
+    assert value(samples, "castor_job_wasted_by_cause_seconds", job=name, cause="checkpoint") == 4.5
+    page = (await signed_in.get(f"/jobs/{job.id}")).text
+    assert "checkpoint stalls 4.5 s" in page and "not measured" not in page

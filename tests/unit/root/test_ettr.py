@@ -6,7 +6,13 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from services.root.domain.ettr import FailureRecord, PhaseSpan, measure_ettr
+from services.root.domain.ettr import (
+    CheckpointStall,
+    FailureRecord,
+    PhaseSpan,
+    checkpoint_stall,
+    measure_ettr,
+)
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -125,3 +131,41 @@ def test_overlap_attribution_matches_brute_force() -> None:
         expected = brute_force_downtime(failures, 5.0)
         for cause, seconds in expected.items():
             assert result.wasted_s[cause] == pytest.approx(seconds), cause
+
+
+def test_checkpoint_stalls_are_charged_as_wasted_time() -> None:
+    stall = CheckpointStall(rank=3, seconds=5.0, saves=500)
+    result = measure_ettr(started_at=T0, ended_at=at(1000), failures=[], iteration_s=2.0, stall=stall)
+    assert result.checkpoint_overhead_s == 5.0
+    assert result.productive_s == 995.0 and result.ettr == pytest.approx(0.995)
+    assert sum(result.wasted_s.values()) == 0  # the other causes are untouched
+
+
+def test_stalls_of_iterations_rolled_back_are_not_charged_twice() -> None:
+    """3 iterations of 4 s lost: their 4 s already include their stalls (0.02 s a save), charged as lost."""
+    lost = failure(100, [("detect", 1), ("restore", 4), ("resume", 5)], lost=3)
+    stall = CheckpointStall(rank=0, seconds=8.0, saves=400)
+    result = measure_ettr(started_at=T0, ended_at=at(1000), failures=[lost], iteration_s=4.0, stall=stall)
+    assert result.wasted_s["lost_iterations"] == 12.0
+    assert result.checkpoint_overhead_s == pytest.approx(8.0 - 3 * 0.02)
+    downtime = 1 + 4 + (5 - 4)
+    assert result.productive_s == pytest.approx(1000 - downtime - 12 - (8.0 - 0.06))
+    # Without an iteration time nothing is charged for the lost iterations, so their stalls stay.
+    unknown = measure_ettr(started_at=T0, ended_at=at(1000), failures=[lost], iteration_s=None, stall=stall)
+    assert unknown.checkpoint_overhead_s == 8.0
+
+
+def test_the_job_is_charged_its_slowest_rank_summed_over_the_machines_that_ran_it() -> None:
+    summaries = [
+        # machine 0 (ranks 0, 1), replaced after a failure; then its replacement
+        {"stalled_s": {"0": 2.0, "1": 3.0}, "save_calls": {"0": 100, "1": 100}},
+        {"stalled_s": {"0": 1.5, "1": 0.25}, "save_calls": {"0": 50, "1": 50}},
+        # machine 1 (ranks 2, 3)
+        {"stalled_s": {"2": 3.25, "3": 1.0}, "save_calls": {"2": 150, "3": 150}},
+        {"local": {"4": 7}},  # an agent from before the figure
+        {"stalled_s": {"x": 9.0, "5": -1.0, "6": float("nan"), "7": True}},  # junk from etcd: skipped
+        {"stalled_s": [1.0]},
+    ]
+    assert checkpoint_stall(summaries) == CheckpointStall(rank=0, seconds=3.5, saves=150)
+    assert checkpoint_stall([{"local": {}}, {}]) is None  # not measured, not zero
+    assert checkpoint_stall([{"stalled_s": {"1": 0}, "save_calls": {"1": 4}}]) == CheckpointStall(1, 0.0, 4)
