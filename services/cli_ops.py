@@ -537,6 +537,7 @@ def _job_fields(
 def _failure_rows(failures: Sequence[dict[str, Any]], now: datetime) -> list[tuple[object, ...]]:
     return [
         (
+            f"#{f['number']}" if f.get("number") is not None else "-",  # within the job, as the pages say
             f["id"],
             format_ago(f["detected_at"], now),
             f["rank"],
@@ -551,7 +552,7 @@ def _failure_rows(failures: Sequence[dict[str, Any]], now: datetime) -> list[tup
     ]
 
 
-FAILURE_HEADERS = ("ID", "DETECTED", "RANK", "KIND", "STATE", "TIER", "LOST", "RECOVERY", "CAUSE")
+FAILURE_HEADERS = ("#", "ID", "DETECTED", "RANK", "KIND", "STATE", "TIER", "LOST", "RECOVERY", "CAUSE")
 
 
 def jobs_show(client: RootClient, args: argparse.Namespace) -> int:
@@ -806,7 +807,8 @@ def failures_show(client: RootClient, args: argparse.Namespace) -> int:
     if args.json:
         print_json({"failure": failure, "plan": plan})
         return 0
-    print(f"Failure {failure['id']} of job {job['name']}")
+    number = f" (#{failure['number']} of the job)" if failure.get("number") is not None else ""
+    print(f"Failure {failure['id']} of job {job['name']}{number}")
     print(
         render_fields(
             [

@@ -323,6 +323,12 @@ class FailureOut(BaseModel):
         "first iteration after the restore); null until then. The pages, /metrics and the CLI show this.",
     )
 
+    number: int | None = Field(
+        None,
+        description="The failure's number within its job (1, 2, 3, ... in the order recorded), as the pages "
+        "show it (#3); `id` is global and skips numbers within a job.",
+    )
+
     @model_validator(mode="after")
     def _recovery_time(self) -> FailureOut:
         self.recovery_s = recovery_seconds(self)

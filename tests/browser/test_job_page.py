@@ -60,14 +60,14 @@ def test_job_page_shows_placement_then_a_recovered_failure_with_its_tier(
     assert event["kind"] == "hardware" and event["tier"] in ("peer", "persistent"), event
 
     item = page.locator(".timeline li.event").first
-    expect(item.locator(".event-id")).to_have_text(f"#{event['id']}", timeout=15_000)
+    expect(item.locator(".event-id")).to_have_text(f"#{event['number']}", timeout=15_000)
     expect(item.locator(".badge.state-recovered")).to_have_count(1)
     expect(item.locator(".tier")).to_have_text(event["tier"])
     expect(item.locator(".lost b")).to_have_text(str(event["iterations_lost"]))
     expect(item.locator("svg.phasebar rect.phase-replace")).to_have_count(1)
     expect(item.locator("svg.phasebar rect.phase-resume")).to_have_count(1)
     expect(page.locator(".alert-last")).to_contain_text("Recovered from")
-    expect(page.locator("#iterations .failure-label")).to_have_text(f"#{event['id']}")
+    expect(page.locator("#iterations .failure-label")).to_have_text(f"#{event['number']}")
 
     # Let training go on a little after the recovery, so the chart shows the dip and the climb after it.
     resumed = cluster.job_state()["newest_iteration"] or 0

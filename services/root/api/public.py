@@ -121,7 +121,11 @@ async def get_placement(job: AdminJobDep, db: SessionDep) -> schemas.PlacementOu
 )
 async def list_failures(job: AdminJobDep, db: SessionDep) -> list[schemas.FailureOut]:
     """Failure events, newest first."""
-    return [schemas.FailureOut.model_validate(f) for f in await repo.list_failures(db, job.id)]
+    numbers = await repo.failure_numbers(db, job.id)
+    return [
+        schemas.FailureOut.model_validate(f).model_copy(update={"number": numbers.get(f.id)})
+        for f in await repo.list_failures(db, job.id)
+    ]
 
 
 @router.get(
@@ -136,7 +140,8 @@ async def get_failure(
     event = await repo.get_failure(db, job.id, failure_id)
     if event is None:
         raise NotFound(f"job {job.id} has no failure {failure_id}", code="failure_not_found")
-    return schemas.FailureOut.model_validate(event)
+    numbers = await repo.failure_numbers(db, job.id)
+    return schemas.FailureOut.model_validate(event).model_copy(update={"number": numbers.get(event.id)})
 
 
 @router.get(

@@ -105,6 +105,14 @@ async def list_failures(session: AsyncSession, job_id: uuid.UUID) -> Sequence[Fa
     return (await session.execute(query)).scalars().all()
 
 
+async def failure_numbers(session: AsyncSession, job_id: uuid.UUID) -> dict[int, int]:
+    """Failure event id -> its number within the job (1, 2, 3, ... in the order recorded). Ids are global
+    and skip numbers within a job: other jobs' failures, and process exits folded into a machine loss."""
+    query = select(FailureEvent.id).where(FailureEvent.job_id == job_id).order_by(FailureEvent.id)
+    ids = (await session.execute(query)).scalars().all()
+    return {failure_id: number for number, failure_id in enumerate(ids, start=1)}
+
+
 async def get_failure(session: AsyncSession, job_id: uuid.UUID, failure_id: int) -> FailureEvent | None:
     query = select(FailureEvent).where(FailureEvent.job_id == job_id, FailureEvent.id == failure_id)
     return (await session.execute(query)).scalar_one_or_none()

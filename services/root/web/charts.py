@@ -113,6 +113,7 @@ class ChartFailure:
     start: datetime  # when it failed
     end: datetime | None  # training resumed; None: not yet
     href: str
+    number: int | None = None  # within the job, the label's number (ids are global)
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,7 @@ def iteration_chart(
             continue
         shown.append(failure)
     shown.sort(key=lambda f: (f.start, f.failure_id))
-    labels = [f"#{failure.failure_id}" for failure in shown]
+    labels = [f"#{f.number if f.number is not None else f.failure_id}" for f in shown]
     rows = _label_rows(
         [(x_of(f.start) + 4, LABEL_CHAR_WIDTH * len(label)) for f, label in zip(shown, labels, strict=True)]
     )

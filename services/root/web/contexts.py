@@ -173,13 +173,20 @@ class FailureRow:
     open: bool
     generation: int | None
     resumed_iteration: int | None
+    number: int | None = None  # within the job (#3), as shown; the id is global and skips numbers
+
+    @property
+    def label(self) -> str:
+        return f"#{self.number if self.number is not None else self.id}"
 
     @property
     def tier_meaning(self) -> str:
         return TIER_MEANING.get(self.tier or "", "")
 
 
-def failure_row(job_id: uuid.UUID, event: FailureEvent, now: datetime) -> FailureRow:
+def failure_row(
+    job_id: uuid.UUID, event: FailureEvent, now: datetime, number: int | None = None
+) -> FailureRow:
     is_open = event.state in (FailureState.DETECTED, FailureState.RECOVERING)
     steps = phases.phases(event, now, finished=not is_open)
     elapsed = sum(p.seconds for p in steps)
@@ -205,6 +212,7 @@ def failure_row(job_id: uuid.UUID, event: FailureEvent, now: datetime) -> Failur
         open=is_open,
         generation=details.get("plan_generation"),
         resumed_iteration=details.get("iteration"),
+        number=number,
     )
 
 
@@ -381,7 +389,8 @@ async def job_page(
 
     events = list(await repo.list_failures(session, job.id))  # newest first
     shown = events[:TIMELINE_LIMIT]
-    rows = [failure_row(job.id, e, now) for e in shown]
+    numbers = await repo.failure_numbers(session, job.id)
+    rows = [failure_row(job.id, e, now, numbers.get(e.id)) for e in shown]
     scale = max([r.elapsed_s for r in rows] + [1.0])  # the longest recovery fills the width
     rows = [replace(r, segments=charts.phase_segments(r.phases, scale)) for r in rows]
     timeline = Timeline(rows, scale, len(events) - len(shown))
@@ -394,7 +403,12 @@ async def job_page(
         [(s.at, s.iteration) for s in history.samples(job.id)],
         [
             charts.ChartFailure(
-                r.id, r.kind, r.failed_at, r.phases[-1].end if r.recovery_s is not None else None, r.href
+                r.id,
+                r.kind,
+                r.failed_at,
+                r.phases[-1].end if r.recovery_s is not None else None,
+                r.href,
+                r.number,
             )
             for r in rows
         ],
@@ -568,7 +582,8 @@ async def failure_page(
     session: AsyncSession, job: Job, event: FailureEvent, now: datetime | None = None
 ) -> FailurePage:
     now = now or datetime.now(UTC)
-    row = failure_row(job.id, event, now)
+    numbers = await repo.failure_numbers(session, job.id)
+    row = failure_row(job.id, event, now, numbers.get(event.id))
     details = event.details or {}
     machines = await repo.all_machines(session, job.id)
     by_id = {m.id: m for m in machines}
@@ -619,7 +634,7 @@ async def failure_page(
         if found is not None:
             plan = _plan_view(found, details.get("restore") or {})
             joined = [
-                failure_row(job.id, other, now)
+                failure_row(job.id, other, now, numbers.get(other.id))
                 for other in await repo.failures_of_plan(session, found.id)
                 if other.id != event.id
             ]

@@ -56,6 +56,7 @@ def test_failures_list(root: Root, failed: FailedJob) -> None:
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
     assert lines[0].split() == [
+        "#",
         "ID",
         "DETECTED",
         "RANK",
@@ -67,7 +68,8 @@ def test_failures_list(root: Root, failed: FailedJob) -> None:
         "CAUSE",
     ]
     assert re.match(
-        rf"\s*{failed.failure_id}\s+(\d+ s ago|just now)\s+1\s+software\s+(detected|recovering)\s+", lines[1]
+        rf"\s*#1\s+{failed.failure_id}\s+(\d+ s ago|just now)\s+1\s+software\s+(detected|recovering)\s+",
+        lines[1],
     ), lines
     assert lines[1].endswith("training process rank 1 was killed by SIGKILL")
 
@@ -87,7 +89,7 @@ def test_failures_show(root: Root, failed: FailedJob) -> None:
     human = castor(root, "failures", "show", name, str(failed.failure_id))
     assert human.returncode == 0, human.stderr
     out = human.stdout
-    assert out.startswith(f"Failure {failed.failure_id} of job {name}\n")
+    assert out.startswith(f"Failure {failed.failure_id} of job {name} (#1 of the job)\n")
     assert re.search(r"cause:\s+training process rank 1 was killed by SIGKILL", out)
     assert re.search(r"kind:\s+software", out) and re.search(r"machine rank:\s+1\n", out)
     # Phases: detected and classified at once (the agent reported the exit); the rest has not happened.
@@ -113,7 +115,7 @@ def test_failures_show(root: Root, failed: FailedJob) -> None:
 def test_failure_shows_up_in_jobs_show(root: Root, failed: FailedJob) -> None:
     out = castor(root, "jobs", "show", failed.job["name"]).stdout
     assert "Recent failures (1 of 1)" in out
-    assert re.search(rf"^\s+{failed.failure_id}\s+.*software.*killed by SIGKILL$", out, re.MULTILINE), out
+    assert re.search(rf"^\s+#1\s+{failed.failure_id}\s+.*software.*killed by SIGKILL$", out, re.MULTILINE), out
     document = castor(root, "jobs", "show", failed.job["name"], "--json").json()
     assert [f["id"] for f in document["failures"]] == [failed.failure_id]
     assert document["job"]["failures"] == 1

@@ -112,3 +112,37 @@ async def test_saves_skipped_and_replicas_skipped_are_counted_apart(signed_in: h
     machines = await job.api("/machines")
     fields = dict(cli_ops._job_fields(state, datetime.now(UTC), machines))
     assert fields["checkpoints"] == "124 committed, 4 saves skipped, 20 replicas skipped, 120.0/min"
+
+
+async def test_failures_are_numbered_within_their_job(
+    signed_in: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    """Failure ids are global (and a process exit folded into a machine loss leaves a gap): the pages,
+    the API's `number` and the CLI number each job's failures 1, 2, 3, ... instead."""
+    first = await running_job(signed_in, prefix="a")
+    second = await running_job(signed_in, prefix="b")
+    async with root_app.state.castor.database.session() as session:
+        for job in (first, second, first, second):  # interleaved: the ids of one job jump
+            session.add(
+                FailureEvent(
+                    job_id=uuid.UUID(job.id),
+                    rank=0,
+                    kind=FailureKind.SOFTWARE,
+                    cause="training process rank 0 was killed by SIGKILL",
+                    detected_at=utcnow(),
+                    classified_at=utcnow(),
+                    state=FailureState.RECOVERED,
+                    details={},
+                )
+            )
+            await session.flush()
+    events = await second.api("/failures")
+    ids = sorted(e["id"] for e in events)
+    assert ids[1] - ids[0] == 2, "another job's failure came between them"
+    assert sorted((e["id"], e["number"]) for e in events) == [(ids[0], 1), (ids[1], 2)]
+    assert (await second.api(f"/failures/{ids[1]}"))["number"] == 2
+    page = text_of((await signed_in.get(f"/jobs/{second.id}")).text)
+    assert "#1 software recovered" in page and "#2 software recovered" in page, page
+    assert f"#{ids[1]} " not in page
+    rows = cli_ops._failure_rows(events, datetime.now(UTC))
+    assert [(row[0], row[1]) for row in rows] == [("#2", ids[1]), ("#1", ids[0])]
