@@ -26,7 +26,6 @@ from worker_lib.errors import CheckpointError, CheckpointNotFoundError
 from worker_lib.restore import load_state, restore_state
 from worker_lib.store.copy import CopyEngine
 from worker_lib.store.cuda import PinnedStager
-from worker_lib.store.integrity import verify
 from worker_lib.store.layout import Layout, Signature, blob_source, plan, save_transfers, signature
 from worker_lib.store.manifest import JsonValue, Manifest, Stripe, content_digest
 from worker_lib.store.slots import OnBusy, SlotStore, SlotWriter
@@ -261,7 +260,7 @@ class Checkpointer:
                     iteration = int(agreed)
         try:
             with self._store.open_read(iteration) as (manifest, data):
-                verify(manifest, data, self._engine)
+                # Verifies every stripe before copying it out (one pass over the bytes, see restore.py).
                 state = restore_state(manifest, data, into, self._engine)
         except CheckpointNotFoundError:
             if iteration is None:

@@ -1,9 +1,11 @@
-"""From a verified checkpoint to a state: fresh tensors, or the caller's own tensors filled in place.
+"""From a checkpoint to a state: fresh tensors, or the caller's own tensors filled in place.
 
-`restore_state` is the fast path behind `Checkpointer.restore(into=...)`: it copies straight from shared
-memory into the model's parameters and buffers with the copy engine's threads. `load_state` loads an
-already restored state into modules, optimizers and tensors afterwards. Both walk the target structure the
-same way (`_walk`): dicts by key, lists and tuples by position, modules and optimizers as their state_dict.
+`restore_state` is the fast path behind `Checkpointer.restore(into=...)`: it verifies each stripe of shared
+memory against the manifest's checksum and copies it straight into the model's parameters and buffers while
+it is still in cache, on the copy engine's threads: one pass over the checkpoint's bytes, not two.
+`load_state` loads an already restored state into modules, optimizers and tensors afterwards. Both walk the
+target structure the same way (`_walk`): dicts by key, lists and tuples by position, modules and optimizers
+as their state_dict.
 """
 
 from __future__ import annotations
@@ -17,17 +19,19 @@ import torch
 from torch import nn
 
 from worker_lib.store.copy import (
-    STRIPE_BYTES,
     CopyEngine,
     Extent,
     FlatTransfer,
+    RowTransfer,
     Transfer,
     flat_bytes,
     has_lazy_bits,
-    plan_stripes,
+    plan_checked,
+    row_bytes,
     row_transfer,
 )
 from worker_lib.store.cuda import to_device
+from worker_lib.store.integrity import check_region, corrupt_error
 from worker_lib.store.layout import SPAN_ALIGN, dtype_from_name
 from worker_lib.store.manifest import Manifest, TensorEntry
 from worker_lib.store.tree import PLAIN_TYPES, unflatten
@@ -45,10 +49,13 @@ def load_state(state: Any, target: Any) -> None:
 
 
 def restore_state(manifest: Manifest, data: memoryview, into: Any, engine: CopyEngine) -> Any:
-    """Decode the (already verified) checkpoint in `data`, filling the tensors of `into` in place.
+    """Verify and decode the checkpoint in `data`, filling the tensors of `into` in place.
 
     Every target is matched and checked before the first byte is copied, so a mismatch leaves them untouched.
+    Every stripe is checked against its checksum before its bytes are copied: a corrupt checkpoint raises
+    CheckpointCorruptError, no byte of a bad stripe reaches a target, and no optimizer is loaded.
     """
+    check_region(manifest, data.nbytes)
     targets = _Targets(manifest)
     if into is not None:
         _walk(unflatten(manifest.tree, _TensorRef), into, "state", (), targets)
@@ -152,15 +159,16 @@ class _Targets:
 def _copy_out(
     manifest: Manifest, data: memoryview, targets: dict[int, torch.Tensor], engine: CopyEngine
 ) -> list[torch.Tensor]:
-    """Copy every tensor out of `data`: into its target when it has one, else into a fresh tensor."""
+    """Copy every tensor out of `data`, each stripe once it matched its checksum: into its target when it
+    has one, else into a fresh tensor. Extents are positions in the data region, so that a piece is copied
+    only out of stripes that were verified."""
     source = np.frombuffer(data, dtype=np.uint8)
     typed_source = _ReadOnlyTensor(data)
     transfers: list[Transfer] = []
     extents: list[Extent] = []
 
-    def add(transfer: Transfer, nbytes: int, row_bytes: int) -> None:
-        at = extents[-1].end if extents else 0
-        extents.append(Extent(at, nbytes, row_bytes, at + nbytes))
+    def add(transfer: Transfer, entry: TensorEntry, unit: int) -> None:
+        extents.append(Extent(entry.offset, entry.nbytes, unit, entry.offset + entry.nbytes))
         transfers.append(transfer)
 
     fresh: dict[int, torch.Tensor] = {}
@@ -170,21 +178,30 @@ def _copy_out(
         stored = source[entry.offset : entry.offset + entry.nbytes]
         target = targets.get(i)
         if target is not None and entry.view is None and _flat_target(target, dtype):
-            add(FlatTransfer(stored, flat_bytes(target)), entry.nbytes, 1)
+            add(FlatTransfer(stored, flat_bytes(target)), entry, 1)
+        elif target is not None and entry.view is None:
+            # Row by row (a strided target, or another dtype): rows are counted in the stored bytes.
+            view = typed_source.view(entry, dtype)
+            transfer = row_transfer(view, target)
+            rows = row_bytes(view.shape, view.element_size())
+            add(RowTransfer(transfer.src, transfer.dst, rows), entry, rows)
         elif target is not None:
-            transfer = row_transfer(typed_source.view(entry, dtype), target)
-            add(transfer, transfer.row_bytes * (target.shape[0] if target.dim() else 1), transfer.row_bytes)
+            # A view into a shared region may read any of its bytes: copied once the whole region checked.
+            add(_WholeTransfer(typed_source.view(entry, dtype), target), entry, max(entry.nbytes, 1))
         elif entry.view is None:
             fresh[i] = torch.empty(entry.shape, dtype=dtype)
-            add(FlatTransfer(stored, flat_bytes(fresh[i])), entry.nbytes, 1)
+            add(FlatTransfer(stored, flat_bytes(fresh[i])), entry, 1)
         elif entry.offset not in regions:
             regions[entry.offset] = torch.empty(
                 -(-entry.nbytes // SPAN_ALIGN) * SPAN_ALIGN, dtype=torch.uint8
             )
-            add(FlatTransfer(stored, regions[entry.offset][: entry.nbytes].numpy()), entry.nbytes, 1)
+            add(FlatTransfer(stored, regions[entry.offset][: entry.nbytes].numpy()), entry, 1)
 
-    chunks = plan_stripes(extents, extents[-1].end if extents else 0, STRIPE_BYTES, STRIPE_BYTES)
-    engine.copy(chunks, transfers)
+    stripes = [(s.start, s.end, s.digest) for s in manifest.stripes]
+    groups = plan_checked(extents, [(start, end) for start, end, _ in stripes])
+    bad = engine.check_copy(groups, transfers, source, stripes)
+    if bad:
+        raise corrupt_error(manifest, bad, copied=bool(targets))
 
     tensors: list[torch.Tensor] = []
     on_device: dict[int, torch.Tensor] = {}
@@ -202,6 +219,17 @@ def _copy_out(
     return tensors
 
 
+@dataclass(frozen=True, slots=True)
+class _WholeTransfer:
+    """A target filled from a strided view into a shared region by one torch copy_ (whatever lo and hi)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+
+    def copy(self, lo: int, hi: int) -> None:
+        self.dst.copy_(self.src)
+
+
 class _ReadOnlyTensor:
     """Typed tensor views of the read-only data region, for copies that need torch (strided targets)."""
 
@@ -217,8 +245,11 @@ class _ReadOnlyTensor:
                 self._tensor = torch.frombuffer(self._data, dtype=torch.uint8)
         if entry.view is None:
             return self._tensor[entry.offset : entry.offset + entry.nbytes].view(dtype).view(entry.shape)
-        region = self._tensor[entry.offset : entry.offset + -(-entry.nbytes // SPAN_ALIGN) * SPAN_ALIGN]
-        return region.view(dtype).as_strided(entry.shape, entry.view.stride, entry.view.storage_offset)
+        span = -(-entry.nbytes // SPAN_ALIGN) * SPAN_ALIGN
+        region = self._tensor[entry.offset : entry.offset + span].view(dtype)
+        # as_strided counts its offset from the start of the whole data region's storage, not the region's.
+        start = region.storage_offset() + entry.view.storage_offset
+        return region.as_strided(entry.shape, entry.view.stride, start)
 
 
 def _flat_target(target: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -97,6 +97,33 @@ def test_restore_into_existing_tensors_of_any_layout(shm_dir: Path) -> None:
             assert restored.state[name][key].data_ptr() == tensor.data_ptr()
 
 
+def test_restore_across_stripes_into_strided_and_other_dtype_targets(shm_dir: Path) -> None:
+    # 12 MB matrices saved contiguous: the 8 MiB stripe boundary falls inside a 4000-byte row, which a
+    # strided target copies whole, so its two stripes are checked together before that row is copied.
+    generator = torch.Generator().manual_seed(3)
+    state = {
+        "a": torch.randn(3000, 1000, generator=generator),
+        "b": torch.randn(3000, 1000, generator=generator),
+        "tied": torch.randn(600, 4000, generator=generator),
+    }
+    state["alias"] = state["tied"][::2]
+    targets = {
+        "a": torch.empty(1000, 3000).t(),  # strided
+        "b": torch.empty(3000, 1000, dtype=torch.float64),  # cast on the way
+        "tied": torch.empty(600, 4000),
+        "alias": torch.empty(300, 4000),  # a view of a shared region, into its own tensor
+    }
+    with Checkpointer(shm_dir, threads=2) as checkpointer:
+        checkpointer.save(1, state)
+        restored = checkpointer.restore(into=targets)
+        fresh = checkpointer.restore()
+    assert restored is not None and fresh is not None
+    assert torch.equal(targets["a"], state["a"]) and not targets["a"].is_contiguous()
+    assert torch.equal(targets["b"], state["b"].double())
+    assert torch.equal(targets["tied"], state["tied"]) and torch.equal(targets["alias"], state["alias"])
+    assert_bit_equal(fresh.state, state)
+
+
 def test_tensors_sharing_storage_are_saved_once_and_restored_sharing_it(shm_dir: Path) -> None:
     base = torch.arange(48, dtype=torch.float32)
     tied = torch.randn(1000, 64)

@@ -148,17 +148,44 @@ def test_a_corrupt_byte_is_detected_named_and_never_loaded(shm_dir: Path) -> Non
         checkpointer.wait()
         corrupt_one_byte(shm_dir, 3, "state['head']", at=100)
         targets = {"embedding": torch.full((4096, 1024), 7.0), "head": torch.full((64, 10), 7.0)}
-        expected = r"iteration 3 is corrupt: 1 of 3 stripes .* affected tensors: state\['head'\]$"
+        expected = (
+            r"iteration 3 is corrupt: 1 of 3 stripes .* affected tensors: state\['head'\]; "
+            r"no byte of a bad stripe was copied"
+        )
         with pytest.raises(CheckpointCorruptError, match=expected) as caught:
             checkpointer.restore(into=targets)
         assert caught.value.tensors == ["state['head']"]
-        # Not one byte reached the targets, and the older, intact checkpoint is not silently used instead.
-        assert torch.equal(targets["embedding"], torch.full((4096, 1024), 7.0))
+        # Not one byte of the bad stripe reached its target. The embedding's two stripes were checked and
+        # copied stripe by stripe: each half holds either the target's old values or verified saved bytes.
         assert torch.equal(targets["head"], torch.full((64, 10), 7.0))
+        for half in (slice(0, 2048), slice(2048, 4096)):
+            got = targets["embedding"][half]
+            assert torch.equal(got, torch.full_like(got, 7.0)) or torch.equal(got, state["embedding"][half])
+        # The older, intact checkpoint is not silently used instead.
         with pytest.raises(CheckpointCorruptError):
             checkpointer.restore()
         older = checkpointer.restore(iteration=2)  # the control plane may choose it explicitly
     assert older is not None and older.iteration == 2
+
+
+def test_once_a_stripe_is_found_corrupt_nothing_more_is_copied(shm_dir: Path) -> None:
+    # One copy thread takes the stripes in order: the first is bad, so the five good ones after it are
+    # checked (the error names every bad stripe) but never copied, and the optimizer is not loaded.
+    weights = torch.nn.Parameter(torch.randn(6 << 20))  # 24 MiB: three stripes, and three of momentum
+    optimizer = torch.optim.SGD([weights], lr=0.1, momentum=0.9)
+    weights.grad = torch.ones_like(weights)
+    optimizer.step()
+    with Checkpointer(shm_dir, threads=1) as checkpointer:
+        checkpointer.save(1, {"weights": weights, "optimizer": optimizer})
+        checkpointer.wait()
+        corrupt_one_byte(shm_dir, 1, "state['weights']", at=5)
+        target = torch.full((6 << 20,), 7.0)
+        fresh_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(6 << 20))], lr=0.1, momentum=0.9)
+        with pytest.raises(CheckpointCorruptError, match=r"1 of 6 stripes") as caught:
+            checkpointer.restore(into={"weights": target, "optimizer": fresh_optimizer})
+    assert caught.value.ranges == [(0, 8 << 20)]
+    assert torch.equal(target, torch.full((6 << 20,), 7.0))
+    assert fresh_optimizer.state_dict()["state"] == {}
 
 
 def test_a_too_small_shared_memory_fails_the_first_save_with_advice(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -13,7 +14,7 @@ import pytest
 from tests.unit.worker_lib.helpers import forkserver, write_raw
 from worker_lib.errors import CheckpointCorruptError, CheckpointNotFoundError, ShmCapacityError
 from worker_lib.store import slots as slots_module
-from worker_lib.store.copy import CopyEngine, Extent, plan_stripes
+from worker_lib.store.copy import CopyEngine, Extent, plan_checked, plan_stripes
 from worker_lib.store.integrity import verify
 from worker_lib.store.manifest import Manifest, Stripe, TensorEntry, TensorView, content_digest
 from worker_lib.store.slots import SlotStore
@@ -169,6 +170,27 @@ def test_verify_names_the_tensors_of_a_bad_stripe(shm_dir: Path, engine: CopyEng
         verify(manifest, data, engine)
     assert caught.value.tensors == ["state['b']"]
     assert caught.value.ranges == [(2048, 3072)]
+
+
+def test_a_restore_plan_copies_only_out_of_checked_stripes() -> None:
+    stripes = [(0, 100), (100, 200), (200, 300), (300, 400)]
+    extents = [
+        Extent(0, 150, 1, 150),  # flat: cut at the stripe boundary
+        Extent(150, 90, 30, 240),  # rows of 30 bytes: the row 180..210 straddles 200
+        Extent(250, 150, 1, 400),
+    ]
+    groups = plan_checked(extents, stripes, piece_bytes=64)
+    assert [(g.first, g.last) for g in groups] == [(0, 1), (1, 3), (3, 4)]
+    for group in groups:
+        lo, hi = stripes[group.first][0], stripes[group.last - 1][1]
+        for piece in group.pieces:
+            assert lo <= piece.at and piece.at + piece.hi - piece.lo <= hi  # never outside its stripes
+            assert piece.lo % extents[piece.transfer].row_bytes == 0
+    covered = sorted((p.transfer, p.lo, p.hi) for g in groups for p in g.pieces)
+    for index, extent in enumerate(extents):  # every byte of every extent exactly once
+        spans = [(lo, hi) for t, lo, hi in covered if t == index]
+        assert spans[0][0] == 0 and spans[-1][1] == extent.nbytes
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
 
 
 def test_the_capacity_check_covers_every_slot_before_allocating(
