@@ -260,11 +260,28 @@ class WorkerGroup:
             *die_with_parent.wrap(spec.command, env), env=env, start_new_session=True
         )
 
-    async def discard_spares(self) -> None:
+    async def discard_spares(self, grace_s: float = 5.0) -> None:
+        """Let the spares go. A warm one exits on its empty order. One still importing reads its order only
+        once its imports are done: seconds of torch on a busy machine, never if an import hangs. Waiting for
+        it held a stopping agent (Ctrl-C of the demo, a stopped job) until the operator's SIGKILL, so it is
+        killed instead."""
         for process in self._spares:
-            if process.returncode is None and process.stdin is not None:
+            if process.returncode is not None:
+                continue
+            if process.stdin is not None:
                 process.stdin.close()  # an empty order: the spare exits
-        await asyncio.gather(*(p.wait() for p in self._spares), return_exceptions=True)
+            if process.pid not in self._warm:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+        waits = [asyncio.ensure_future(p.wait()) for p in self._spares]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=grace_s)
+            for process in self._spares:
+                if pending and process.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGKILL)
+            if pending:
+                await asyncio.wait(pending)
         self._spares = []
 
     @property
