@@ -51,7 +51,7 @@ def _demo(args: argparse.Namespace) -> int:
     job that survives injected failures (see services/demo.py)."""
     import asyncio
 
-    from services.demo import serve_demo
+    from services.demo import exit_process, serve_demo
     from services.root.settings import Settings
 
     smallest = MIN_DEMO_MACHINES_WITH_FAULTS if not args.no_faults else 2
@@ -86,11 +86,12 @@ def _demo(args: argparse.Namespace) -> int:
         uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
         return 0
     try:
-        return asyncio.run(
+        code = asyncio.run(
             serve_demo(settings, args.machines, args.iterations, not args.no_faults, args.exit_when_done)
         )
     except KeyboardInterrupt:
-        return 0
+        code = 0
+    exit_process(code)  # everything is stopped: skip the interpreter's slow teardown (see exit_process)
 
 
 def _agent(args: argparse.Namespace) -> int:

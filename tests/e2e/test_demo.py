@@ -89,3 +89,32 @@ def test_ctrl_c_stops_the_demo_its_job_and_its_machines(tmp_path: Path) -> None:
     assert f"Stopped job {job['name']}" in output
     assert leftover == [], "Ctrl-C left machines running"
     assert not shm.exists() or not any(shm.iterdir()), "their shared memory was given back"
+
+
+def test_ctrl_c_after_the_job_ended_shuts_the_server_down_cleanly(tmp_path: Path) -> None:
+    """Once the job is over the demo keeps serving its pages until Ctrl-C. Ctrl-C used to cancel uvicorn's
+    task itself (the demo's task was awaiting it), so the server skipped its shutdown and the app's
+    lifespan died with a CancelledError traceback, its database threads left to the interpreter's exit."""
+    shm = Path("/dev/shm") / f"castor-demo-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "CASTOR_STATE_DIR": str(tmp_path / "state"), "CASTOR_LOCAL_SHM_BASE": str(shm)}
+    log = tmp_path / "demo.log"
+    command = [sys.executable, "-m", "services.cli", "demo", "--port", str(free_port()), "--machines", "2"]
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [*command, "--no-faults", "--iterations", "3"], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        over = lambda: "The pages stay up" in log.read_text() or process.poll() is not None  # noqa: E731
+        wait_until(over, 300, "the end of the job")
+        assert process.poll() is None, log.read_text()
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        local_faults.kill(local_faults.pids_with_arguments("--shm-dir", str(shm)))
+        shutil.rmtree(shm, ignore_errors=True)
+    output = log.read_text()
+    assert "Job completed at iteration 2" in output
+    assert process.returncode == 0, output
+    assert "Traceback" not in output and "CancelledError" not in output, output
