@@ -24,6 +24,7 @@ from worker_lib.store.manifest import Manifest
 log = logging.getLogger(__name__)
 
 PeerAddress = tuple[str, int]
+REFUSALS = ("too_large", "manifest_unauthenticated")  # codes of a receiver that will refuse again
 Version = tuple[int, int]  # (plan generation, iteration): after a rollback an iteration number recurs
 
 
@@ -81,7 +82,11 @@ class _PeerSender:
             except Exception as exc:  # the thread must outlive any one transfer, a bug's too
                 self.replicator.stats.failed += 1
                 expected = isinstance(exc, OSError | DataPlaneError | CheckpointError)
-                log.warning(
+                # A peer that refuses the checkpoint itself (larger than it keeps for the rank, or a MAC that
+                # fails: another job's key) will refuse it again: an operator has to act, not the network.
+                refused = isinstance(exc, DataPlaneError) and exc.code in REFUSALS
+                log.log(
+                    logging.ERROR if refused else logging.WARNING,
                     "replicating rank %d to machine %d failed: %s",
                     rank,
                     self.machine,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import shutil
 import socket
 import struct
@@ -34,6 +35,7 @@ from worker_lib.agent.dataplane import (
     send_message,
 )
 from worker_lib.agent.holdings import Holdings, rank_capacity
+from worker_lib.agent.replication import Replicator
 from worker_lib.errors import CheckpointError, CheckpointNotFoundError, ShmCapacityError
 from worker_lib.store.manifest import Manifest, Stripe, content_digest
 from worker_lib.store.slots import SlotStore, free_bytes
@@ -210,6 +212,30 @@ def test_a_replica_larger_than_the_rank_is_allowed_is_refused_and_never_sized(
         assert server.counters.replicas_rejected == 1
     finally:
         server.stop()
+
+
+def test_a_replicator_refused_for_size_says_so_as_an_error_and_sends_what_fits(
+    shm: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = start_server(shm / "receiver", replica_bytes_max=lambda rank: 64 << 10)
+    holdings = Holdings(shm / "sender")
+    replicator = Replicator(holdings, KEY, JOB, [1], lambda machine: ("127.0.0.1", server.port)).start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="worker_lib.agent.replication"):
+            save_checkpoints(holdings.directory("local", 0), [1], numel=1 << 16)  # 256 KiB: too large
+            replicator.notice_commit(0, 1)
+            assert not replicator.flush([0], timeout_s=2)
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert errors and "exceeds" in errors[0].getMessage()
+        assert server.holdings.ranks("replica") == [] or committed(server.holdings.replica_store(0)) == []
+        save_checkpoints(holdings.directory("local", 0), [2], numel=1 << 10)  # 4 KiB fits
+        replicator.notice_commit(0, 2)
+        assert replicator.flush([0], timeout_s=30)
+        assert committed(server.holdings.replica_store(0)) == [2]
+    finally:
+        replicator.stop()
+        server.stop()
+        holdings.close()
 
 
 def test_replica_slots_never_grow_beyond_their_bound(shm: Path) -> None:
