@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -73,6 +74,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             operator=operator,
             orchestrator=orchestrator,
         )
+        # What startup built (torch comes in through worker_lib: some 300,000 objects) never becomes
+        # garbage; frozen, it is left out of every later full collection, which would otherwise stop the
+        # event loop for most of a second whenever a big request allocates enough to trigger one.
+        gc.collect()
+        gc.freeze()
         background = asyncio.create_task(orchestrator.run(), name="orchestrator")
         try:
             yield

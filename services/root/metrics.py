@@ -38,9 +38,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.root.db.database import Database
 from services.root.db.models import FailureKind, JobState, MachineState, Tier
-from services.root.middleware import KNOWN_METHODS
 from services.root.domain.ettr import MeasuredEttr
 from services.root.flows import ettr as ettr_flows
+from services.root.middleware import KNOWN_METHODS
 from services.root.web import phases, queries
 
 log = logging.getLogger(__name__)

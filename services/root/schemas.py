@@ -312,11 +312,6 @@ class FailureOut(BaseModel):
     tier: str | None
     iterations_lost: int | None
     details: dict[str, Any]
-
-    @field_validator("details", mode="before")
-    @classmethod
-    def _readable_details(cls, value: Any) -> Any:
-        return readable_json(value)
     recovery_s: float | None = Field(
         None,
         description="Recovery time in seconds: from detection to training resumed (every rank completed its "
@@ -333,6 +328,11 @@ class FailureOut(BaseModel):
     def _recovery_time(self) -> FailureOut:
         self.recovery_s = recovery_seconds(self)
         return self
+
+    @field_validator("details", mode="before")
+    @classmethod
+    def _readable_details(cls, value: Any) -> Any:
+        return readable_json(value)
 
 
 class PlanSource(BaseModel):

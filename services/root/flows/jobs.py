@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from sqlalchemy import insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.root import schemas
@@ -49,9 +50,14 @@ async def create_job(session: AsyncSession, request: schemas.JobCreate) -> tuple
     await session.flush()  # assigns the id the token embeds
     token, token_hash = issue_worker_token(job.id)
     job.worker_token_hash = token_hash
-    session.add_all(
-        PlacementGroupRow(job_id=job.id, index=g.index, kind=g.kind, members=list(g.members))
-        for g in placement.groups
+    # One multi-row INSERT, not an ORM object per group: a job of thousands of machines has thousands of
+    # groups, and the unit of work would run (and round-trip) for each one on the event loop.
+    await session.execute(
+        insert(PlacementGroupRow),
+        [
+            {"job_id": job.id, "index": g.index, "kind": g.kind, "members": list(g.members)}
+            for g in placement.groups
+        ],
     )
     session.add(
         RecoveryPlan(
@@ -111,8 +117,20 @@ def placement_out(job: Job, placement: Placement) -> schemas.PlacementOut:
     )
 
 
+async def load_placement(session: AsyncSession, job: Job) -> Placement:
+    """The stored placement, read as plain rows: ORM objects for thousands of groups cost seconds of the
+    event loop to build."""
+    query = (
+        select(PlacementGroupRow.index, PlacementGroupRow.kind, PlacementGroupRow.members)
+        .where(PlacementGroupRow.job_id == job.id)
+        .order_by(PlacementGroupRow.index)
+    )
+    rows = (await session.execute(query)).all()
+    return stored_placement(job, rows)  # type: ignore[arg-type]  # rows carry the same attributes
+
+
 async def job_placement(session: AsyncSession, job: Job) -> schemas.PlacementOut:
-    placement = stored_placement(job, await repo.placement_groups(session, job.id))
+    placement = await load_placement(session, job)
     _ = job.recovery_probabilities  # loaded here: the thread below must not touch the database
     return await asyncio.to_thread(placement_out, job, placement)  # O(N * m): every rank's holders
 
