@@ -19,6 +19,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     [
         ("replication.py", {"raw_socket_gbps", "replicate_gbps", "peer_fetch_gbps", "training_slowdown_pct"}),
         ("recovery.py", {"software", "etcd_detect_s"}),
+        ("agent_cost.py", {"agent_cpu_s_per_iteration", "save_blocked_ms", "training_cpu_s_per_iteration"}),
     ],
 )
 def test_benchmark_runs(script: str, keys: set[str]) -> None:
