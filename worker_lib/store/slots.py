@@ -15,10 +15,12 @@ file locks.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -33,6 +35,7 @@ from worker_lib.errors import (
     CheckpointNotFoundError,
     ShmCapacityError,
 )
+from worker_lib.store.copy import default_threads
 from worker_lib.store.faults import pause_point
 from worker_lib.store.manifest import Manifest
 
@@ -73,17 +76,22 @@ class _Slot:
         return os.fstat(self.open_fd()).st_size
 
     def map(self, size: int) -> None:
-        """Map the first `size` bytes, populated up front so no copy ever takes a page fault."""
+        """Map the first `size` bytes, populated up front so no copy ever takes a page fault.
+
+        Populating is most of what mapping costs (about 75 ms of CPU per GiB of 4 KiB pages here: a fresh
+        process restoring pays it before the first byte moves), so it is spread over every core rather than
+        left to one kernel thread (MAP_POPULATE) or to faults during the copy."""
         old = self.mapping
-        self.mapping = mmap.mmap(
-            self.open_fd(),
-            size,
-            flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-            prot=mmap.PROT_READ | mmap.PROT_WRITE,
-        )
+        fd = self.open_fd()
+        flags = mmap.MAP_SHARED
+        if not _POPULATE_IN_THREADS:
+            flags |= mmap.MAP_POPULATE
+        self.mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.array = np.frombuffer(self.mapping, dtype=np.uint8)
         if old is not None:
             _close_mapping(old)
+        if _POPULATE_IN_THREADS and size:
+            _populate(self.array)
 
     def bytes(self, nbytes: int) -> NDArray[np.uint8]:
         """The first `nbytes` of the mapping, remapping when the file grew behind our back."""
@@ -100,6 +108,41 @@ class _Slot:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+# madvise(MADV_POPULATE_READ) (Linux 5.14): prefault a range of a mapping without changing it. On a shared
+# writable tmpfs mapping the entries it installs are writable too (no dirty tracking), so a save's writes
+# take no fault either; MADV_POPULATE_WRITE costs 2.4 times as much CPU here.
+_MADV_POPULATE_READ = 22
+_POPULATE_CHUNK = 64 << 20
+_libc = ctypes.CDLL(None, use_errno=True)  # a CDLL call releases the GIL: the threads populate in parallel
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_POPULATE_IN_THREADS = True  # cleared (MAP_POPULATE then) where the kernel does not know the advice
+
+
+def _populate(array: NDArray[np.uint8]) -> None:
+    global _POPULATE_IN_THREADS
+    address, size = array.ctypes.data, array.size
+    chunk = max(_POPULATE_CHUNK, -(-size // default_threads() // mmap.PAGESIZE) * mmap.PAGESIZE)
+    ranges = [(lo, min(chunk, size - lo)) for lo in range(0, size, chunk)]
+    failed: list[int] = []
+
+    def populate(lo: int, length: int) -> None:
+        if _libc.madvise(address + lo, length, _MADV_POPULATE_READ) != 0:
+            failed.append(ctypes.get_errno())
+
+    threads = [threading.Thread(target=populate, args=span, daemon=True) for span in ranges[1:]]
+    for thread in threads:
+        thread.start()
+    populate(*ranges[0])
+    for thread in threads:
+        thread.join()
+    if failed and set(failed) <= {errno.EINVAL}:
+        # An older kernel: fault the pages in by reading one byte of each (MAP_POPULATE from now on).
+        _POPULATE_IN_THREADS = False
+        int(array[:: mmap.PAGESIZE].sum())
+    elif failed:
+        raise OSError(failed[0], f"populating a slot mapping: {os.strerror(failed[0])}")
 
 
 def _close_mapping(mapping: mmap.mmap) -> None:
