@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 import schemathesis
 import yaml
@@ -235,6 +236,53 @@ def test_fuzz_api(case: Any, live_root: LiveRoot) -> None:
     token = live_root.worker_token if case.path.startswith("/api/v1/worker/") else ADMIN_TOKEN
     aim(case, live_root)
     case.call_and_validate(base_url=live_root.url, headers=bearer(token), checks=CHECKS, timeout=30)
+
+
+def _documented(method: str, path: str, response: httpx.Response) -> None:
+    """The response's status is documented for the operation and its JSON body matches the schema."""
+    responses = OPENAPI["paths"][path][method]["responses"]
+    assert str(response.status_code) in responses, f"{path}: {response.status_code} {response.text[:500]}"
+    content = responses[str(response.status_code)].get("content", {}).get("application/json")
+    if content is not None:
+        body_schema = {**content["schema"], "components": OPENAPI["components"]}
+        error = jsonschema.exceptions.best_match(
+            jsonschema.Draft202012Validator(body_schema).iter_errors(response.json())
+        )
+        assert error is None, f"{path}: {error}"
+
+
+def test_what_the_fuzzer_stored_reads_back(live_root: LiveRoot) -> None:
+    """After the run (tests run in file order; the fuzzer's own reads ran before most of its writes):
+    every job the fuzzer wrote to reads back as documented through the API, and renders on the status
+    pages and in /metrics."""
+    admin = bearer(ADMIN_TOKEN)
+    jobs = httpx.get(f"{live_root.url}/api/v1/jobs", params={"limit": 500}, headers=admin, timeout=30)
+    assert jobs.status_code == 200, jobs.text
+    for job in jobs.json()["items"]:
+        for path, methods in OPENAPI["paths"].items():
+            if "get" not in methods or not path.startswith("/api/v1/jobs/{job_id}") or "{failure_id}" in path:
+                continue
+            response = httpx.get(live_root.url + path.format(job_id=job["id"]), headers=admin, timeout=60)
+            assert response.status_code == 200, f"{path}: {response.status_code} {response.text[:500]}"
+            _documented("get", path, response)
+        page = httpx.get(f"{live_root.url}/jobs/{job['id']}", headers=admin, timeout=60)
+        assert page.status_code == 200, f"job page: {page.status_code} {page.text[:500]}"
+        failures = httpx.get(f"{live_root.url}/api/v1/jobs/{job['id']}/failures", headers=admin, timeout=30)
+        for failure in failures.json():
+            path = "/api/v1/jobs/{job_id}/failures/{failure_id}"
+            url = live_root.url + path.format(job_id=job["id"], failure_id=failure["id"])
+            response = httpx.get(url, headers=admin, timeout=30)
+            assert response.status_code == 200, f"{url}: {response.status_code} {response.text[:500]}"
+            _documented("get", path, response)
+            page = httpx.get(f"{live_root.url}/jobs/{job['id']}/failures/{failure['id']}", headers=admin)
+            assert page.status_code == 200, f"failure page: {page.status_code} {page.text[:500]}"
+    worker = bearer(live_root.worker_token)
+    for path in ("/api/v1/worker/jobs/{job_id}/recovery-plan", "/api/v1/worker/jobs/{job_id}/directive"):
+        response = httpx.get(live_root.url + path.format(job_id=live_root.job_id), headers=worker, timeout=30)
+        _documented("get", path, response)
+    for page_path in ("/", "/metrics"):
+        page = httpx.get(live_root.url + page_path, headers=admin, timeout=60)
+        assert page.status_code == 200, f"{page_path}: {page.status_code} {page.text[:500]}"
 
 
 def test_the_service_logged_no_error(live_root: LiveRoot) -> None:
