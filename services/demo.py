@@ -26,14 +26,16 @@ from typing import Any, NoReturn
 import httpx
 
 from services import local_faults
+from services.root.clients.local import RELEASE_GRACE_S
 from services.root.settings import Settings
 
 PERSIST_EVERY = 10
 # A fault that is not injected or recovered within this long means something is broken: say so and stop,
 # rather than wait forever.
 STEP_TIMEOUT_S = 300.0
-# How long the server's shutdown waits for open connections before it closes them.
-SERVER_GRACE_S = 10
+# How long the server's shutdown waits for open connections and request tasks before it cancels them: longer
+# than the local operator's release of the job's machines (a task of the stop request), which must finish.
+SERVER_GRACE_S = RELEASE_GRACE_S + 10
 
 
 @dataclass
@@ -277,7 +279,7 @@ async def serve_demo(
         await asyncio.shield(demo.stop_unfinished_job())  # Ctrl-C cancels this task: finish the stop
         server.should_exit = True
         with contextlib.suppress(BaseException):
-            await asyncio.wait_for(serving, 30)  # the stop above waits for agents to exit
+            await asyncio.wait_for(serving, SERVER_GRACE_S + 20)  # then the lifespan closes the database
         await demo.http.aclose()
 
 
