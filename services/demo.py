@@ -35,7 +35,7 @@ PERSIST_EVERY = 10
 STEP_TIMEOUT_S = 300.0
 # How long the server's shutdown waits for open connections and request tasks before it cancels them: longer
 # than the local operator's release of the job's machines (a task of the stop request), which must finish.
-SERVER_GRACE_S = RELEASE_GRACE_S + 10
+SERVER_GRACE_S = int(RELEASE_GRACE_S) + 10
 
 
 @dataclass
