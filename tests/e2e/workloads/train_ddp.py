@@ -7,6 +7,7 @@ restore) and "iteration" (the state digest right after that iteration's optimize
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import time
@@ -98,6 +99,9 @@ def main() -> None:
             if args.crash_at == iteration and rank == 1 and not crash_marker.exists():
                 crash_marker.touch()
                 os._exit(17)  # a software failure, once
+    # Rank 0 (it hosts the TCPStore) was once seen never exiting after this barrier, in about 1 of 10 runs
+    # on a saturated host: if a rank is still here a minute later, every thread's stack goes to its log.
+    faulthandler.dump_traceback_later(60)
     dist.barrier()
     dist.destroy_process_group()
 
