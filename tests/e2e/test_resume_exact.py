@@ -1,6 +1,7 @@
-"""Exact resumption of an epoch loop over a DataLoader (the README's "Resuming exactly"): a training process
-killed in the middle of an epoch resumes, after Castor's recovery, into the same model, optimizer, data
-order and random draws as a run that was never interrupted, bit for bit, to the last iteration."""
+"""Exact resumption of an epoch loop over a DataLoader (the README's "Resuming exactly"): after a fault in
+the middle of an epoch (a killed training process, a lost machine, a lost placement group), Castor's
+recovery resumes the same model, optimizer, data order and random draws as a run that was never
+interrupted, bit for bit, to the last iteration."""
 
 from __future__ import annotations
 
@@ -79,28 +80,45 @@ def final_digests(events: dict[int, list[dict[str, Any]]]) -> dict[int, dict[int
     }
 
 
-def test_a_dataloader_epoch_loop_resumes_bit_exact_after_a_kill_mid_epoch(
-    cluster: LocalCluster, tmp_path: Path
+# fault -> (machines lost, failure kind, slowest tier, iterations that may be lost)
+FAULTS = {
+    "process_kill": ((), "software", "local", 1),
+    "machine_loss": ((2,), "hardware", "peer", 1),
+    "group_loss": ((2, 3), "hardware", "persistent", None),  # back to the newest persisted iteration
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_dataloader_epoch_loop_resumes_bit_exact_after_a_fault_mid_epoch(
+    cluster: LocalCluster, tmp_path: Path, fault: str
 ) -> None:
+    lost, kind, tier, max_lost = FAULTS[fault]
     reference = uninterrupted_run(tmp_path / "reference")
 
     logs = tmp_path / "logs"
-    # A long heartbeat timeout: on a host saturated by 4 machines' training, a late heartbeat must not
-    # turn this test's software failure into a machine loss (the machine-loss tests cover that path).
-    cluster.start_root(heartbeat_timeout_s="15")
-    cluster.launch_job(command(logs, sleep=0.3), machines=WORLD, replicas=2)
-    # Kill rank 1 in the middle of the second epoch (batches 2..5 of 8).
+    # A long heartbeat timeout for the process kill: on a host saturated by 4 machines' training, a late
+    # heartbeat must not turn its software failure into a machine loss.
+    cluster.start_root(heartbeat_timeout_s="6" if lost else "15")
+    # Persisted every 4 iterations: iterations 8 and 12 are inside the second epoch.
+    cluster.launch_job(command(logs, sleep=0.3), machines=WORLD, replicas=2, persist_every=4)
+    # The fault strikes in the middle of the second epoch (batches 2..5 of 8).
     wait_until(
         lambda: (n := newest_iteration(logs)) >= BATCHES and 2 <= n % BATCHES <= 5,
         120,
         "the middle of an epoch",
         0.02,
     )
-    kill_training_process(logs, rank=1)
+    if lost:
+        machines = [cluster.root_machine(rank) for rank in lost]
+        for machine in machines:
+            cluster.kill_machine(machine)
+    else:
+        kill_training_process(logs, rank=1)
     reached = newest_iteration(logs)
-    (event,) = recovered_events(cluster, 1)
-    check_event(event, kind="software", tier="local")
-    restored = check_consistent_restore(logs, WORLD, reached, max_lost=1)
+    events = recovered_events(cluster, max(1, len(lost)))
+    for event in events:
+        check_event(event, kind=kind, tier=tier, replaced=bool(lost))
+    restored = check_consistent_restore(logs, WORLD, reached, max_lost=max_lost)
     assert restored % BATCHES != BATCHES - 1, "resumed inside an epoch, not at its end"
     cluster.wait_for_job("completed")
 
