@@ -34,10 +34,16 @@ STRIPE_BYTES = 8 << 20
 # spare, so the hash that follows the copy reads cache; fewer, larger pieces would only save Python calls
 # (about a microsecond each, a few thousand per GiB).
 PIECE_BYTES = 256 << 10
+# A save hashes a stripe's contiguous sources first, then copies them from cache (measured per stripe on
+# this VM, best of 64: 13.4 GB/s against 12.0 for a plain memmove from memory); False: copy each piece, then
+# hash it from the slot (11.7). Kept as a switch for comparing the two.
+HASH_SOURCES_FIRST = True
 # One rank's copy rarely gains beyond this many threads: memory bandwidth, not cores, is then the limit.
 MAX_THREADS = 16
 
 Bytes = NDArray[np.uint8]
+
+_ZEROS = bytes(64)  # alignment padding: fewer than 64 bytes after a tensor
 
 # Same-size integer dtypes: copying through them moves bits without any dtype-specific kernel (some dtypes,
 # like int4, have none) and without casting.
@@ -134,6 +140,18 @@ class StripePlan:
     start: int
     end: int
     pieces: tuple[Piece, ...]
+    runs: tuple[Piece, ...] = ()  # the pieces merged where one continues the other: fewer Python calls
+
+    @staticmethod
+    def of(start: int, end: int, pieces: Sequence[Piece]) -> StripePlan:
+        runs: list[Piece] = []
+        for piece in pieces:
+            last = runs[-1] if runs else None
+            if last is not None and last.transfer == piece.transfer and last.hi == piece.lo and not last.pad:
+                runs[-1] = Piece(last.transfer, last.lo, piece.hi, last.at, piece.pad)
+            else:
+                runs.append(piece)
+        return StripePlan(start, end, tuple(pieces), tuple(runs))
 
 
 def plan_stripes(
@@ -155,7 +173,7 @@ def plan_stripes(
             at = extent.offset + lo
             room = start + stripe_bytes - at
             if pieces and (room <= 0 or room < extent.row_bytes):
-                stripes.append(StripePlan(start, at, tuple(pieces)))
+                stripes.append(StripePlan.of(start, at, pieces))
                 pieces, start, room = [], at, stripe_bytes
             take = min(extent.nbytes - lo, room, piece_bytes)
             take = max(take - take % extent.row_bytes, extent.row_bytes)
@@ -164,7 +182,7 @@ def plan_stripes(
             pieces.append(Piece(index, lo, hi, at, pad))
             lo = hi
     if start < data_bytes or pieces:
-        stripes.append(StripePlan(start, data_bytes, tuple(pieces)))
+        stripes.append(StripePlan.of(start, data_bytes, pieces))
     return tuple(stripes)
 
 
@@ -180,7 +198,7 @@ class CheckedGroup:
 
 
 def plan_checked(
-    extents: Sequence[Extent], stripes: Sequence[tuple[int, int]], piece_bytes: int = PIECE_BYTES
+    extents: Sequence[Extent], stripes: Sequence[tuple[int, int]], piece_bytes: int = STRIPE_BYTES
 ) -> tuple[CheckedGroup, ...]:
     """Cut the extents (positions in a checkpoint's data region, sorted by offset, inside [0, data end))
     into pieces that never cross a boundary of `stripes` (the manifest's, which cover the region in order)
@@ -241,6 +259,11 @@ class CopyEngine:
                 return
             if i == len(stripes) // 2:
                 pause_point("mid-copy")
+            if HASH_SOURCES_FIRST and all(type(transfers[r.transfer]) is FlatTransfer for r in stripe.runs):
+                digests[i] = hash_then_copy(stripe)
+                return
+            # A strided source: its bytes exist in slot order only once copied, so each piece is hashed
+            # from the slot right after its copy, while it is in L2.
             hasher = xxhash.xxh3_64()
             hashed = stripe.start
             for piece in stripe.pieces:
@@ -252,6 +275,31 @@ class CopyEngine:
                 hashed = end + piece.pad
             hasher.update(slot[hashed : stripe.end].data)
             digests[i] = hasher.hexdigest()
+
+        def hash_then_copy(stripe: StripePlan) -> str:
+            """Hash the stripe's bytes from their sources, in slot order (streaming them into cache at the
+            hash's speed), then copy them from cache: cheaper than a copy alone from memory. The digest
+            is of the bytes meant for the slot; a restore checks the slot against it."""
+            assert slot is not None
+            hasher = xxhash.xxh3_64()
+            hashed = stripe.start
+            for run in stripe.runs:
+                if run.at > hashed:  # bytes no tensor writes (none in a planned layout): as they are
+                    hasher.update(slot[hashed : run.at].data)
+                source = transfers[run.transfer]
+                assert isinstance(source, FlatTransfer)
+                hasher.update(source.src[run.lo : run.hi].data)
+                if run.pad:
+                    hasher.update(_ZEROS[: run.pad])
+                hashed = run.at + run.hi - run.lo + run.pad
+            if hashed < stripe.end:
+                hasher.update(slot[hashed : stripe.end].data)
+            for run in stripe.runs:
+                transfers[run.transfer].copy(run.lo, run.hi)
+                if run.pad:
+                    end = run.at + run.hi - run.lo
+                    slot[end : end + run.pad] = 0
+            return hasher.hexdigest()
 
         self._run(len(stripes), run_stripe)
         return digests
