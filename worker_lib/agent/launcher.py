@@ -143,7 +143,9 @@ async def interpreter_identity(executable: str, env: Mapping[str, str]) -> str |
             executable,
             "-c",
             _IDENTITY_QUERY,
-            env=dict(env),
+            # Castor's own variables play no part in an interpreter's identity, and secrets among them
+            # (a worker token in the agent's environment) have no business in this process.
+            env={k: v for k, v in env.items() if not k.startswith("CASTOR_")},
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
