@@ -1,16 +1,19 @@
 """The pieces of the input limits that need no database: the body limit's setting, how stored JSON is made
-readable, and the escaping of log records."""
+readable, the escaping of log records, and the local operator's own launch limit."""
 
 from __future__ import annotations
 
 import logging
 import math
+import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
 from services.root.app import create_app
+from services.root.clients import CloudOperatorError, JobInfo
+from services.root.clients.local import LocalOperator
 from services.root.logs import escape, escape_control_characters
 from services.root.schemas import MAX_READ_DEPTH, readable_json
 from services.root.settings import Settings
@@ -59,3 +62,12 @@ def test_log_records_of_the_service_are_escaped(caplog: pytest.LogCaptureFixture
         logging.getLogger("other.library").info("kept %s", "as\nis")
     messages = [record.getMessage() for record in caplog.records]
     assert messages == ["id x\\x0ay rank 3", "error bad\\x0d\\x0aline", "kept as\nis"]
+
+
+async def test_the_local_operator_refuses_to_start_more_machines_than_its_limit(tmp_path: Path) -> None:
+    """Behind the API's 422: even a job that got past it never starts more agents than the limit."""
+    operator = LocalOperator("http://127.0.0.1:1", tmp_path, tmp_path / "shm", max_machines=2)
+    job = JobInfo(uuid.uuid4(), "many", 3, {"command": ["true"]})
+    with pytest.raises(CloudOperatorError, match="CASTOR_LOCAL_MAX_MACHINES"):
+        await operator.provision(job, "castor-job.token")
+    assert operator._processes == {}
