@@ -98,7 +98,7 @@ def test_restore_into_existing_tensors_of_any_layout(shm_dir: Path) -> None:
 
 
 def test_restore_across_stripes_into_strided_and_other_dtype_targets(shm_dir: Path) -> None:
-    # 12 MB matrices saved contiguous: the 8 MiB stripe boundary falls inside a 4000-byte row, which a
+    # 12 MB matrices saved contiguous: stripe boundaries (2 MiB) fall inside 4000-byte rows, which a
     # strided target copies whole, so its two stripes are checked together before that row is copied.
     generator = torch.Generator().manual_seed(3)
     state = {

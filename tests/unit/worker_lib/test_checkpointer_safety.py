@@ -140,7 +140,7 @@ def corrupt_one_byte(directory: Path, iteration: int, key: str, at: int) -> None
 
 
 def test_a_corrupt_byte_is_detected_named_and_never_loaded(shm_dir: Path) -> None:
-    # 16 MiB of embedding fill two stripes on their own: the damaged stripe holds only the head.
+    # 16 MiB of embedding fill eight stripes on their own: the damaged stripe holds only the head.
     state = {"embedding": torch.randn(4096, 1024), "head": torch.randn(64, 10), "step": 3}
     with Checkpointer(shm_dir) as checkpointer:
         checkpointer.save(2, {"embedding": torch.zeros(4096, 1024), "head": torch.zeros(64, 10), "step": 2})
@@ -149,16 +149,16 @@ def test_a_corrupt_byte_is_detected_named_and_never_loaded(shm_dir: Path) -> Non
         corrupt_one_byte(shm_dir, 3, "state['head']", at=100)
         targets = {"embedding": torch.full((4096, 1024), 7.0), "head": torch.full((64, 10), 7.0)}
         expected = (
-            r"iteration 3 is corrupt: 1 of 3 stripes .* affected tensors: state\['head'\]; "
+            r"iteration 3 is corrupt: 1 of 9 stripes .* affected tensors: state\['head'\]; "
             r"no byte of a bad stripe was copied"
         )
         with pytest.raises(CheckpointCorruptError, match=expected) as caught:
             checkpointer.restore(into=targets)
         assert caught.value.tensors == ["state['head']"]
-        # Not one byte of the bad stripe reached its target. The embedding's two stripes were checked and
-        # copied stripe by stripe: each half holds either the target's old values or verified saved bytes.
+        # Not one byte of the bad stripe reached its target. The embedding's stripes were checked and
+        # copied stripe by stripe: each holds either the target's old values or verified saved bytes.
         assert torch.equal(targets["head"], torch.full((64, 10), 7.0))
-        for half in (slice(0, 2048), slice(2048, 4096)):
+        for half in (slice(i, i + 512) for i in range(0, 4096, 512)):
             got = targets["embedding"][half]
             assert torch.equal(got, torch.full_like(got, 7.0)) or torch.equal(got, state["embedding"][half])
         # The older, intact checkpoint is not silently used instead.
@@ -169,9 +169,9 @@ def test_a_corrupt_byte_is_detected_named_and_never_loaded(shm_dir: Path) -> Non
 
 
 def test_once_a_stripe_is_found_corrupt_nothing_more_is_copied(shm_dir: Path) -> None:
-    # One copy thread takes the stripes in order: the first is bad, so the five good ones after it are
+    # One copy thread takes the stripes in order: the first is bad, so the three good ones after it are
     # checked (the error names every bad stripe) but never copied, and the optimizer is not loaded.
-    weights = torch.nn.Parameter(torch.randn(6 << 20))  # 24 MiB: three stripes, and three of momentum
+    weights = torch.nn.Parameter(torch.randn(1 << 20))  # 4 MiB: two stripes, and two of momentum
     optimizer = torch.optim.SGD([weights], lr=0.1, momentum=0.9)
     weights.grad = torch.ones_like(weights)
     optimizer.step()
@@ -179,12 +179,12 @@ def test_once_a_stripe_is_found_corrupt_nothing_more_is_copied(shm_dir: Path) ->
         checkpointer.save(1, {"weights": weights, "optimizer": optimizer})
         checkpointer.wait()
         corrupt_one_byte(shm_dir, 1, "state['weights']", at=5)
-        target = torch.full((6 << 20,), 7.0)
-        fresh_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(6 << 20))], lr=0.1, momentum=0.9)
-        with pytest.raises(CheckpointCorruptError, match=r"1 of 6 stripes") as caught:
+        target = torch.full((1 << 20,), 7.0)
+        fresh_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1 << 20))], lr=0.1, momentum=0.9)
+        with pytest.raises(CheckpointCorruptError, match=r"1 of 4 stripes") as caught:
             checkpointer.restore(into={"weights": target, "optimizer": fresh_optimizer})
-    assert caught.value.ranges == [(0, 8 << 20)]
-    assert torch.equal(target, torch.full((6 << 20,), 7.0))
+    assert caught.value.ranges == [(0, 2 << 20)]
+    assert torch.equal(target, torch.full((1 << 20,), 7.0))
     assert fresh_optimizer.state_dict()["state"] == {}
 
 
