@@ -7,9 +7,11 @@ restore) and "iteration" (the state digest right after that iteration's optimize
 from __future__ import annotations
 
 import argparse
+import atexit
 import faulthandler
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -99,11 +101,22 @@ def main() -> None:
             if args.crash_at == iteration and rank == 1 and not crash_marker.exists():
                 crash_marker.touch()
                 os._exit(17)  # a software failure, once
-    # Rank 0 (it hosts the TCPStore) was once seen never exiting after this barrier, in about 1 of 10 runs
-    # on a saturated host: if a rank is still here a minute later, every thread's stack goes to its log.
+    # A rank still here a minute later (a hang at the end) dumps every thread's stack into its log.
     faulthandler.dump_traceback_later(60)
     dist.barrier()
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
+    # torch 2.13 can deadlock here, when main()'s frame lets go of `ddp` (seen in about 1 of 10 runs on a
+    # saturated host, any rank): the gloo process group's destructor, run by that release with the GIL held,
+    # joins its worker threads, while a worker deleting the barrier's work (which holds the last reference to
+    # a DDP allreduce work, whose thread-local state keeps the contextvars.Context that backward() stashes)
+    # waits for the GIL. End the process without letting go of the group, after what a normal exit runs
+    # (the embedded mode's exit handler: last replicas, `finished`, serving peers until the job completes).
+    log.close()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
