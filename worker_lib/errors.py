@@ -19,7 +19,7 @@ class CheckpointNotFoundError(CheckpointError):
 
 
 class CheckpointCorruptError(CheckpointError):
-    """A checkpoint's bytes do not match its checksums; nothing was loaded.
+    """A checkpoint's bytes do not match its checksums; no byte of a bad stripe was loaded, nor any optimizer.
 
     `tensors` names the tensors (key paths) whose bytes overlap a bad stripe, `ranges` the bad byte ranges.
     """
