@@ -1,6 +1,7 @@
 """A small data-parallel training job with Castor checkpoints, written for torchrun or `castor agent`.
 
-    castor agent --root URL --job ID --token-file worker-token -- python -m worker_lib.examples.train_mlp --iterations 200
+    castor agent --root URL --job ID --token-file worker-token -- \\
+        python -m worker_lib.examples.train_mlp --iterations 200
 
 It reads the torchrun environment, trains an MLP with DistributedDataParallel over gloo (CPU), checkpoints
 every iteration into shared memory and, after a failure, resumes from the iteration the recovery plan

@@ -115,7 +115,8 @@ def test_failures_show(root: Root, failed: FailedJob) -> None:
 def test_failure_shows_up_in_jobs_show(root: Root, failed: FailedJob) -> None:
     out = castor(root, "jobs", "show", failed.job["name"]).stdout
     assert "Recent failures (1 of 1)" in out
-    assert re.search(rf"^\s+#1\s+{failed.failure_id}\s+.*software.*killed by SIGKILL$", out, re.MULTILINE), out
+    row = rf"^\s+#1\s+{failed.failure_id}\s+.*software.*killed by SIGKILL$"
+    assert re.search(row, out, re.MULTILINE), out
     document = castor(root, "jobs", "show", failed.job["name"], "--json").json()
     assert [f["id"] for f in document["failures"]] == [failed.failure_id]
     assert document["job"]["failures"] == 1
