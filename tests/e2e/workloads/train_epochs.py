@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from worker_lib import Checkpointer, restore_rng_state, rng_state
+from worker_lib.examples.train_mlp import end_process
 
 
 class ResumableSampler(Sampler[int]):
@@ -150,6 +151,8 @@ def main() -> None:
         event(event="done", iteration=iteration - 1, digest=state_digest(model, optimizer))
     dist.barrier()
     dist.destroy_process_group()
+    log.close()
+    end_process()  # never lets go of the gloo group: see its docstring (a torch 2.13 deadlock at exit)
 
 
 if __name__ == "__main__":
