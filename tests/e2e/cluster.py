@@ -188,7 +188,9 @@ class LocalCluster:
         keep_shm: bool = True,
         extra_args: list[str] | None = None,
     ) -> Machine:
-        instance_id = instance_id or f"machine-{index}"
+        # Unique to this cluster: losing a machine kills every process with its --instance-id on the host,
+        # so two clusters on one host (parallel runs) must never share one.
+        instance_id = instance_id or f"machine-{index}-{self.shm_base.name.rsplit('-', 1)[-1]}"
         shm_dir = self.shm_base / instance_id
         log_path = self.workdir / f"{instance_id}.log"
         # As an operator would: in a private file, never on the command line.
