@@ -152,6 +152,10 @@ class MachineServices:
         self, generation: int, event: str, details: dict[str, Any] | None = None
     ) -> None:
         """This machine's progress through plan `generation` (`restored`, `resumed`, `finished`, ...)."""
+        if event == "finished":
+            # The final figures first (newest iteration, counters, stalls): training just ended, possibly
+            # less than a heartbeat interval after its last commit, and a finished job gets no more beats.
+            await self.client.heartbeat(self.machine_rank, self.identity.instance_id, self.summary())
         body = {
             "instance_id": self.identity.instance_id,
             "generation": generation,
