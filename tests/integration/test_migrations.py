@@ -27,6 +27,7 @@ TABLES = {
     "persisted_checkpoints",
     "persisted_shards",
     "web_sessions",
+    "leader_epoch",
     "alembic_version",
 }
 

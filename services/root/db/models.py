@@ -288,3 +288,17 @@ class WebSession(Base):
     token_fingerprint: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(index=True)
+
+
+class LeaderEpoch(Base):
+    """The fencing token of the orchestrator's leadership: one row (id 1). A replica that becomes leader
+    raises `epoch` (to the etcd revision that elected it, or one past the last, when Postgres' advisory lock
+    elects it); every orchestrator transaction reads it (FOR SHARE) and gives up when it is no longer its
+    own, so a deposed leader's writes are refused."""
+
+    __tablename__ = "leader_epoch"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger, default=0)
+    holder: Mapped[str] = mapped_column(String(255), default="")
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
