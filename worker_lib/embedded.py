@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from worker_lib.agent.address import default_address
 from worker_lib.agent.heartbeat import Replaced
 from worker_lib.agent.services import MachineIdentity, MachineServices
 from worker_lib.client import RootClient
@@ -165,7 +166,7 @@ def attach(
         return None
     identity = MachineIdentity(
         instance_id=instance,
-        address=address or env.get("CASTOR_ADDRESS") or "127.0.0.1",
+        address=address or env.get("CASTOR_ADDRESS") or default_address(root_url),
         data_port=int(env.get("CASTOR_DATA_PORT", "0")),
         machine_rank=machine_rank,
         embedded=True,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from worker_lib.agent.address import default_address
 from worker_lib.agent.dataplane import PeerConnection
 from worker_lib.agent.heartbeat import REPLACED_CODES, Replaced
 from worker_lib.agent.holdings import Holdings
@@ -37,7 +38,8 @@ class AgentConfig:
     token: str
     command: list[str]
     instance_id: str = field(default_factory=socket.gethostname)
-    address: str = "127.0.0.1"
+    # None: the local address this host uses to reach the root (worker_lib.agent.address)
+    address: str | None = None
     bind: str = "0.0.0.0"
     data_port: int = 0
     machine_rank: int | None = None
@@ -79,7 +81,7 @@ class Agent:
         self.config = config
         identity = MachineIdentity(
             instance_id=config.instance_id,
-            address=config.address,
+            address=config.address or default_address(config.root_urls),
             bind=config.bind,
             data_port=config.data_port,
             machine_rank=config.machine_rank,

@@ -51,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--address",
-        default=env("CASTOR_ADDRESS", "127.0.0.1"),
-        help="address peers and training processes reach this machine at [CASTOR_ADDRESS]",
+        default=env("CASTOR_ADDRESS"),
+        help="address peers and training processes (MASTER_ADDR) reach this machine at (default: the local "
+        "address this host uses to reach the root) [CASTOR_ADDRESS]",
     )
     parser.add_argument("--bind", default=env("CASTOR_BIND", "0.0.0.0"), help="data-plane bind address")
     parser.add_argument(
