@@ -1,4 +1,4 @@
-"""leader epoch: the orchestrator leadership's fencing token (one row)
+"""leader epoch: the orchestrator leadership's fencing token (one row); machines.suspected_at
 
 Revision ID: 0004_leader_epoch
 Revises: 0003_replica_capacity
@@ -27,7 +27,11 @@ def upgrade() -> None:
         sa.Column("updated_at", UtcDateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_leader_epoch")),
     )
+    with op.batch_alter_table("machines", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("suspected_at", UtcDateTime(timezone=True), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("machines", schema=None) as batch_op:
+        batch_op.drop_column("suspected_at")
     op.drop_table("leader_epoch")

@@ -181,6 +181,8 @@ class Machine(Base):
     state: Mapped[str] = mapped_column(String(16), default=MachineState.PENDING)
     registered_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
+    # When its heartbeats lapsed (state suspect): the grace before it is declared lost counts from here.
+    suspected_at: Mapped[datetime | None] = mapped_column(default=None)
     # The newest heartbeat's checkpoint summary: {"local": {rank: iteration}, "replicas": {rank: iteration},
     # "saves": n, "skipped": n}
     summary: Mapped[dict[str, Any]] = mapped_column(default=dict)
