@@ -29,3 +29,20 @@ def test_benchmark_runs(script: str, keys: set[str]) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert keys <= set(figures)
+
+
+def test_network_benchmark_runs() -> None:
+    """benchmarks/network.py on the emulated cluster (namespaces: skips or, under ./scripts/test, fails
+    where they cannot be made)."""
+    from tests import netemu
+
+    netemu.require()
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "network.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {"link_gbps", "replicate_gbps", "replicate_vs_link"} <= set(figures)
