@@ -12,12 +12,23 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
+from worker_lib.sharded import (
+    MeshResolver,
+    ShardingMismatchError,
+    check_same_sharding,
+    describe_mesh,
+    dtensor_type,
+    live_dtensors,
+    local_shard,
+    mesh_spec,
+)
 from worker_lib.store.copy import (
     CopyEngine,
     Extent,
@@ -33,7 +44,7 @@ from worker_lib.store.copy import (
 from worker_lib.store.cuda import to_device
 from worker_lib.store.integrity import check_region, corrupt_error
 from worker_lib.store.layout import SPAN_ALIGN, dtype_from_name
-from worker_lib.store.manifest import Manifest, TensorEntry
+from worker_lib.store.manifest import JsonValue, Manifest, TensorEntry
 from worker_lib.store.tree import PLAIN_TYPES, unflatten
 
 Keys = tuple[Any, ...]
@@ -57,10 +68,25 @@ def restore_state(manifest: Manifest, data: memoryview, into: Any, engine: CopyE
     """
     check_region(manifest, data.nbytes)
     targets = _Targets(manifest)
+    sharded: list[_DTensorRef] = []
+    matching = unflatten(manifest.tree, _TensorRef, partial(_DTensorRef.of, sharded))
     if into is not None:
-        _walk(unflatten(manifest.tree, _TensorRef), into, "state", (), targets)
+        _walk(matching, into, "state", (), targets)
+    # Sharded tensors without a live target (optimizer states) become DTensors on this process's mesh:
+    # checked here, before any byte is copied.
+    meshes = MeshResolver(live_dtensors(into))
+    for ref in sharded:
+        if ref.index not in targets.tensors:
+            meshes.check(ref.spec, manifest.tensors[ref.index].key)
     tensors = _copy_out(manifest, data, targets.tensors, engine)
-    state = unflatten(manifest.tree, tensors.__getitem__)
+
+    def dtensor(spec: dict[str, JsonValue], local: Any) -> Any:
+        index = spec["tensor"]
+        assert isinstance(index, int)
+        live = targets.dtensors.get(index)
+        return live if live is not None else meshes.dtensor(spec, local, manifest.tensors[index].key)
+
+    state = unflatten(manifest.tree, tensors.__getitem__, dtensor)
     for optimizer, keys in targets.optimizers:
         optimizer.load_state_dict(_lookup(state, keys))
     return state
@@ -71,6 +97,20 @@ class _TensorRef:
     """Stands for the i-th tensor of a checkpoint while its targets are matched."""
 
     index: int
+
+
+@dataclass(frozen=True, slots=True)
+class _DTensorRef:
+    """Stands for a sharded tensor of a checkpoint (its local shard is tensor `index`) while matching."""
+
+    index: int
+    spec: dict[str, JsonValue]
+
+    @staticmethod
+    def of(seen: list[_DTensorRef], spec: dict[str, JsonValue], local: Any) -> _DTensorRef:
+        ref = _DTensorRef(local.index, spec)
+        seen.append(ref)
+        return ref
 
 
 class _Visitor(Protocol):
@@ -130,9 +170,14 @@ class _Targets:
     def __init__(self, manifest: Manifest):
         self._entries = manifest.tensors
         self.tensors: dict[int, torch.Tensor] = {}
+        self.dtensors: dict[int, Any] = {}  # live DTensors whose local shards are filled in place
         self.optimizers: list[tuple[torch.optim.Optimizer, Keys]] = []
 
     def tensor(self, state: Any, target: torch.Tensor, path: str) -> None:
+        DTensor = dtensor_type()
+        if isinstance(state, _DTensorRef) or (DTensor is not None and isinstance(target, DTensor)):
+            self._dtensor(state, target, path)
+            return
         shape = self._entries[state.index].shape if isinstance(state, _TensorRef) else None
         if shape != tuple(target.shape):
             described = f"a tensor of {list(shape)}" if shape is not None else _describe(state)
@@ -140,6 +185,31 @@ class _Targets:
                 f"{path}: the checkpoint has {described}, the target a tensor of {_shape(target)}"
             )
         self.tensors[state.index] = target.detach()  # in place, outside autograd
+
+    def _dtensor(self, state: Any, target: torch.Tensor, path: str) -> None:
+        DTensor = dtensor_type()
+        if not isinstance(state, _DTensorRef):
+            mesh = mesh_spec(getattr(target, "device_mesh", None))
+            raise ShardingMismatchError(
+                f"{path}: the checkpoint has {_describe_ref(state, self._entries)}, the target a DTensor "
+                f"sharded over the mesh {describe_mesh(mesh)}: "
+                "the checkpoint was saved unsharded; load it before sharding the model"
+            )
+        if DTensor is None or not isinstance(target, DTensor):
+            raise ShardingMismatchError(
+                f"{path}: the checkpoint has a shard of a DTensor of {state.spec['shape']} over the mesh "
+                f"{describe_mesh(state.spec['mesh'])}, the target a plain tensor of {_shape(target)}: "
+                "shard the model the same way (fully_shard) before restoring"
+            )
+        check_same_sharding(state.spec, target, path)
+        local = local_shard(target)
+        if tuple(local.shape) != self._entries[state.index].shape:
+            raise ShardingMismatchError(
+                f"{path}: the checkpoint's shard is a tensor of {list(self._entries[state.index].shape)}, "
+                f"this rank's a tensor of {_shape(local)}"
+            )
+        self.tensors[state.index] = local  # its bytes are copied straight into the live shard
+        self.dtensors[state.index] = target
 
     def module(self, state: Any, target: nn.Module, path: str, keys: Keys) -> None:
         own = target.state_dict()
@@ -265,6 +335,12 @@ def _lookup(state: Any, keys: Keys) -> Any:
     for key in keys:
         state = state[key]
     return state
+
+
+def _describe_ref(state: Any, entries: tuple[TensorEntry, ...]) -> str:
+    if isinstance(state, _TensorRef):
+        return f"a tensor of {list(entries[state.index].shape)}"
+    return _describe(state)
 
 
 def _describe(value: Any) -> str:

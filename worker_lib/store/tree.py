@@ -3,6 +3,7 @@
 Containers and values that JSON cannot tell apart are tagged with a one-key object: {"dict": [[key, value],
 ...]} (keys of any plain type, order kept), {"list": [...]}, {"tuple": [...]}, {"tensor": index},
 {"module": <dict>} and {"optimizer": <dict>} (an nn.Module or Optimizer saved as its state_dict),
+{"dtensor": <spec>} (a DTensor: its local shard is a tensor of the checkpoint, see worker_lib.sharded),
 {"float": "nan" | "inf" | "-inf"} and {"bytes": "<base64>"}. str, int, bool, None and finite floats are
 plain JSON, which keeps them apart exactly (1 vs 1.0 vs true). A state_dict's `_metadata` (module versions
 read by load_state_dict) is kept as {"dict": ..., "metadata": ...}.
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker_lib.sharded import FSDP1_HINT, dtensor_type, is_sharded_tensor, local_shard, spec_of
 from worker_lib.store.manifest import JsonValue
 
 PLAIN_TYPES = (str, int, float, bool, bytes, type(None))
@@ -40,36 +42,49 @@ def flatten(state: object) -> FlatState:
     return flat
 
 
-def unflatten(tree: JsonValue, tensor: Callable[[int], object]) -> Any:
-    """Rebuild a state from its structure; `tensor(i)` supplies the i-th tensor."""
+# A sharded tensor's decoder: (its spec, its local shard) -> what the state holds in its place.
+DTensorDecoder = Callable[[dict[str, JsonValue], Any], object]
+
+
+def unflatten(tree: JsonValue, tensor: Callable[[int], object], dtensor: DTensorDecoder | None = None) -> Any:
+    """Rebuild a state from its structure; `tensor(i)` supplies the i-th tensor, and `dtensor` a sharded
+    tensor from its local shard (without it, a sharded tensor comes back as its local shard)."""
     if not isinstance(tree, dict):
         return tree
     if "dict" in tree:
-        return _decode_dict(tree, tensor)
+        return _decode_dict(tree, tensor, dtensor)
     ((tag, payload),) = tree.items()
     if tag == "tensor":
         assert isinstance(payload, int)
         return tensor(payload)
+    if tag == "dtensor":
+        assert isinstance(payload, dict) and isinstance(payload["tensor"], int)
+        local = tensor(payload["tensor"])
+        return local if dtensor is None else dtensor(payload, local)
     if tag in ("module", "optimizer"):
-        return unflatten(payload, tensor)
+        return unflatten(payload, tensor, dtensor)
     if tag in ("list", "tuple"):
         assert isinstance(payload, list)
-        items = [unflatten(item, tensor) for item in payload]
+        items = [unflatten(item, tensor, dtensor) for item in payload]
         return items if tag == "list" else tuple(items)
     return _decode_plain(tree)
 
 
-def _decode_dict(node: dict[str, JsonValue], tensor: Callable[[int], object]) -> dict[Any, Any]:
+def _decode_dict(
+    node: dict[str, JsonValue], tensor: Callable[[int], object], dtensor: DTensorDecoder | None
+) -> dict[Any, Any]:
     pairs = node["dict"]
     assert isinstance(pairs, list)
     decoded = [
-        (_decode_plain(pair[0]), unflatten(pair[1], tensor)) for pair in pairs if isinstance(pair, list)
+        (_decode_plain(pair[0]), unflatten(pair[1], tensor, dtensor))
+        for pair in pairs
+        if isinstance(pair, list)
     ]
     if "metadata" not in node:
         return dict(decoded)
     # A state_dict: load_state_dict reads module versions from its _metadata attribute.
     restored: OrderedDict[Any, Any] = OrderedDict(decoded)
-    restored._metadata = unflatten(node["metadata"], tensor)  # type: ignore[attr-defined]
+    restored._metadata = unflatten(node["metadata"], tensor, dtensor)  # type: ignore[attr-defined]
     return restored
 
 
@@ -80,6 +95,12 @@ class _Encoder:
 
     def encode(self, value: object, path: str) -> JsonValue:
         if isinstance(value, torch.Tensor):
+            if type(value) is not torch.Tensor and type(value) is not nn.Parameter:
+                if isinstance(value, dtensor_type() or ()):
+                    return self._encode_dtensor(value, path)
+                # Before _check_tensor, which fails reading a ShardedTensor's layout.
+                if is_sharded_tensor(value):
+                    raise TypeError(f"{path}: unsupported tensor: {FSDP1_HINT}")
             _check_tensor(value, path)
             self._flat.tensors.append(value.detach() if value.requires_grad else value)
             self._flat.keys.append(path)
@@ -93,6 +114,14 @@ class _Encoder:
             return self._encode_container(value, path)
         finally:
             self._open.discard(id(value))
+
+    def _encode_dtensor(self, value: torch.Tensor, path: str) -> JsonValue:
+        # Only this rank's shard is saved; the spec says where it sits in the global tensor.
+        local = local_shard(value)
+        _check_tensor(local, path)
+        self._flat.tensors.append(local)
+        self._flat.keys.append(path)
+        return {"dtensor": spec_of(value, len(self._flat.tensors) - 1)}
 
     def _encode_container(self, value: object, path: str) -> JsonValue:
         if isinstance(value, nn.Module):

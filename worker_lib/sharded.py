@@ -1,0 +1,318 @@
+"""Sharded states: DTensor (FSDP2 `fully_shard`, tensor parallelism, HSDP) saved shard by shard.
+
+Each rank saves only its local shard (`dt.to_local()`), as an ordinary tensor of the checkpoint, and the
+state tree records where the shard sits in the global tensor, as a `{"dtensor": spec}` node:
+
+    {"tensor": <index of the local shard>,
+     "mesh": {"device": "cpu", "shape": [4], "dims": ["dp"], "ranks": [0, 1, 2, 3]},
+     "coordinate": [1],                    # this rank's place in the mesh
+     "placements": [["shard", 0]],         # ["replicate"], ["partial", op], ["strided_shard", dim, split]
+     "shape": [1024, 512], "stride": [512, 1],   # the global tensor
+     "local_shape": [256, 512], "offsets": [256, 0]}
+
+The bytes are plain, so replication, the peer and persistent tiers and the planner handle them like any
+other checkpoint. A restore fills the live DTensors' local shards in place, and only into an identically
+sharded state: a different mesh, world size, placement or shard is refused (ShardingMismatchError), since
+resharding needs every rank's shards; export the checkpoint to torch.distributed.checkpoint (DCP) for that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from worker_lib.store.manifest import JsonValue
+
+RESHARD_HINT = (
+    "Castor restores sharded states only in place, into the same mesh and sharding; to load them with "
+    "another world size or mesh, export the checkpoint to DCP (`castor checkpoints export`, README "
+    '"FSDP2 and sharded states") and load it with torch.distributed.checkpoint'
+)
+
+FSDP1_HINT = (
+    "FSDP1's SHARDED_STATE_DICT (ShardedTensor) is not supported: shard the model with FSDP2 "
+    "(torch.distributed.fsdp.fully_shard), whose DTensor parameters and optimizer states Castor saves "
+    "shard by shard, or use FSDP1's FULL_STATE_DICT / LOCAL_STATE_DICT"
+)
+
+
+class ShardingMismatchError(ValueError):
+    """The checkpoint's sharding (mesh, placements, shard) differs from the live state's."""
+
+
+def dtensor_type() -> type | None:
+    """torch.distributed.tensor.DTensor, or None where torch.distributed is not available."""
+    return _dtensor_type()
+
+
+@lru_cache(maxsize=1)
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return None
+    return DTensor
+
+
+def is_sharded_tensor(tensor: torch.Tensor) -> bool:
+    """An FSDP1 / torch.distributed._shard ShardedTensor (checked by name: no import of that package)."""
+    return any(cls.__name__ == "ShardedTensor" for cls in type(tensor).__mro__)
+
+
+def local_shard(dtensor: Any) -> torch.Tensor:
+    """The rank's own shard of a DTensor, outside autograd, sharing its storage (no copy)."""
+    local: torch.Tensor = dtensor._local_tensor  # to_local() without the autograd Function's per-call cost
+    return local.detach() if local.requires_grad else local
+
+
+def spec_of(dtensor: Any, index: int) -> dict[str, JsonValue]:
+    """The `dtensor` node of a DTensor whose local shard is the checkpoint's tensor `index`."""
+    spec = dict(
+        _placement_spec(
+            dtensor.device_mesh, tuple(dtensor.placements), tuple(dtensor.shape), tuple(dtensor.stride())
+        )
+    )
+    spec["tensor"] = index
+    return spec
+
+
+@lru_cache(maxsize=4096)
+def _placement_spec(
+    mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...], stride: tuple[int, ...]
+) -> dict[str, JsonValue]:
+    # Cached: it runs for every sharded tensor of every save, and a state's shardings rarely change.
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    coordinate = mesh.get_coordinate()
+    return {
+        "mesh": mesh_spec(mesh),
+        "coordinate": list(coordinate) if coordinate is not None else None,
+        "placements": [_encode_placement(p) for p in placements],
+        "shape": list(shape),
+        "stride": list(stride),
+        "local_shape": list(local_shape),
+        "offsets": list(offsets),
+    }
+
+
+def mesh_spec(mesh: Any) -> dict[str, JsonValue]:
+    names = mesh.mesh_dim_names
+    return {
+        "device": mesh.device_type,
+        "shape": list(mesh.mesh.shape),
+        "dims": list(names) if names is not None else None,
+        "ranks": mesh.mesh.tolist(),
+    }
+
+
+def _encode_placement(placement: Any) -> JsonValue:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    kind = type(placement).__name__
+    if kind == "_StridedShard":  # FSDP2 + TP: a Shard(dim) with a split factor
+        return ["strided_shard", placement.dim, placement.split_factor]
+    if isinstance(placement, Shard):
+        return ["shard", placement.dim]
+    if isinstance(placement, Replicate):
+        return ["replicate"]
+    if isinstance(placement, Partial):
+        return ["partial", str(placement.reduce_op)]
+    raise TypeError(f"unsupported DTensor placement {placement!r}")
+
+
+def _decode_placement(raw: JsonValue) -> Any:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    assert isinstance(raw, list) and raw and isinstance(raw[0], str)
+    kind = raw[0]
+    if kind == "shard":
+        return Shard(int(raw[1]))  # type: ignore[arg-type]
+    if kind == "replicate":
+        return Replicate()
+    if kind == "partial":
+        return Partial(str(raw[1]))
+    if kind == "strided_shard":
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        return _StridedShard(int(raw[1]), split_factor=int(raw[2]))  # type: ignore[arg-type]
+    raise ValueError(f"malformed checkpoint structure: unknown placement {raw!r}")
+
+
+def describe_mesh(mesh: JsonValue) -> str:
+    """'(4,) dp' (shape and dimension names), as errors show a mesh."""
+    assert isinstance(mesh, dict)
+    shape = tuple(mesh["shape"]) if isinstance(mesh["shape"], list) else mesh["shape"]
+    dims = mesh.get("dims")
+    names = ",".join(str(d) for d in dims) if isinstance(dims, list) else "(unnamed)"
+    return f"{shape} {names}"
+
+
+def check_same_sharding(saved: dict[str, JsonValue], live: Any, path: str) -> None:
+    """Refuse to restore the shard `saved` into the live DTensor `live` unless they are sharded alike."""
+    current = spec_of(live, -1)
+    problem = sharding_difference(saved, current)
+    if problem is not None:
+        raise ShardingMismatchError(f"{path}: {problem}. {RESHARD_HINT}")
+
+
+def sharding_difference(saved: dict[str, JsonValue], current: dict[str, JsonValue]) -> str | None:
+    """What differs between a saved shard's spec and the live one, in words (None: nothing)."""
+    saved_mesh, live_mesh = saved["mesh"], current["mesh"]
+    if saved_mesh != live_mesh:
+        assert isinstance(saved_mesh, dict) and isinstance(live_mesh, dict)
+        detail = f"checkpoint mesh {describe_mesh(saved_mesh)} vs this process {describe_mesh(live_mesh)}"
+        if (saved_mesh["shape"], saved_mesh["dims"]) == (live_mesh["shape"], live_mesh["dims"]):
+            if saved_mesh["device"] != live_mesh["device"]:
+                detail += f" (device {saved_mesh['device']} vs {live_mesh['device']})"
+            else:
+                detail += f" (ranks {saved_mesh['ranks']} vs {live_mesh['ranks']})"
+        return detail
+    for field, words in (
+        ("placements", "placements"),
+        ("shape", "global shape"),
+        ("coordinate", "mesh coordinate of this rank"),
+        ("offsets", "shard offsets"),
+        ("local_shape", "shard shape"),
+    ):
+        if saved.get(field) != current.get(field):
+            return f"checkpoint {words} {saved.get(field)} vs this process {current.get(field)}"
+    return None
+
+
+def _mesh_key(mesh: JsonValue) -> str:
+    import json
+
+    return json.dumps(mesh, sort_keys=True)
+
+
+class MeshResolver:
+    """Finds this process's DeviceMesh for a saved shard's mesh, to rebuild DTensors that have no live
+    target to be copied into (optimizer states, a restore without `into`): the meshes of the live state,
+    else, for a one-dimensional mesh over the whole default process group, a mesh made from that group."""
+
+    def __init__(self, live: Iterable[Any] = ()):
+        self._meshes: dict[str, Any] = {}
+        for dtensor in live:
+            self.add(dtensor.device_mesh)
+
+    def add(self, mesh: Any) -> None:
+        self._meshes.setdefault(_mesh_key(mesh_spec(mesh)), mesh)
+
+    def check(self, spec: dict[str, JsonValue], path: str) -> Any:
+        """This process's mesh for the saved shard `spec`; ShardingMismatchError when there is none, or
+        when this rank's shard of it differs from the saved one."""
+        mesh = self._resolve(spec["mesh"], path)
+        problem = sharding_difference(spec, self._spec_in(mesh, spec))
+        if problem is not None:
+            raise ShardingMismatchError(f"{path}: {problem}. {RESHARD_HINT}")
+        return mesh
+
+    def dtensor(self, spec: dict[str, JsonValue], local: torch.Tensor, path: str = "state") -> Any:
+        """The DTensor of the saved `spec` around its restored local shard `local`."""
+        from torch.distributed.tensor import DTensor
+
+        mesh = self.check(spec, path)
+        placements = spec["placements"]
+        assert isinstance(placements, list)
+        shape, stride = spec["shape"], spec["stride"]
+        assert isinstance(shape, list) and isinstance(stride, list)
+        return DTensor.from_local(
+            local,
+            mesh,
+            [_decode_placement(p) for p in placements],
+            run_check=False,
+            shape=torch.Size(int(n) for n in shape),  # type: ignore[arg-type]
+            stride=tuple(int(n) for n in stride),  # type: ignore[arg-type]
+        )
+
+    @staticmethod
+    def _spec_in(mesh: Any, saved: dict[str, JsonValue]) -> dict[str, JsonValue]:
+        placements, shape, stride = saved["placements"], saved["shape"], saved["stride"]
+        assert isinstance(placements, list) and isinstance(shape, list) and isinstance(stride, list)
+        return _placement_spec(
+            mesh,
+            tuple(_decode_placement(p) for p in placements),
+            tuple(int(n) for n in shape),  # type: ignore[arg-type]
+            tuple(int(n) for n in stride),  # type: ignore[arg-type]
+        )
+
+    def _resolve(self, saved: JsonValue, path: str) -> Any:
+        key = _mesh_key(saved)
+        if key in self._meshes:
+            return self._meshes[key]
+        world = _world_mesh(saved)
+        if world is not None:
+            self._meshes[key] = world
+            return world
+        if self._meshes:
+            live = next(iter(self._meshes.values()))
+            problem = (
+                f"checkpoint mesh {describe_mesh(saved)} vs this process {describe_mesh(mesh_spec(live))}"
+            )
+        else:
+            problem = (
+                f"the checkpoint has a tensor sharded over the mesh {describe_mesh(saved)} and this process "
+                "has no such mesh: pass the sharded model and optimizer as `into` to restore()"
+            )
+        raise ShardingMismatchError(f"{path}: {problem}. {RESHARD_HINT}")
+
+
+def _world_mesh(saved: JsonValue) -> Any:
+    """A 1-D mesh over the whole default process group, when that is the saved mesh (None otherwise)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or not isinstance(saved, dict):
+        return None
+    world = dist.get_world_size()
+    if saved["ranks"] != list(range(world)) or saved["device"] != _default_device():
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dims = saved.get("dims")
+    names = tuple(str(d) for d in dims) if isinstance(dims, list) else None
+    group = dist.group.WORLD
+    assert group is not None
+    return DeviceMesh.from_group(group, str(saved["device"]), mesh_dim_names=names)
+
+
+def _default_device() -> str:
+    import torch.distributed as dist
+
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def live_dtensors(target: Any) -> list[Any]:
+    """The DTensors of a restore target (modules' states, optimizers' parameters and states, tensors), for
+    their meshes."""
+    DTensor = dtensor_type()
+    if DTensor is None:
+        return []
+    found: list[Any] = []
+
+    def visit(value: Any) -> None:
+        if isinstance(value, DTensor):
+            found.append(value)
+        elif isinstance(value, torch.nn.Module):
+            found.extend(t for t in _module_tensors(value) if isinstance(t, DTensor))
+        elif isinstance(value, torch.optim.Optimizer):
+            for group in value.param_groups:
+                found.extend(p for p in group["params"] if isinstance(p, DTensor))
+                if found:
+                    return
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                visit(item)
+
+    visit(target)
+    return found
+
+
+def _module_tensors(module: torch.nn.Module) -> Sequence[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
