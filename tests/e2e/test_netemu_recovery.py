@@ -1,0 +1,166 @@
+"""Recovery on the emulated cluster (tests/netemu.py): every machine (its agent, warm spares and training
+process) runs in its own network namespace behind a 1 Gbit/s NIC; the root service listens only on the
+harness's bridge address. Replicas, the gloo all-reduce and the rendezvous all cross the emulated links, at
+the addresses the agents chose themselves (the local address towards the root: never loopback here)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import netemu
+from tests.e2e.cluster import REPO, LocalCluster, Machine, Root
+from tests.e2e.recovery_checks import (
+    check_consistent_restore,
+    check_event,
+    newest_iteration,
+    recovered_events,
+    wait_for_iteration,
+)
+from tests.harness import free_port
+
+pytestmark = pytest.mark.slow
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+
+
+class NetCluster(LocalCluster):
+    """LocalCluster whose root binds on the emulated network's host address and whose machines run in
+    the emulated cluster's namespaces (machine `index` in namespace `index`)."""
+
+    emu: netemu.NetEmu
+
+    def start_root(self, port: int | None = None, **settings: str) -> Root:
+        assert port is None and not settings, "not needed here"
+        return _start_root_on(self)
+
+    def start_machine(
+        self,
+        index: int,
+        command: list[str],
+        *,
+        instance_id: str | None = None,
+        rank: int | None = None,
+        keep_shm: bool = True,
+        extra_args: list[str] | None = None,
+    ) -> Machine:
+        instance_id = instance_id or f"machine-{index}-{self.shm_base.name.rsplit('-', 1)[-1]}"
+        shm_dir = self.shm_base / instance_id
+        log_path = self.workdir / f"{instance_id}.log"
+        token_file = self.workdir / f"worker-token-{self.job['id']}"
+        token_file.touch(mode=0o600)
+        token_file.write_text(self.job["worker_token"])
+        args = [
+            sys.executable, "-m", "services.cli", "agent",
+            "--root", self.root_urls, "--job", self.job["id"], "--token-file", str(token_file),
+            "--instance-id", instance_id, "--shm-dir", str(shm_dir),
+            *(["--machine-rank", str(rank)] if rank is not None else []),
+            *(["--keep-shm"] if keep_shm else []),
+            *(extra_args or []),
+            "--", *command,
+        ]  # fmt: skip
+        process = self.emu.popen(
+            self.emu.machines[index],
+            args,
+            cwd=REPO,
+            stdout=log_path.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        machine = Machine(index, instance_id, shm_dir, process, log_path)
+        self.machines.append(machine)
+        return machine
+
+
+def _start_root_on(cluster: NetCluster) -> Root:
+    """The root service bound to the harness's host address only (CASTOR_HOST), as machines reach it."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "CASTOR_STATE_DIR": str(cluster.workdir / "root-state"),
+        "CASTOR_ADMIN_TOKEN": cluster.admin_token,
+        "CASTOR_HOST": cluster.emu.host,
+        "CASTOR_PORT": str(port),
+        "CASTOR_LOCAL_SHM_BASE": str(cluster.shm_base),
+        "CASTOR_HEARTBEAT_TIMEOUT_S": "3",
+        "CASTOR_HEARTBEAT_INTERVAL_S": "0.5",
+    }
+    log_path = cluster.workdir / "root-0.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve"],
+        cwd=REPO,
+        env=env,
+        stdout=log_path.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the root exited with {process.returncode}: {log_path.read_text()[-2000:]}")
+        with contextlib.suppress(OSError), socket.create_connection((cluster.emu.host, port), timeout=0.2):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the root is not listening on {cluster.emu.host}:{port}")
+        time.sleep(0.1)
+    root = Root(process, f"http://{cluster.emu.host}:{port}", log_path)
+    cluster.roots.append(root)
+    return root
+
+
+@pytest.fixture
+def net_cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[NetCluster]:
+    netemu.require()
+    with netemu.cluster(5, rate_gbit=1.0) as emu:  # 4 machines and one spare for a replacement
+        local = NetCluster(tmp_path)
+        local.emu = emu
+        try:
+            yield local
+        finally:
+            failed = getattr(request.node, "rep_call", None)
+            if failed is not None and failed.failed:
+                ARTIFACTS.mkdir(exist_ok=True)
+                (ARTIFACTS / f"{request.node.name}.log").write_text(local.logs(tail=200))
+            local.close()
+
+
+def _machines(cluster: NetCluster) -> list[dict[str, Any]]:
+    return list(cluster.api("GET", f"/api/v1/jobs/{cluster.job['id']}/machines"))
+
+
+def test_machine_loss_on_1_gbit_links_restores_from_a_peer_bit_exact(
+    net_cluster: NetCluster, tmp_path: Path
+) -> None:
+    cluster = net_cluster
+    logs = tmp_path / "logs"
+    cluster.start_root()
+    cluster.create_job(machines=4, replicas=2)
+    command = cluster.training_command(logs, iterations=100_000, sleep=0.2)
+    for index in range(4):
+        cluster.start_machine(index, command, rank=index)
+    wait_for_iteration(logs, 3, timeout=180)
+
+    # Each machine advertised its own NIC's address (the one towards the root), so MASTER_ADDR is rank 0's.
+    addresses = {m["rank"]: m["address"] for m in _machines(cluster)}
+    assert addresses == {i: cluster.emu.machines[i].address for i in range(4)}
+
+    lost = cluster.machines[2]
+    cluster.kill_machine(lost)  # agent, training process and shared memory: the machine is gone
+    reached = newest_iteration(logs)
+    cluster.start_machine(4, command, rank=2)  # a spare machine, in its own namespace, takes rank 2
+    (event,) = recovered_events(cluster, 1, timeout=180)
+    check_event(event, kind="hardware", tier="peer")
+    assert event["rank"] == 2
+    assert event["details"]["tiers"] == {"0": "local", "1": "local", "2": "peer", "3": "local"}
+    iteration = check_consistent_restore(logs, 4, reached, max_lost=None)
+    wait_for_iteration(logs, iteration + 3, timeout=120)
+    addresses = {m["rank"]: m["address"] for m in _machines(cluster)}
+    assert addresses[2] == cluster.emu.machines[4].address
