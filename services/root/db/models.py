@@ -133,6 +133,13 @@ class Job(Base):
     checkpoints_committed: Mapped[int] = mapped_column(BigInteger, default=0)
     checkpoints_skipped: Mapped[int] = mapped_column(BigInteger, default=0)
     checkpoints_per_minute: Mapped[float | None] = mapped_column(default=None)
+    # In-memory replication, from the heartbeats (None: no machine replicates, or none reported yet): the
+    # newest iteration every machine fully replicated, the largest achieved interval between fully
+    # replicated iterations, the largest lag behind the newest commit, and "ok" or "stalled".
+    replicated_iteration: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    replication_interval: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    replication_lag: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    replication_state: Mapped[str | None] = mapped_column(String(16), default=None)
     wasted_time_s: Mapped[float] = mapped_column(default=0.0)
     # Recoveries in a row that a new failure cut short before training resumed; reset by a recovery that
     # finishes. Past Settings.max_failed_recoveries the job has failed (a crash loop).
