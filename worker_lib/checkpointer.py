@@ -18,9 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.hooks import RemovableHandle
 
 from worker_lib.errors import CheckpointError, CheckpointNotFoundError
 from worker_lib.restore import load_state, restore_state
@@ -60,7 +58,7 @@ class CheckpointerStats:
     last_bytes: int = 0
     total_bytes: int = 0
     # What checkpointing cost the training thread, cumulative: seconds it was blocked inside Castor (whole
-    # save() calls, and waits for a copy at the optimizer step, a saved module's forward, and wait()), over
+    # save() calls, and waits for a copy at the optimizer step and in wait()), over
     # `save_calls` calls of save(). The agent reports both in its heartbeats; the root charges them to the
     # job's ETTR as checkpoint stalls. Cores a background copy takes from compute are not in it.
     stalled_s: float = 0.0
@@ -73,7 +71,8 @@ class Checkpointer:
     `save(iteration, state)` copies the state's tensors into the older of (at least) two slots and commits
     it atomically, so a crash at any instant leaves the previous checkpoint intact. By default the copy runs
     in background threads: save() returns at once and the copy is finished before the next optimizer step,
-    the next forward of a module saved as an object, the next save, restore, or wait().
+    the next save, restore, or wait(). The buffers of modules saved as objects (BatchNorm statistics, which
+    forward changes in place; masks, RoPE tables) are small and captured inside save(), so no forward waits.
     """
 
     def __init__(
@@ -112,9 +111,7 @@ class Checkpointer:
         # Hooks hold only a weak reference, so a forgotten Checkpointer does not keep itself alive.
         this = weakref.ref(self)
         self._step_hook = register_optimizer_step_pre_hook(partial(_wait_before_step, this))
-        self._forward_hooks: list[RemovableHandle] = []
-        self._hooked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self._wrapper_hook = False
+        self._buffers = _BufferSnapshot()
         self._closed = False
 
     @property
@@ -127,9 +124,8 @@ class Checkpointer:
 
         Returns False when the save was skipped because a reader (the agent streaming the slot to a peer)
         held the slot it needs (`on_busy="skip"`, blocking mode). In the default asynchronous mode such a
-        save keeps trying in the background until training needs the state again (the next optimizer step,
-        forward of a saved module, or save), and is skipped only then: it returns True and the skip shows in
-        `stats.saves_skipped`.
+        save keeps trying in the background until training needs the state again (the next optimizer step
+        or save), and is skipped only then: it returns True and the skip shows in `stats.saves_skipped`.
         """
         self._check_open()
         if type(iteration) is not int or iteration < 0:
@@ -137,14 +133,17 @@ class Checkpointer:
         started = time.perf_counter()
         self._settle()
         flat = flatten(state)
-        layout = self._layout_for(flat.tensors, flat.keys)
+        # The previous copy is finished (settled above): the side buffers can take this save's values. A
+        # blocking save copies everything before it returns and needs no snapshot.
+        tensors = flat.tensors if self._blocking else self._buffers.capture(flat.tensors, flat.modules)
+        layout = self._layout_for(tensors, flat.keys)
         writer = self._store.open_write(iteration, layout.data_bytes, self._on_busy)
         if writer is None and self._blocking:
             self._skipped(iteration)
             self._save_returned(started)
             return False
         try:
-            sources, ready = self._stager.stage([blob_source(blob, flat.tensors) for blob in layout.blobs])
+            sources, ready = self._stager.stage([blob_source(blob, tensors) for blob in layout.blobs])
         except BaseException:
             if writer is not None:
                 writer.abort()
@@ -160,7 +159,6 @@ class Checkpointer:
             write()
         else:
             self._pending = self._background.submit(write)
-            self._hook_forward(flat.modules)
         self._save_returned(started)
         return True
 
@@ -189,10 +187,10 @@ class Checkpointer:
             self._stalled(started)
 
     def _fence(self) -> None:
-        """Training needs the saved state back (an optimizer step, the forward of a saved module): settle,
-        and count the time it blocks in `stats.stalled_s`."""
+        """Training needs the saved state back (an optimizer step): settle, and count the time it blocks in
+        `stats.stalled_s`."""
         if self._pending is None and self._give_up is None:
-            return  # the common case, many times per iteration (one forward hook per module with buffers)
+            return  # the common case: the copy finished during forward and backward
         started = time.perf_counter()
         try:
             self._settle()
@@ -285,8 +283,7 @@ class Checkpointer:
         finally:
             self._closed = True
             self._step_hook.remove()
-            for handle in self._forward_hooks:
-                handle.remove()
+            self._buffers.release()
             self._background.shutdown()
             self._engine.close()
             self._store.close()
@@ -395,27 +392,6 @@ class Checkpointer:
         except OSError:
             pass
 
-    def _hook_forward(self, modules: list[nn.Module]) -> None:
-        """Make the forward of submodules that update buffers (BatchNorm statistics) wait for the copy, and
-        the forward of a DistributedDataParallel wrapping a saved module: it overwrites the buffers with rank
-        0's (broadcast_buffers) before any submodule's hook runs."""
-        this = weakref.ref(self)
-        for root in modules:
-            if root in self._hooked:
-                continue
-            self._hooked.add(root)
-            for module in root.modules():
-                if next(module.buffers(recurse=False), None) is not None:
-                    self._forward_hooks.append(
-                        module.register_forward_pre_hook(partial(_wait_before_forward, this))
-                    )
-                    if not self._wrapper_hook:
-                        # The wrapper is not in the saved state; only a global hook sees it.
-                        self._forward_hooks.append(
-                            register_module_forward_pre_hook(partial(_wait_before_wrapper_forward, this))
-                        )
-                        self._wrapper_hook = True
-
     def _update(self, **changes: Any) -> None:
         with self._stats_lock:
             self._stats = replace(self._stats, **changes)
@@ -461,17 +437,82 @@ def _wait_before_step(
         alive._fence()
 
 
-def _wait_before_forward(checkpointer: weakref.ref[Checkpointer], module: object, args: object) -> None:
-    if (alive := checkpointer()) is not None:
-        alive._fence()
+class _BufferSnapshot:
+    """Copies of the saved modules' buffers taken inside save(), so that no forward waits for the copy.
+
+    A forward changes buffers in place (BatchNorm running statistics; DistributedDataParallel overwrites them
+    with rank 0's first, with `broadcast_buffers`), while parameters change only in the optimizer step,
+    which waits for the copy. Buffers are small (statistics, masks, RoPE tables): their storages are copied
+    into side buffers reused from save to save (the previous copy has finished reading them when save()
+    runs), and the background copy reads those. Each snapshot keeps the storage offsets, strides and sharing
+    of the originals, so the layout and the restored views are the same as without it. On a GPU the side
+    copy is queued on the current stream, ahead of any later forward.
+    """
+
+    def __init__(self) -> None:
+        self._side: list[torch.Tensor] = []
+
+    def capture(self, tensors: list[torch.Tensor], modules: Sequence[nn.Module]) -> list[torch.Tensor]:
+        """`tensors` with those that live in a buffer's storage replaced by views of a fresh copy."""
+        if not modules:
+            return tensors
+        owned = {
+            _storage_key(local)
+            for module in modules
+            for buffer in module.buffers()
+            # A sharded buffer's local tensor is what the state holds.
+            if type(local := getattr(buffer, "_local_tensor", buffer)) is torch.Tensor and local.numel()
+        }
+        if not owned:
+            return tensors
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, tensor in enumerate(tensors):
+            if tensor.numel() and (key := _storage_key(tensor)) in owned:
+                groups.setdefault(key, []).append(i)
+        captured = list(tensors)
+        side: list[torch.Tensor] = []
+        for n, members in enumerate(groups.values()):
+            extents = [_byte_extent(tensors[i]) for i in members]
+            start = min(lo for lo, _ in extents) // 16 * 16  # every itemsize divides it
+            nbytes = max(hi for _, hi in extents) - start
+            first = tensors[members[0]]
+            source = torch.empty(0, dtype=torch.uint8, device=first.device)
+            source.set_(first.untyped_storage(), start, (nbytes,), (1,))
+            copy = self._side[n] if n < len(self._side) else None
+            if copy is None or copy.numel() != nbytes or copy.device != first.device:
+                copy = torch.empty(nbytes, dtype=torch.uint8, device=first.device)
+            copy.copy_(source)
+            side.append(copy)
+            for i in members:
+                tensor = tensors[i]
+                itemsize = tensor.element_size()
+                view = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+                view.set_(
+                    copy.untyped_storage(),
+                    (tensor.storage_offset() * itemsize - start) // itemsize,
+                    tensor.shape,
+                    tensor.stride(),
+                )
+                if tensor.is_conj():
+                    view = view.conj()
+                if tensor.is_neg():
+                    view = torch._neg_view(view)
+                captured[i] = view
+        self._side = side
+        return captured
+
+    def release(self) -> None:
+        self._side = []
 
 
-def _wait_before_wrapper_forward(
-    checkpointer: weakref.ref[Checkpointer], module: nn.Module, args: object
-) -> None:
-    # Duck-typed DistributedDataParallel: `module` wraps a saved module and syncs buffers before forward.
-    inner = getattr(module, "module", None)
-    if not getattr(module, "broadcast_buffers", False) or not isinstance(inner, nn.Module):
-        return
-    if (alive := checkpointer()) is not None and inner in alive._hooked:
-        alive._fence()
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    # get_device() is -1 on the CPU and the device index on CUDA.
+    return tensor.get_device(), tensor.untyped_storage().data_ptr()
+
+
+def _byte_extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """[start, end) of the bytes of a non-empty tensor in its storage."""
+    itemsize = tensor.element_size()
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    start = int(tensor.storage_offset()) * itemsize
+    return start, start + (int(last) + 1) * itemsize
