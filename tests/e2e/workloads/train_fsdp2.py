@@ -1,0 +1,152 @@
+"""A tiny GPT-style decoder trained with FSDP2 (`fully_shard` on a 1-D CPU mesh over gloo) and AdamW, with
+the buffers real transformers register: a causal mask (saved in the state dict) and RoPE cos/sin tables
+(non-persistent). Parameters and AdamW states are DTensors sharded on dim 0; Castor saves each rank's
+shards every iteration and restores them in place.
+
+Runs under `castor agent`, or standalone (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, CASTOR_SHM_DIR set
+by the caller). Batches depend only on (iteration, rank), so a resumed run computes exactly what an
+uninterrupted one computes. Each rank appends JSON events to --log-dir/rank-<r>.jsonl like train_ddp.py:
+"start" (the restored iteration and the digest of its shards right after the restore), "iteration" (the
+digest right after that iteration's optimizer step, before its save) and "done"."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from worker_lib import Checkpointer
+from worker_lib.examples.train_mlp import end_process
+
+VOCAB, DIM, HEADS, LAYERS, CONTEXT = 96, 32, 2, 2, 16
+
+
+def rope_tables(context: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inverse = 1.0 / (10_000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(context, dtype=torch.float32), inverse)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.proj = nn.Linear(DIM, DIM, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+        mask = torch.full((CONTEXT, CONTEXT), float("-inf")).triu(1)
+        self.register_buffer("causal_mask", mask)  # persistent: in the state dict, as in many GPT codes
+        cos, sin = rope_tables(CONTEXT, DIM // HEADS)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(batch, length, 3, HEADS, DIM // HEADS).unbind(2)
+        cos, sin = self.rope_cos[:length, None], self.rope_sin[:length, None]  # over the heads
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(DIM // HEADS)
+        attention = (scores + self.causal_mask[:length, :length]).softmax(-1)
+        x = x + self.proj(torch.einsum("bhqk,bkhd->bqhd", attention, v).reshape(batch, length, DIM))
+        return x + self.mlp(self.norm2(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """xxh3 over this rank's shards of every parameter and optimizer state, and the buffers."""
+    hasher = xxhash.xxh3_64()
+    for tensor in model.state_dict().values():
+        hasher.update(local(tensor).detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    for state in optimizer.state_dict()["state"].values():
+        for value in state.values():
+            hasher.update(local(value).detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--iterations", type=int, default=12)
+    parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per iteration")
+    parser.add_argument("--log-dir", type=Path, required=True)
+    args = parser.parse_args()
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)  # the same initial model on every rank, before it is sharded
+    model = Decoder()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    log = (args.log_dir / f"rank-{rank}.jsonl").open("a", buffering=1)
+
+    def event(**fields: object) -> None:
+        log.write(json.dumps({"rank": rank, "time": time.time(), "pid": os.getpid(), **fields}) + "\n")
+
+    with Checkpointer() as checkpointer:
+        restored = checkpointer.restore(into={"model": model, "optimizer": optimizer})
+        start = 0 if restored is None else restored.iteration + 1
+        event(
+            event="start",
+            restored=None if restored is None else restored.iteration,
+            digest=state_digest(model, optimizer),
+        )
+        for iteration in range(start, args.iterations):
+            generator = torch.Generator().manual_seed(10_000 * iteration + rank)
+            tokens = torch.randint(VOCAB, (4, CONTEXT + 1), generator=generator)
+            logits = model(tokens[:, :-1])
+            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            event(event="iteration", iteration=iteration, digest=state_digest(model, optimizer))
+            checkpointer.save(iteration, {"model": model, "optimizer": optimizer, "iteration": iteration})
+            if args.sleep:
+                time.sleep(args.sleep)
+        event(event="done", iteration=args.iterations - 1, digest=state_digest(model, optimizer))
+    dist.barrier()
+    dist.destroy_process_group()
+    log.close()
+    end_process()  # never lets go of the gloo group: a torch 2.13 deadlock at exit (see its docstring)
+
+
+if __name__ == "__main__":
+    main()
