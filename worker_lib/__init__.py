@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from worker_lib.checkpointer import Checkpointer, Restored
+    from worker_lib.dcp import CastorReader, CastorWriter, export_dcp
     from worker_lib.embedded import attach
     from worker_lib.errors import (
         CheckpointCorruptError,
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "CastorReader",
+    "CastorWriter",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -41,12 +44,16 @@ __all__ = [
     "ShmCapacityError",
     "__version__",
     "attach",
+    "export_dcp",
     "load_state",
     "restore_rng_state",
     "rng_state",
 ]
 
 _HOMES = {
+    "CastorReader": "worker_lib.dcp",
+    "CastorWriter": "worker_lib.dcp",
+    "export_dcp": "worker_lib.dcp",
     "Checkpointer": "worker_lib.checkpointer",
     "Restored": "worker_lib.checkpointer",
     "attach": "worker_lib.embedded",

@@ -1,0 +1,277 @@
+"""torch.distributed.checkpoint through Castor: dcp.save / dcp.async_save into the memory tier, dcp.load
+back bit-exact in new processes, and an export that plain dcp.load reads at another world size.
+
+Two real processes over gloo (torch.multiprocessing spawn) train an FSDP2 model (DTensor parameters and
+AdamW states) beside plain replicated tensors and a non-tensor value, and save through CastorWriter; they
+exit, and two new processes (a restarted job) load through CastorReader and export. The test process then
+loads the export alone (world size 1) with FileSystemReader into an unsharded model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+import traceback
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from worker_lib import Checkpointer
+from worker_lib.dcp import CastorReader, CastorWriter, export_dcp
+from worker_lib.errors import CheckpointError
+
+WORLD = 2
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 9)  # 9 rows: uneven FSDP2 shards
+        self.b = nn.Linear(9, 4)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))) * self.scale
+
+
+class App(Stateful):
+    """The torchtitan-style wrapper: model and optimizer through DCP's state_dict helpers."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optimizer_state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+        )
+
+
+def build(seed: int, mesh: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Tiny()
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model.a, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        model(torch.randn(5, 6)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def flat(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a (nested) state by dotted path; DTensors as their local shard, or whole (`full`)."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list) else ()
+    for key, value in items:
+        path = f"{prefix}{key}"
+        if isinstance(value, DTensor):
+            out[path] = value.to_local().detach().clone()
+            out[path + ":full"] = value.full_tensor().detach().clone()
+        elif isinstance(value, torch.Tensor):
+            out[path] = value.detach().clone()
+        else:
+            out.update(flat(value, path + "."))
+    return out
+
+
+def bit_differences(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> list[str]:
+    if expected.keys() != actual.keys():
+        return [f"keys differ: {sorted(expected.keys() ^ actual.keys())}"]
+    return [
+        key
+        for key in expected
+        if (expected[key].dtype, expected[key].shape) != (actual[key].dtype, actual[key].shape)
+        or not torch.equal(
+            expected[key].reshape(-1).view(torch.uint8), actual[key].reshape(-1).view(torch.uint8)
+        )
+    ]
+
+
+def rank_main(rank: int, phase: str, port: int, root: str) -> None:
+    warnings.simplefilter("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    out = Path(root) / f"{phase}-{rank}.json"
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        result = (save_phase if phase == "save" else load_phase)(rank, mesh, Path(root))
+        dist.barrier()
+        out.write_text(json.dumps(result))
+    except BaseException:
+        out.write_text(json.dumps({"error": traceback.format_exc()}))
+    finally:
+        out.with_suffix(".done").touch()
+        os._exit(0)  # never release the gloo group at exit (torch 2.13 can deadlock there, see README)
+
+
+def save_phase(rank: int, mesh: Any, root: Path) -> dict[str, Any]:
+    model, optimizer = build(0, mesh)
+    plain = {
+        "table": torch.arange(12, dtype=torch.float64).reshape(3, 4) * (rank + 1),
+        "ids": torch.arange(5),
+    }
+    with Checkpointer(root / f"rank-{rank}") as checkpointer:
+        train(model, optimizer, 2)
+        state = {"app": App(model, optimizer), "plain": plain, "step": 2}
+        dcp.save(state, storage_writer=CastorWriter(checkpointer, iteration=2))
+        checkpointer.wait()
+        train(model, optimizer, 1)
+        state["step"] = 3
+        # async_save: DCP stages a copy, then saves on its own thread; the checkpoint_id names the iteration.
+        dcp.async_save(state, storage_writer=CastorWriter(checkpointer), checkpoint_id="step-3").result()
+        checkpointer.wait()
+        expected = flat(App(model, optimizer).state_dict()) | flat(plain, "plain.")
+        torch.save(expected, root / f"expected-{rank}.pt")
+        return {"committed": [m.iteration for m in checkpointer._store.committed()]}
+
+
+def load_phase(rank: int, mesh: Any, root: Path) -> dict[str, Any]:
+    # A restarted job: new processes, a model initialised differently, an optimizer without state.
+    model, optimizer = build(7, mesh)
+    plain = {"table": torch.zeros(3, 4, dtype=torch.float64), "ids": torch.zeros(5, dtype=torch.int64)}
+    state = {"app": App(model, optimizer), "plain": plain, "step": -1}
+    expected = torch.load(root / f"expected-{rank}.pt")
+    with Checkpointer(root / f"rank-{rank}") as checkpointer:
+        reader = CastorReader(checkpointer)
+        selected = reader.select()
+        dcp.load(state, storage_reader=reader)
+        differences = bit_differences(
+            expected, flat(App(model, optimizer).state_dict()) | flat(plain, "plain.")
+        )
+        # Training goes on: the loaded optimizer steps like the saved one would.
+        train(model, optimizer, 1)
+        export_dcp(checkpointer, root / "exported")
+    return {"selected": selected, "step": state["step"], "differences": differences}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_phase(phase: str, root: Path) -> list[dict[str, Any]]:
+    context = mp.spawn(rank_main, args=(phase, free_port(), str(root)), nprocs=WORLD, join=False)
+    assert context is not None
+    while not context.join(timeout=300):
+        pass
+    results = [json.loads((root / f"{phase}-{rank}.json").read_text()) for rank in range(WORLD)]
+    for result in results:
+        assert "error" not in result, result["error"]
+    return results
+
+
+@pytest.fixture(scope="module")
+def job() -> Iterator[tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]]:
+    root = Path(tempfile.mkdtemp(prefix="castor-dcp-", dir="/dev/shm"))
+    try:
+        saved = run_phase("save", root)
+        loaded = run_phase("load", root)
+        yield root, saved, loaded
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_dcp_save_and_async_save_commit_castor_checkpoints(job: Any) -> None:
+    _, saved, _ = job
+    assert [result["committed"] for result in saved] == [[3, 2], [3, 2]]
+
+
+def test_dcp_load_in_new_processes_is_bit_exact(job: Any) -> None:
+    _, _, loaded = job
+    for result in loaded:
+        assert result["selected"] == 3
+        assert result["step"] == 3
+        assert result["differences"] == []
+
+
+def test_export_loads_with_plain_filesystem_reader_at_world_size_one(job: Any) -> None:
+    root, _, _ = job
+    expected = torch.load(root / "expected-0.pt")
+    full = {key.removesuffix(":full"): v for key, v in expected.items() if key.endswith(":full")}
+    assert full, "the FSDP2 state has sharded tensors"
+    model, optimizer = build(11)
+    train(model, optimizer, 1)  # optimizer states exist, with other values
+    plain = {"table": torch.zeros(3, 4, dtype=torch.float64), "ids": torch.zeros(5, dtype=torch.int64)}
+    state = {"app": App(model, optimizer), "plain": plain, "step": -1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(root / "exported")))
+    actual = flat(App(model, optimizer).state_dict())
+    unsharded = {key: value for key, value in expected.items() if f"{key}:full" not in expected}
+    unsharded = {key: value for key, value in unsharded.items() if not key.endswith(":full")}
+    wanted = {key: value for key, value in (unsharded | full).items() if not key.startswith("plain.")}
+    assert bit_differences(wanted, actual) == []
+    # Plain tensors count as replicated in DCP: the export holds one rank's copy (here both wrote 1x/2x).
+    assert torch.equal(plain["ids"], torch.arange(5))
+    assert plain["table"].tolist() in (
+        (torch.arange(12, dtype=torch.float64).reshape(3, 4) * k).tolist() for k in (1, 2)
+    )
+    assert state["step"] == 3
+
+
+def test_castor_reader_refuses_another_world_size_and_points_to_the_export(job: Any) -> None:
+    root, _, _ = job
+    model, optimizer = build(11)
+    train(model, optimizer, 1)
+    state = {"app": App(model, optimizer), "plain": {}, "step": -1}
+    with Checkpointer(root / "rank-0") as checkpointer, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointException) as raised:
+            dcp.load(state, storage_reader=CastorReader(checkpointer))
+    ((failure, _),) = raised.value.failures.values()  # (exception, traceback) per failed rank
+    assert isinstance(failure, CheckpointError)
+    assert "another rank saved" in str(failure) and "export" in str(failure)
+
+
+def test_export_of_a_plain_checkpointer_save(tmp_path: Path) -> None:
+    directory = Path(tempfile.mkdtemp(prefix="castor-dcp-", dir="/dev/shm"))
+    try:
+        model, optimizer = build(3)
+        train(model, optimizer, 2)
+        expected = {key: value.clone() for key, value in model.state_dict().items()}
+        with Checkpointer(directory) as checkpointer:
+            checkpointer.save(5, {"model": model, "optimizer": optimizer, "epoch": 4})
+            checkpointer.wait()
+            export_dcp(checkpointer, tmp_path / "out")
+        fresh, _ = build(9)
+        state = {"model": fresh.state_dict(), "epoch": 0}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(tmp_path / "out")))
+        assert bit_differences(expected, fresh.state_dict()) == []
+        assert state["epoch"] == 4
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
