@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests import netemu
-from tests.e2e.cluster import REPO, LocalCluster, Machine, Root
+from tests.e2e.cluster import REPO, LocalCluster, Machine, Root, wait_until
 from tests.e2e.recovery_checks import (
     check_consistent_restore,
     check_event,
@@ -119,7 +119,7 @@ def _start_root_on(cluster: NetCluster) -> Root:
 @pytest.fixture
 def net_cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[NetCluster]:
     netemu.require()
-    with netemu.cluster(5, rate_gbit=1.0) as emu:  # 4 machines and one spare for a replacement
+    with netemu.cluster(6, rate_gbit=1.0) as emu:  # 4 machines and two spares for replacements
         local = NetCluster(tmp_path)
         local.emu = emu
         try:
@@ -136,13 +136,19 @@ def _machines(cluster: NetCluster) -> list[dict[str, Any]]:
     return list(cluster.api("GET", f"/api/v1/jobs/{cluster.job['id']}/machines"))
 
 
-def test_machine_loss_on_1_gbit_links_restores_from_a_peer_bit_exact(
-    net_cluster: NetCluster, tmp_path: Path
-) -> None:
-    cluster = net_cluster
+def test_machine_loss_then_a_root_partition_on_1_gbit_links(net_cluster: NetCluster, tmp_path: Path) -> None:
+    """One job on 4 machines (m = 2), two faults in turn (one cluster: starting one costs half a minute).
+
+    1. Machine loss: rank 2's machine dies with its memory; a spare machine takes rank 2, restored from its
+       group peer's memory, bit-exact.
+    2. Partition from the root (and etcd) but not the peers: rank 1's heartbeats stop, the root declares it
+       failed, and a second spare takes rank 1, restored from the peer's replica. When the partition heals,
+       the old agent learns that its rank belongs to another instance and stops instead of training as a
+       second rank 1."""
+    cluster, emu = net_cluster, net_cluster.emu
     logs = tmp_path / "logs"
     cluster.start_root()
-    cluster.create_job(machines=4, replicas=2)
+    job = cluster.create_job(machines=4, replicas=2)
     command = cluster.training_command(logs, iterations=100_000, sleep=0.2)
     for index in range(4):
         cluster.start_machine(index, command, rank=index)
@@ -150,17 +156,45 @@ def test_machine_loss_on_1_gbit_links_restores_from_a_peer_bit_exact(
 
     # Each machine advertised its own NIC's address (the one towards the root), so MASTER_ADDR is rank 0's.
     addresses = {m["rank"]: m["address"] for m in _machines(cluster)}
-    assert addresses == {i: cluster.emu.machines[i].address for i in range(4)}
+    assert addresses == {i: emu.machines[i].address for i in range(4)}
 
-    lost = cluster.machines[2]
-    cluster.kill_machine(lost)  # agent, training process and shared memory: the machine is gone
+    # 1. Machine loss.
+    cluster.kill_machine(cluster.machines[2])  # agent, training process and shared memory: gone
     reached = newest_iteration(logs)
-    cluster.start_machine(4, command, rank=2)  # a spare machine, in its own namespace, takes rank 2
+    cluster.start_machine(4, command, rank=2, instance_id=f"spare-4-{job['id'][:8]}")
     (event,) = recovered_events(cluster, 1, timeout=180)
     check_event(event, kind="hardware", tier="peer")
     assert event["rank"] == 2
     assert event["details"]["tiers"] == {"0": "local", "1": "local", "2": "peer", "3": "local"}
     iteration = check_consistent_restore(logs, 4, reached, max_lost=None)
     wait_for_iteration(logs, iteration + 3, timeout=120)
+
+    # 2. Partition from the root.
+    old = cluster.machines[1]
+    emu.partition_from_root(emu.machines[1])
+    wait_until(
+        lambda: any(m["rank"] == 1 and m["state"] == "failed" for m in _machines(cluster)),
+        60,
+        "machine 1 declared failed",
+    )
+    reached = newest_iteration(logs)
+    assert old.process.poll() is None  # cut off, it cannot know yet
+    cluster.start_machine(5, command, rank=1, instance_id=f"spare-5-{job['id'][:8]}")
+    events = recovered_events(cluster, 2, timeout=180)
+    event = next(e for e in events if e["rank"] == 1)
+    check_event(event, kind="hardware", tier="peer")
+    assert event["details"]["tiers"] == {"0": "local", "1": "peer", "2": "local", "3": "local"}
+    iteration = check_consistent_restore(logs, 4, reached, max_lost=None)
+    wait_for_iteration(logs, iteration + 3, timeout=120)
+
+    emu.heal()
+    assert old.process.wait(60) == 1
+    assert "this machine was replaced" in old.log_path.read_text()
+    wait_for_iteration(logs, newest_iteration(logs) + 3, timeout=120)  # the job goes on without it
     addresses = {m["rank"]: m["address"] for m in _machines(cluster)}
-    assert addresses[2] == cluster.emu.machines[4].address
+    assert addresses == {
+        0: emu.machines[0].address,
+        1: emu.machines[5].address,
+        2: emu.machines[4].address,
+        3: emu.machines[3].address,
+    }
