@@ -35,7 +35,7 @@ RESHARD_HINT = (
 FSDP1_HINT = (
     "FSDP1's SHARDED_STATE_DICT (ShardedTensor) is not supported: shard the model with FSDP2 "
     "(torch.distributed.fsdp.fully_shard), whose DTensor parameters and optimizer states Castor saves "
-    "shard by shard, or use FSDP1's FULL_STATE_DICT / LOCAL_STATE_DICT"
+    "shard by shard"
 )
 
 

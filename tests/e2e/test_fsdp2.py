@@ -72,6 +72,12 @@ def uninterrupted_run(log_dir: Path) -> dict[int, list[dict[str, Any]]]:
     return read_events(log_dir)
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, Any]]]:
+    """One uninterrupted run for every fault."""
+    return uninterrupted_run(tmp_path_factory.mktemp("fsdp2-reference"))
+
+
 def final_digests(events: dict[int, list[dict[str, Any]]]) -> dict[int, dict[int, str]]:
     """Per rank, the digest of its shards after each iteration as the run finally computed it."""
     return {
@@ -89,10 +95,9 @@ FAULTS = {
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_fsdp2_decoder_resumes_bit_exact_after_a_fault(
-    cluster: LocalCluster, tmp_path: Path, fault: str
+    cluster: LocalCluster, tmp_path: Path, fault: str, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
     lost, kind, tier = FAULTS[fault]
-    reference = uninterrupted_run(tmp_path / "reference")
 
     logs = tmp_path / "logs"
     # A long heartbeat timeout for the process kill: a late heartbeat on a saturated host must not turn it
