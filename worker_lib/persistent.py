@@ -18,7 +18,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import xxhash
 
@@ -26,7 +26,11 @@ from worker_lib.errors import CheckpointCorruptError, CheckpointNotFoundError
 from worker_lib.persistent_keys import check_key, checkpoint_prefix, is_within, shard_key
 from worker_lib.store.integrity import check_structure
 from worker_lib.store.manifest import Manifest
-from worker_lib.store.slots import SlotStore
+
+if TYPE_CHECKING:
+    # Only a type here: slots imports the copy engine (torch), and the root service deletes checkpoints
+    # through this module without torch (tests/unit/test_import_boundary.py).
+    from worker_lib.store.slots import SlotStore
 
 PART_BYTES = 16 << 20  # multipart part size: S3 needs >= 5 MiB parts, bigger parts mean fewer requests
 UPLOAD_CONCURRENCY = 4

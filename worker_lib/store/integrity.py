@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from worker_lib.errors import CheckpointCorruptError
-from worker_lib.store.copy import CopyEngine
 from worker_lib.store.manifest import Manifest, content_digest
+
+if TYPE_CHECKING:
+    # Only a type here: copy imports torch, and the root service reaches this module (through the
+    # persistent tier) without torch (tests/unit/test_import_boundary.py).
+    from worker_lib.store.copy import CopyEngine
 
 _NAMED = 10  # tensors named in an error message; the exception carries them all
 

@@ -18,7 +18,10 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy.engine import make_url
 
-MIGRATIONS_DIR = Path(__file__).resolve().parents[3] / "migrations"
+# A wheel carries migrations/ inside the package (setup.py copies it there); an editable install or a
+# checkout reads it at the repository root.
+_PACKAGED = Path(__file__).resolve().parent / "migrations"
+MIGRATIONS_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[3] / "migrations"
 
 
 def alembic_config(database_url: str) -> Config:
