@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from worker_lib.checkpointer import Checkpointer, Restored
-    from worker_lib.dcp import CastorReader, CastorWriter, export_dcp
+    from worker_lib.dcp import CastorReader, CastorWriter
     from worker_lib.embedded import attach
     from worker_lib.errors import (
         CheckpointCorruptError,
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         CheckpointNotFoundError,
         ShmCapacityError,
     )
+    from worker_lib.export import export_dcp
     from worker_lib.restore import load_state
     from worker_lib.rng import restore_rng_state, rng_state
 
@@ -53,7 +54,7 @@ __all__ = [
 _HOMES = {
     "CastorReader": "worker_lib.dcp",
     "CastorWriter": "worker_lib.dcp",
-    "export_dcp": "worker_lib.dcp",
+    "export_dcp": "worker_lib.export",
     "Checkpointer": "worker_lib.checkpointer",
     "Restored": "worker_lib.checkpointer",
     "attach": "worker_lib.embedded",

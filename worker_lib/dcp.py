@@ -20,9 +20,9 @@ checkpoint self-sufficient, so that a load reads only its own rank's memory:
   plans exactly as DCP does against the global metadata, and a rank that would need another rank's chunk
   (a different sharding or world size) is refused with an error that points to the export.
 
-`export_dcp` turns a Castor checkpoint (written through CastorWriter, or by `Checkpointer.save`) into a
-standard DCP directory that plain `dcp.load(..., storage_reader=FileSystemReader(dir))` reads at any
-world size: every rank of the job runs it (a collective), and DCP's own FileSystemWriter writes the files.
+`worker_lib.export` turns a Castor checkpoint (written through CastorWriter, or by `Checkpointer.save`)
+into a standard DCP directory that plain `dcp.load(..., storage_reader=FileSystemReader(dir))` reads at
+any world size and sharding.
 
 The metadata is stored in the manifest as JSON through Castor's state codec, never pickled (a replica
 crosses machines); the bytes items are what DCP itself pickles (`torch.save`), loaded by DCP's planner.
@@ -36,13 +36,10 @@ import os
 import re
 from collections import ChainMap
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
     STORAGE_TYPES,
@@ -55,17 +52,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
-    BytesIOWriteData,
     LoadItemType,
     LoadPlan,
     LoadPlanner,
     SavePlan,
     SavePlanner,
-    TensorWriteData,
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -79,7 +73,7 @@ from worker_lib.errors import CheckpointError, CheckpointNotFoundError
 from worker_lib.store.manifest import Manifest
 from worker_lib.store.tree import unflatten
 
-__all__ = ["CastorReader", "CastorWriter", "export_dcp"]
+__all__ = ["CastorReader", "CastorWriter"]
 
 # The key of a DCP checkpoint's payload in the Castor state (the whole state is {KEY: payload}).
 KEY = "castor_dcp"
@@ -244,7 +238,7 @@ class CastorReader(StorageReader):
         items = payload["items"]
         self._held = {_key(fqn, offsets): i for i, (fqn, _, offsets, _) in enumerate(items)}
         self._shapes = [
-            manifest.tensors[ref.index].shape if isinstance(ref, _Ref) else None for *_, ref in items
+            manifest.tensors[ref.index].shape if isinstance(ref, Ref) else None for *_, ref in items
         ]
         metadata = decode_metadata(payload["metadata"])
         metadata.storage_data = {
@@ -317,100 +311,6 @@ class CastorReader(StorageReader):
         return done
 
 
-def export_dcp(
-    checkpointer: Checkpointer,
-    directory: str | os.PathLike[str],
-    iteration: int | None = None,
-    *,
-    process_group: dist.ProcessGroup | None = None,
-) -> Metadata:
-    """Write a Castor checkpoint as a standard DCP directory: `dcp.load(state,
-    storage_reader=FileSystemReader(directory))` then reads it at any world size and sharding.
-
-    A collective: every rank of the job calls it, with the world size the checkpoint was saved with (one
-    process alone when it was saved by one). `iteration` defaults to the one `Checkpointer.restore` would
-    pick. Checkpoints written through CastorWriter keep their names, chunks and global metadata;
-    checkpoints written by `Checkpointer.save` are saved as `dcp.save` would save the restored state
-    (modules and optimizers as their state_dict; plain tensors count as replicated, as in DCP, and one rank
-    writes each). The checkpoint is read from local memory: after a recovery the agent has already brought
-    every rank's checkpoint there from a peer or the persistent tier.
-    """
-    distributed = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size(process_group) if distributed else 1
-    if iteration is None:
-        iteration = choose_iteration(checkpointer)
-        if iteration is None:
-            raise CheckpointNotFoundError(f"{checkpointer.directory}: no checkpoint to export")
-    manifest = find_manifest(checkpointer, iteration)
-    saved = manifest.meta.get("world_size")
-    if isinstance(manifest.tree, dict) and _is_dcp_tree(manifest.tree):
-        saved = dcp_payload(manifest).get("world_size", saved)
-    if isinstance(saved, int) and saved != world:
-        raise CheckpointError(
-            f"iteration {iteration} was saved by {saved} ranks; export it with {saved} ranks (here {world}): "
-            "each rank exports its own shards"
-        )
-    restored = checkpointer.restore(iteration=iteration)
-    assert restored is not None
-    writer = FileSystemWriter(os.fspath(directory))
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    state = restored.state
-    if isinstance(state, dict) and set(state) == {KEY}:
-        planner = _ExportPlanner(state[KEY])
-        metadata: Metadata = dcp_save(
-            {}, storage_writer=writer, planner=planner, process_group=process_group, no_dist=not distributed
-        )
-        return metadata
-    if not isinstance(state, dict):
-        state = {"state": state}
-    metadata = dcp_save(state, storage_writer=writer, process_group=process_group, no_dist=not distributed)
-    return metadata
-
-
-class _ExportPlanner(SavePlanner):
-    """Plans a DCP save of the items of a CastorWriter checkpoint as they were saved: each rank offers its
-    items, the global plan keeps one copy of each replicated one, and the metadata is the one recorded."""
-
-    def __init__(self, payload: dict[str, Any]):
-        self._metadata = decode_metadata(payload["metadata"])
-        self._data: dict[MetadataIndex, torch.Tensor | io.BytesIO] = {}
-        self._items: list[WriteItem] = []
-        for fqn, kind, offsets, value in payload["items"]:
-            index = MetadataIndex(fqn, offsets)
-            kind_type = _TYPES[kind]
-            if kind_type == WriteItemType.BYTE_IO:
-                raw = value.numpy().tobytes()
-                self._data[index] = io.BytesIO(raw)
-                self._items.append(WriteItem(index, kind_type, bytes_io_data=BytesIOWriteData(len(raw))))
-                continue
-            described = self._metadata.state_dict_metadata[fqn]
-            assert isinstance(described, TensorStorageMetadata)
-            chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(value.shape))
-            data = TensorWriteData(chunk, described.properties, described.size)
-            self._items.append(WriteItem(index, kind_type, tensor_data=data))
-            self._data[index] = value
-
-    def set_up_planner(
-        self, state_dict: Any, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
-    ) -> None:
-        pass
-
-    def create_local_plan(self) -> SavePlan:
-        return SavePlan(list(self._items))
-
-    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        return dedup_save_plans(all_plans), dataclasses.replace(self._metadata)
-
-    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        return new_plan
-
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        data = self._data[write_item.index]
-        if isinstance(data, io.BytesIO):
-            data.seek(0)
-        return data
-
-
 def choose_iteration(checkpointer: Checkpointer) -> int | None:
     """The iteration `Checkpointer.restore()` without an iteration would read (None: none). A collective
     over the default group when torch.distributed is initialized and there is no recovery plan."""
@@ -440,25 +340,25 @@ def find_manifest(checkpointer: Checkpointer, iteration: int) -> Manifest:
 
 def dcp_payload(manifest: Manifest) -> dict[str, Any]:
     """The DCP payload of a CastorWriter checkpoint, tensors as references (nothing read)."""
-    if not (isinstance(manifest.tree, dict) and _is_dcp_tree(manifest.tree)):
+    if not (isinstance(manifest.tree, dict) and is_dcp_tree(manifest.tree)):
         raise CheckpointError(
             f"iteration {manifest.iteration} was not saved through CastorWriter (dcp.save): restore it with "
             "Checkpointer.restore, or export it with worker_lib.export_dcp"
         )
-    state = unflatten(manifest.tree, _Ref)
+    state = unflatten(manifest.tree, Ref)
     payload = state[KEY]
     if payload.get("format") != FORMAT:
         raise CheckpointError(f"unsupported Castor DCP format {payload.get('format')!r}")
     return dict(payload)
 
 
-def _is_dcp_tree(tree: dict[str, Any]) -> bool:
+def is_dcp_tree(tree: dict[str, Any]) -> bool:
     pairs = tree.get("dict")
     return isinstance(pairs, list) and len(pairs) == 1 and isinstance(pairs[0], list) and pairs[0][0] == KEY
 
 
 @dataclass(frozen=True)
-class _Ref:
+class Ref:
     index: int
 
 

@@ -1,0 +1,316 @@
+"""Export a Castor checkpoint to a standard torch.distributed.checkpoint (DCP) directory.
+
+Plain `dcp.load(state, storage_reader=FileSystemReader(directory))` reads the result at any world size and
+sharding (DCP reshards on load). Two ways in, one conversion:
+
+- `export_dcp(checkpointer, directory)`: in the job, every rank runs it (a collective, with the world size
+  the checkpoint was saved with); each rank writes its own shards from its shared memory.
+- `export_shards(shards, directory)`: one process holding every rank's checkpoint (manifest and verified
+  data), e.g. `castor checkpoints export` after downloading a persisted checkpoint from the persistent tier.
+
+Each rank's checkpoint becomes a list of DCP write items without copying its bytes: a checkpoint written
+through CastorWriter gives back its items as saved; one written by `Checkpointer.save` is named as
+`dcp.save` names a state (nested keys joined by '.', modules and optimizers as their state_dict): a
+tensor is one item (replicated, as DCP counts a plain tensor: one rank writes it), a DTensor's local shard
+an item at its offsets in the global tensor, and any other value DCP's pickled bytes. DCP's FileSystemWriter
+writes the files, so the directory is DCP's own format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import warnings
+from collections import ChainMap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+from torch.distributed.checkpoint._traverse import traverse_state_dict
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    BytesIOWriteData,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from worker_lib.checkpointer import Checkpointer
+from worker_lib.dcp import (
+    Ref,
+    choose_iteration,
+    dcp_payload,
+    decode_metadata,
+    find_manifest,
+    is_dcp_tree,
+)
+from worker_lib.errors import CheckpointError, CheckpointNotFoundError
+from worker_lib.restore import _ReadOnlyTensor
+from worker_lib.store.copy import CopyEngine
+from worker_lib.store.integrity import verify
+from worker_lib.store.layout import dtype_from_name
+from worker_lib.store.manifest import Manifest
+from worker_lib.store.tree import unflatten
+
+__all__ = ["export_dcp", "export_shards"]
+
+# progress(done_bytes, total_bytes), called as items are written
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """A DTensor node of a Checkpointer.save checkpoint: its local shard and where it sits."""
+
+    spec: dict[str, Any]
+    local: Ref
+
+
+def export_dcp(
+    checkpointer: Checkpointer,
+    directory: str | os.PathLike[str],
+    iteration: int | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    progress: Progress | None = None,
+) -> Metadata:
+    """Write a Castor checkpoint of this job as a standard DCP directory (a collective: every rank).
+
+    `iteration` defaults to the one `Checkpointer.restore` would pick. Each rank reads its own checkpoint
+    from local memory (after a recovery the agent has brought it there from a peer or the persistent tier),
+    verifies every checksum, and writes its items; replicated items are written once. Refused when the
+    world size differs from the one the checkpoint was saved with: each rank holds only its own shards.
+    """
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(process_group) if distributed else 1
+    if iteration is None:
+        iteration = choose_iteration(checkpointer)
+        if iteration is None:
+            raise CheckpointNotFoundError(f"{checkpointer.directory}: no checkpoint to export")
+    checkpointer.wait()
+    find_manifest(checkpointer, iteration)  # a clear error when this rank lacks it
+    engine = CopyEngine()
+    try:
+        with checkpointer._store.open_read(iteration) as (manifest, data):
+            saved = _saved_world_size(manifest)
+            if saved is not None and saved != world:
+                raise CheckpointError(
+                    f"iteration {iteration} was saved by {saved} ranks: export it with {saved} ranks (here "
+                    f"{world}), each exporting its own shards, or export the persisted checkpoint with "
+                    "`castor checkpoints export`"
+                )
+            verify(manifest, data, engine)
+            items = shard_items(manifest, data)
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                metadata: Metadata = dcp_save(
+                    {},
+                    storage_writer=FileSystemWriter(os.fspath(directory)),
+                    planner=_ExportPlanner(items, progress),
+                    process_group=process_group,
+                    no_dist=not distributed,
+                )
+            return metadata
+    finally:
+        engine.close()
+
+
+def export_shards(
+    shards: Sequence[tuple[Manifest, memoryview]],
+    directory: str | os.PathLike[str],
+    *,
+    progress: Progress | None = None,
+) -> Metadata:
+    """Write every rank's checkpoint (`shards`: each rank's manifest and data region, in rank order) as one
+    standard DCP directory, from this process alone. Every checksum is verified first."""
+    if not shards:
+        raise CheckpointError("no shards to export")
+    iterations = {manifest.iteration for manifest, _ in shards}
+    if len(iterations) != 1:
+        raise CheckpointError(f"the shards are of different iterations: {sorted(iterations)}")
+    items: list[_Item] = []
+    engine = CopyEngine()
+    try:
+        for manifest, data in shards:
+            verify(manifest, data, engine)
+            items.extend(shard_items(manifest, data))
+    finally:
+        engine.close()
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        metadata: Metadata = dcp_save(
+            {},
+            storage_writer=FileSystemWriter(os.fspath(directory)),
+            planner=_ExportPlanner(items, progress),
+            no_dist=True,
+        )
+    return metadata
+
+
+@dataclass(frozen=True)
+class _Item:
+    item: WriteItem
+    value: Callable[[], torch.Tensor | bytes]  # reads the bytes when FileSystemWriter asks for them
+    nbytes: int
+    planner_data: tuple[str, tuple[str | int, ...]] | None = None
+
+
+def shard_items(manifest: Manifest, data: memoryview) -> list[_Item]:
+    """One rank's checkpoint as DCP write items over its (verified) data region, nothing copied yet."""
+    region = _ReadOnlyTensor(data)
+
+    def tensor(index: int) -> Callable[[], torch.Tensor]:
+        entry = manifest.tensors[index]
+        return lambda: region.view(entry, dtype_from_name(entry.dtype))
+
+    tree = manifest.tree
+    if isinstance(tree, dict) and is_dcp_tree(tree):
+        return _dcp_items(manifest, tensor)
+    return _native_items(manifest, tensor)
+
+
+def _dcp_items(manifest: Manifest, tensor: Callable[[int], Callable[[], torch.Tensor]]) -> list[_Item]:
+    payload = dcp_payload(manifest)
+    metadata = decode_metadata(payload["metadata"])
+    mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    out: list[_Item] = []
+    for fqn, kind, offsets, ref in payload["items"]:
+        assert isinstance(ref, Ref)
+        entry = manifest.tensors[ref.index]
+        path = mappings.get(fqn)
+        planner_data = (fqn, tuple(path)) if path is not None else None
+        if kind == "bytes":
+            read = tensor(ref.index)
+            out.append(
+                _Item(
+                    WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO, BytesIOWriteData(entry.nbytes)),
+                    lambda read=read: read().numpy().tobytes(),  # type: ignore[misc]
+                    entry.nbytes,
+                    planner_data,
+                )
+            )
+            continue
+        described = metadata.state_dict_metadata[fqn]
+        assert isinstance(described, TensorStorageMetadata)
+        chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(entry.shape))
+        item_type = WriteItemType.SHARD if kind == "shard" else WriteItemType.TENSOR
+        write = WriteItem(
+            MetadataIndex(fqn, offsets),
+            item_type,
+            tensor_data=TensorWriteData(chunk, described.properties, described.size),
+        )
+        out.append(_Item(write, tensor(ref.index), entry.nbytes, planner_data))
+    return out
+
+
+def _native_items(manifest: Manifest, tensor: Callable[[int], Callable[[], torch.Tensor]]) -> list[_Item]:
+    state = unflatten(manifest.tree, Ref, lambda spec, local: _Shard(dict(spec), local))
+    if not isinstance(state, dict):
+        state = {"state": state}
+    out: list[_Item] = []
+
+    def visit(path: tuple[str | int, ...], value: Any) -> None:
+        fqn = ".".join(map(str, path))
+        if isinstance(value, Ref | _Shard):
+            ref = value if isinstance(value, Ref) else value.local
+            entry = manifest.tensors[ref.index]
+            shape = torch.Size(entry.shape)
+            offsets, size, item_type = torch.Size([0] * len(shape)), shape, WriteItemType.TENSOR
+            if isinstance(value, _Shard):
+                if any(p and p[0] == "partial" for p in value.spec.get("placements", [])):
+                    raise CheckpointError(
+                        f"{fqn}: a DTensor with a Partial placement (a pending reduction) cannot be exported"
+                    )
+                offsets = torch.Size(value.spec["offsets"])
+                size = torch.Size(value.spec["shape"])
+                item_type = WriteItemType.SHARD
+            properties = TensorProperties(dtype=dtype_from_name(entry.dtype))
+            write = WriteItem(
+                MetadataIndex(fqn, offsets),
+                item_type,
+                tensor_data=TensorWriteData(ChunkStorageMetadata(offsets, shape), properties, size),
+            )
+            out.append(_Item(write, tensor(ref.index), entry.nbytes, (fqn, path)))
+            return
+        buffer = io.BytesIO()
+        torch.save(value, buffer)  # what DCP does with a non-tensor value (read back by its planner)
+        raw = buffer.getvalue()
+        write = WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO, BytesIOWriteData(len(raw)))
+        out.append(_Item(write, lambda raw=raw: raw, len(raw), (fqn, path)))  # type: ignore[misc]
+
+    traverse_state_dict(state, visit, keep_traversing=lambda v: isinstance(v, torch.Tensor | Ref | _Shard))
+    return out
+
+
+def _saved_world_size(manifest: Manifest) -> int | None:
+    tree = manifest.tree
+    if isinstance(tree, dict) and is_dcp_tree(tree):
+        saved = dcp_payload(manifest).get("world_size")
+    else:
+        saved = manifest.meta.get("world_size")
+    return saved if isinstance(saved, int) else None
+
+
+class _ExportPlanner(SavePlanner):
+    """Plans a DCP save of checkpoint items: each rank offers its own, the global plan keeps one copy of
+    each replicated item (DCP's dedup) and records the metadata as DCP's default planner does."""
+
+    def __init__(self, items: list[_Item], progress: Progress | None):
+        unique: dict[MetadataIndex, _Item] = {}
+        for item in items:
+            unique.setdefault(item.item.index, item)  # a process holding several ranks: one copy each
+        self._items = unique
+        self._progress = progress
+        self._done = 0
+        self._total = 0
+
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
+    ) -> None:
+        pass
+
+    def create_local_plan(self) -> SavePlan:
+        mappings = {i.planner_data[0]: i.planner_data[1] for i in self._items.values() if i.planner_data}
+        return SavePlan([i.item for i in self._items.values()], planner_data=mappings)
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, metadata = create_default_global_save_plan(dedup_save_plans(all_plans))
+        mappings = [p.planner_data for p in all_plans if isinstance(p.planner_data, dict)]
+        return plans, dataclasses.replace(metadata, planner_data=dict(ChainMap(*mappings)))
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self._total = sum(self._items[i.index].nbytes for i in new_plan.items)
+        self._report()
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        item = self._items[write_item.index]
+        value = item.value()
+        self._done += item.nbytes
+        self._report()
+        if isinstance(value, bytes):
+            return io.BytesIO(value)
+        return value
+
+    def _report(self) -> None:
+        if self._progress is not None:
+            self._progress(min(self._done, self._total), self._total)
