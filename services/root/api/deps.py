@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -65,12 +66,31 @@ async def principal(credentials: CredentialsDep, state: StateDep) -> Principal:
         return Principal(admin=True)
     parsed = parse_worker_token(token)
     if parsed is not None:
+        if _verified.get(token, 0.0) > time.monotonic():
+            return Principal(admin=False, job_id=parsed.job_id)
         # A short transaction of its own: long polls must not hold one open while they wait.
         async with state.database.session() as db:
             job = await repo.get_job(db, parsed.job_id)
         if job is not None and secret_matches(parsed.secret, job.worker_token_hash):
+            _remember(token)
             return Principal(admin=False, job_id=job.id)
     raise Unauthorized("unknown or revoked token")
+
+
+# Worker tokens verified lately: every agent request presents its job's token (a thousand machines heartbeat
+# a thousand times a second), and checking it is a transaction of its own. A job's token never changes; a
+# deleted job's requests still fail, on the job lookup that follows (404).
+TOKEN_CACHE_S = 30.0
+TOKEN_CACHE_MAX = 4096
+_verified: dict[str, float] = {}
+
+
+def _remember(token: str) -> None:
+    if len(_verified) >= TOKEN_CACHE_MAX:
+        now = time.monotonic()
+        for stale in [t for t, until in _verified.items() if until <= now] or list(_verified)[:1]:
+            del _verified[stale]
+    _verified[token] = time.monotonic() + TOKEN_CACHE_S
 
 
 PrincipalDep = Annotated[Principal, Depends(principal)]
@@ -103,6 +123,17 @@ async def job_for_worker(job_id: uuid.UUID, who: PrincipalDep, db: SessionDep) -
     return job
 
 
+async def job_for_worker_unlocked(job_id: uuid.UUID, who: PrincipalDep, db: SessionDep) -> Job:
+    """The job in the path, read without a lock: for the hot paths (heartbeats), which write only their own
+    machine's row and must not serialize a thousand machines on the job row."""
+    if not who.admin and who.job_id != job_id:
+        raise Forbidden(f"this token belongs to another job, not {job_id}")
+    job = await repo.get_job(db, job_id)
+    if job is None:
+        raise NotFound(f"job {job_id} does not exist", code="job_not_found")
+    return job
+
+
 async def authorized_job_id(job_id: uuid.UUID, who: PrincipalDep) -> uuid.UUID:
     """The job in the path, checked against the token without touching the job row (long polls)."""
     if not who.admin and who.job_id != job_id:
@@ -113,3 +144,4 @@ async def authorized_job_id(job_id: uuid.UUID, who: PrincipalDep) -> uuid.UUID:
 AdminJobDep = Annotated[Job, Depends(job_for_admin)]
 AuthorizedJobIdDep = Annotated[uuid.UUID, Depends(authorized_job_id)]
 WorkerJobDep = Annotated[Job, Depends(job_for_worker)]
+WorkerJobUnlockedDep = Annotated[Job, Depends(job_for_worker_unlocked)]

@@ -7,7 +7,13 @@ from typing import Annotated
 from fastapi import APIRouter, BackgroundTasks, Path, Query, Response, status
 
 from services.root import schemas
-from services.root.api.deps import AuthorizedJobIdDep, SessionDep, StateDep, WorkerJobDep
+from services.root.api.deps import (
+    AuthorizedJobIdDep,
+    SessionDep,
+    StateDep,
+    WorkerJobDep,
+    WorkerJobUnlockedDep,
+)
 from services.root.db import repository as repo
 from services.root.errors import NotFound, error_responses
 from services.root.flows import directives, failures, persistence, recovery
@@ -35,7 +41,7 @@ async def register_machine(
     "/machines/{rank}/heartbeat", response_model=schemas.HeartbeatResponse, responses=error_responses(409)
 )
 async def heartbeat(
-    rank: RankPath, body: schemas.HeartbeatRequest, job: WorkerJobDep, db: SessionDep
+    rank: RankPath, body: schemas.HeartbeatRequest, job: WorkerJobUnlockedDep, db: SessionDep
 ) -> schemas.HeartbeatResponse:
     """Liveness plus a summary of the checkpoints this machine holds (REST heartbeat mode)."""
     return await machine_flows.record_heartbeat(db, job, rank, body)

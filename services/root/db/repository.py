@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import case, delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
@@ -66,6 +68,61 @@ async def all_machines(session: AsyncSession, job_id: uuid.UUID) -> Sequence[Mac
 
 async def machine_by_instance(session: AsyncSession, job_id: uuid.UUID, instance_id: str) -> Machine | None:
     query = select(Machine).where(Machine.job_id == job_id, Machine.instance_id == instance_id)
+    return (await session.execute(query)).scalar_one_or_none()
+
+
+async def touch_machine(
+    session: AsyncSession,
+    job_id: uuid.UUID,
+    rank: int,
+    instance_id: str,
+    *,
+    at: datetime,
+    summary: dict[str, Any],
+) -> str | None:
+    """A heartbeat in one statement: the live machine `instance_id` at `rank` gets its time and summary (a
+    pending one becomes healthy); its state after, or None when no live machine matches. One indexed row
+    (the job's unique instance id), nothing else locked."""
+    query = (
+        update(Machine)
+        .where(
+            Machine.job_id == job_id,
+            Machine.instance_id == instance_id,
+            Machine.rank == rank,
+            Machine.state != MachineState.REPLACED,
+        )
+        .values(
+            last_heartbeat_at=at,
+            summary=summary,
+            state=case((Machine.state == MachineState.PENDING, MachineState.HEALTHY), else_=Machine.state),
+        )
+        .returning(Machine.state)
+        .execution_options(synchronize_session=False)
+    )
+    return (await session.execute(query)).scalar_one_or_none()
+
+
+async def machines_at_ranks(
+    session: AsyncSession, job_id: uuid.UUID, ranks: Sequence[int]
+) -> Sequence[Machine]:
+    """The live machines at `ranks` (a placement group's peers: the live-rank index, not the whole job)."""
+    if not ranks:
+        return []
+    query = select(Machine).where(
+        Machine.job_id == job_id, Machine.rank.in_(list(ranks)), Machine.state != MachineState.REPLACED
+    )
+    return (await session.execute(query)).scalars().all()
+
+
+async def live_summaries(session: AsyncSession, job_id: uuid.UUID) -> Sequence[dict[str, Any]]:
+    """The heartbeat summaries of the job's live machines, and nothing else of their rows."""
+    query = select(Machine.summary).where(Machine.job_id == job_id, Machine.state != MachineState.REPLACED)
+    return [summary or {} for summary in (await session.execute(query)).scalars().all()]
+
+
+async def latest_generation(session: AsyncSession, job_id: uuid.UUID) -> int | None:
+    """The newest plan's generation, without loading its per-rank sources."""
+    query = select(func.max(RecoveryPlan.generation)).where(RecoveryPlan.job_id == job_id)
     return (await session.execute(query)).scalar_one_or_none()
 
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import event as orm_event
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
 
 from services.root import schemas
 from services.root.clients.etcd import machine_key
@@ -21,10 +26,13 @@ from services.root.db.models import (
     PlanStatus,
     utcnow,
 )
+from services.root.domain.placement import Placement
 from services.root.errors import Conflict
 from services.root.flows.directives import make_ready
 from services.root.flows.jobs import placement_out, stored_placement
 from services.root.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 async def register_machine(
@@ -202,21 +210,34 @@ async def live_machine_at(session: AsyncSession, job: Job, rank: int, instance_i
 async def record_heartbeat(
     session: AsyncSession, job: Job, rank: int, request: schemas.HeartbeatRequest
 ) -> schemas.HeartbeatResponse:
-    machine = await live_machine_at(session, job, rank, request.instance_id)
-    machine.last_heartbeat_at = utcnow()
-    machine.summary = request.summary.model_dump(mode="json")
-    if machine.state in (MachineState.PENDING, MachineState.SUSPECT):
-        machine.state = MachineState.HEALTHY
-    live = list(await repo.live_machines(session, job.id))
-    _refresh_job_counters(job, live)
-    await session.flush()
-    placement = stored_placement(job, await repo.placement_groups(session, job.id))
-    plan = await repo.latest_plan(session, job.id)
+    """A heartbeat: one indexed UPDATE of this machine's row, nothing shared locked (the job row is read, not
+    locked: a thousand machines heartbeat a second). Its group's peers and the newest plan's generation are
+    small reads; the job-wide counters follow off the request for jobs past COUNTERS_INLINE_MAX_MACHINES."""
+    summary = request.summary.model_dump(mode="json")
+    if job.num_machines <= COUNTERS_INLINE_MAX_MACHINES:
+        # A handful of machines: the counters at once, the job row written before the machine's (the
+        # orchestrator's lock order, job then machines: no deadlock between the two).
+        live = [
+            _Summary(summary if m.instance_id == request.instance_id else m.summary)
+            for m in await repo.live_machines(session, job.id)
+        ]
+        _refresh_job_counters(job, live)
+        await session.flush()
+    else:
+        refresh_counters_soon(session, job.id)
+    state = await repo.touch_machine(session, job.id, rank, request.instance_id, at=utcnow(), summary=summary)
+    if state is None:
+        await live_machine_at(session, job, rank, request.instance_id)  # says why (409)
+        raise Conflict(f"instance {request.instance_id!r} is not machine {rank}", code="not_registered")
+    # A suspect (or failed) machine heartbeating again is reinstated by the leader, which records it and
+    # cancels a replacement it requested (orchestrator.judge).
+    members = (await _placement(session, job)).group_of(rank).members
+    peers = await repo.machines_at_ranks(session, job.id, [m for m in members if m != rank])
     return schemas.HeartbeatResponse(
-        state=machine.state,
+        state=state,
         job_state=job.state,
-        plan_generation=plan.generation if plan else None,
-        peers=_group_peers(rank, placement.group_of(rank).members, live),
+        plan_generation=await repo.latest_generation(session, job.id),
+        peers=_group_peers(rank, members, peers),
     )
 
 
@@ -229,10 +250,78 @@ async def record_summary(
     if job is None or machine is None or machine.state == MachineState.REPLACED:
         return
     machine.summary, machine.last_heartbeat_at = summary, utcnow()
-    _refresh_job_counters(job, list(await repo.live_machines(session, job.id)))
+    if job.num_machines <= COUNTERS_INLINE_MAX_MACHINES:
+        _refresh_job_counters(job, list(await repo.live_machines(session, job.id)))
+    else:
+        refresh_counters_soon(session, job_id)
 
 
-def _refresh_job_counters(job: Job, live: Sequence[Machine]) -> None:
+# Job-wide counters (newest iteration, checkpoints, replication) come from every live machine's summary:
+# O(machines) per refresh. Up to this many machines a heartbeat refreshes them itself; past it, a refresh
+# runs at most every COUNTERS_EVERY_S per job, in a transaction of its own after the heartbeats' commits.
+COUNTERS_INLINE_MAX_MACHINES = 32
+COUNTERS_EVERY_S = 1.0
+_counters_scheduled: set[uuid.UUID] = set()
+_counter_tasks: set[asyncio.Task[None]] = set()
+
+
+@dataclass(frozen=True)
+class _Summary:
+    summary: dict[str, Any]
+
+
+def refresh_counters_soon(session: AsyncSession, job_id: uuid.UUID) -> None:
+    """Have the job's counters refreshed once this session's transaction committed (its summary in them)."""
+    session.info.setdefault(_COUNTERS_DUE, {})[job_id] = session.bind
+
+
+_COUNTERS_DUE = "castor_counters_due"
+
+
+@orm_event.listens_for(Session, "after_commit")
+def _schedule_counters(sync_session: Session) -> None:
+    for job_id, engine in sync_session.info.pop(_COUNTERS_DUE, {}).items():
+        if job_id in _counters_scheduled:
+            continue  # a refresh that has not read the summaries yet will see this one's
+        _counters_scheduled.add(job_id)
+        task = asyncio.get_running_loop().create_task(_refresh_counters(engine, job_id))
+        _counter_tasks.add(task)
+        task.add_done_callback(_counter_tasks.discard)
+
+
+async def _refresh_counters(engine: AsyncEngine, job_id: uuid.UUID) -> None:
+    await asyncio.sleep(COUNTERS_EVERY_S)
+    _counters_scheduled.discard(job_id)  # before reading: a heartbeat committed from now on schedules anew
+    try:
+        async with AsyncSession(engine, expire_on_commit=False) as session, session.begin():
+            job = await repo.get_job(session, job_id)
+            if job is not None:
+                _refresh_job_counters(job, [_Summary(s) for s in await repo.live_summaries(session, job_id)])
+    except Exception as exc:  # the next heartbeat schedules another
+        log.warning("refreshing the counters of job %s failed: %s", job_id, exc)
+
+
+# The placement never changes after the job is created: read once per job by the heartbeats.
+_placements: dict[uuid.UUID, Placement] = {}
+PLACEMENTS_CACHED = 256
+
+
+async def _placement(session: AsyncSession, job: Job) -> Placement:
+    placement = _placements.get(job.id)
+    if placement is None:
+        placement = stored_placement(job, await repo.placement_groups(session, job.id))
+        if len(_placements) >= PLACEMENTS_CACHED:
+            del _placements[next(iter(_placements))]
+        _placements[job.id] = placement
+    return placement
+
+
+class _HasSummary(Protocol):
+    @property
+    def summary(self) -> dict[str, Any]: ...
+
+
+def _refresh_job_counters(job: Job, live: Sequence[_HasSummary]) -> None:
     """Job-wide counters from the machines' newest summaries: the iteration every rank has committed,
     checkpoints taken and skipped, and the effective checkpoint frequency."""
     newest: dict[int, int] = {}

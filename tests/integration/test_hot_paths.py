@@ -1,0 +1,103 @@
+"""The heartbeat's hot path at scale: it locks nothing shared (a heartbeat goes through while another
+transaction holds the job row), runs no statement that loads every machine or a plan's per-rank sources,
+and a large job's counters still follow the heartbeats (refreshed off the request)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import event, select
+
+from services.root.db.models import Job
+from services.root.flows import machines as machine_flows
+from tests.integration.api.test_worker import register
+from tests.integration.conftest import admin, bearer, create_job
+
+BIG = machine_flows.COUNTERS_INLINE_MAX_MACHINES + 8
+
+
+async def heartbeat(client: httpx.AsyncClient, job: dict[str, Any], rank: int, iteration: int) -> httpx.Response:
+    summary = {"local": {str(rank): iteration}, "committed": iteration, "skipped": 0, "per_minute": 60.0}
+    return await client.post(
+        f"/api/v1/worker/jobs/{job['id']}/machines/{rank}/heartbeat",
+        json={"instance_id": f"i-{rank}", "summary": summary},
+        headers=bearer(str(job["worker_token"])),
+    )
+
+
+async def registered_job(client: httpx.AsyncClient, machines: int) -> dict[str, Any]:
+    job = await create_job(client, machines=machines, replicas=2)
+    for rank in range(machines):
+        assert (await register(client, job, f"i-{rank}")).status_code == 200
+    return job
+
+
+async def test_a_heartbeat_goes_through_while_the_job_row_is_locked(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    database = root_app.state.castor.database
+    if database.is_sqlite:
+        pytest.skip("SQLite has no row locks: one writer at a time")
+    job = await registered_job(client, BIG)
+    assert (await heartbeat(client, job, 3, 1)).status_code == 200  # the placement is read once per job
+    async with database.session() as session:
+        await session.execute(select(Job).where(Job.id == job["id"]).with_for_update())
+        # Before: every worker request took this lock first, and waited here until the holder committed.
+        response = await asyncio.wait_for(heartbeat(client, job, 3, 2), timeout=60)
+    assert response.status_code == 200, response.text
+    assert [peer["rank"] for peer in response.json()["peers"]] == [2]
+
+
+async def test_a_heartbeat_reads_neither_every_machine_nor_the_plan(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    job = await registered_job(client, BIG)
+    assert (await heartbeat(client, job, 5, 1)).status_code == 200
+    statements: list[str] = []
+    mine = asyncio.current_task()  # the in-process transport runs the request in this task
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if asyncio.current_task() is mine:  # not the leader's own transactions meanwhile
+            statements.append(" ".join(statement.split()).lower())
+
+    engine = root_app.state.castor.database.engine.sync_engine
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        response = await heartbeat(client, job, 5, 2)
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["state"] == "healthy" and body["plan_generation"] == 1
+    assert [peer["rank"] for peer in body["peers"]] == [4]
+    assert not [s for s in statements if "for update" in s], statements
+    assert not [s for s in statements if "sources" in s], "the plan's per-rank sources stay unread"
+    machine_reads = [s for s in statements if s.startswith("select") and "from machines" in s]
+    assert machine_reads and all(" in (" in s or "rank in" in s for s in machine_reads), machine_reads
+    updates = [s for s in statements if s.startswith("update")]
+    assert len(updates) == 1 and updates[0].startswith("update machines"), updates
+
+
+async def test_a_large_jobs_counters_follow_its_heartbeats(client: httpx.AsyncClient) -> None:
+    job = await registered_job(client, BIG)
+    for rank in range(BIG):
+        assert (await heartbeat(client, job, rank, 100 + rank)).status_code == 200
+    for _ in range(200):  # refreshed off the request, within COUNTERS_EVERY_S of the last heartbeat
+        fetched = (await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())).json()
+        if fetched["newest_iteration"] is not None:
+            break
+        await asyncio.sleep(0.1)
+    assert fetched["newest_iteration"] == 100, "the iteration every rank has committed"
+    assert fetched["checkpoints_committed"] == sum(100 + rank for rank in range(BIG))
+    # A later heartbeat moves them again.
+    assert (await heartbeat(client, job, 0, 500)).status_code == 200
+    for _ in range(200):
+        fetched = (await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())).json()
+        if fetched["newest_iteration"] == 101:
+            break
+        await asyncio.sleep(0.1)
+    assert fetched["newest_iteration"] == 101
