@@ -53,7 +53,17 @@ class Settings(BaseSettings):
     lease_ttl_s: int = Field(1, ge=1, description="TTL of an agent's etcd lease: failure detection latency.")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="How often agents heartbeat.")
     heartbeat_timeout_s: float = Field(
-        3.0, gt=0, description="REST mode: a machine whose last heartbeat is older than this has failed."
+        3.0,
+        gt=0,
+        description="REST mode: a machine whose last heartbeat is older than this is suspect (in etcd mode, "
+        "one whose lease expired).",
+    )
+    suspect_grace_s: float = Field(
+        10.0,
+        ge=0,
+        description="How long a suspect machine (heartbeats lapsed) may stay silent before it is declared "
+        "lost without a second signal (a peer's training process failing, its agent process gone by the "
+        "local operator, the cloud's health check). Its heartbeats resuming first reinstates it.",
     )
 
     inventory_timeout_s: float = Field(

@@ -2,7 +2,11 @@
 
 Election: a candidate puts the leader key only if it does not exist (a transaction on version == 0), on a
 lease it keeps alive; when the leader dies its lease expires, the key disappears and another candidate
-wins. Heartbeats: each agent keeps `<prefix>/jobs/<job>/machines/<rank>/<instance>` on its own short
+wins. The leadership's epoch (its fencing token) is the etcd revision that created the key. The leader acts
+only until its lease's deadline by its own clock (the time it sent the last successful refresh plus the TTL
+granted): a refresh that hangs or fails does not extend it, and a leader that cannot refresh in time stops
+before etcd can elect another. Every endpoint is used: a call that cannot reach one goes on to the next.
+Heartbeats: each agent keeps `<prefix>/jobs/<job>/machines/<rank>/<instance>` on its own short
 lease; the leader watches the prefix and treats a DELETE as the machine's failure.
 """
 
@@ -10,18 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aetcd
 
 log = logging.getLogger(__name__)
 
 CoordinatorUnavailable = (aetcd.exceptions.ClientError, OSError)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -47,58 +54,116 @@ def machine_key(prefix: str, job_id: uuid.UUID, rank: int, instance_id: str) -> 
 
 class EtcdCoordinator:
     def __init__(self, endpoints: list[str], prefix: str, *, leader_ttl_s: int = 2):
-        host, _, port = endpoints[0].partition(":")
         self.endpoints = endpoints
         self.prefix = prefix.rstrip("/")
         self.leader_key = f"{self.prefix}/leader".encode()
         self.leader_ttl_s = leader_ttl_s
-        self._client = aetcd.Client(host, int(port or 2379), timeout=5)
+        # One client per endpoint; calls go to the current one and move on to the next when it is down.
+        self._clients = []
+        for endpoint in endpoints:
+            host, _, port = endpoint.partition(":")
+            self._clients.append(aetcd.Client(host, int(port or 2379), timeout=5))
+        self._current = 0
+        self.epoch: int | None = None  # the revision that elected this candidate, while it leads
+        self.deadline = 0.0  # time.monotonic() past which this leader must not act
+
+    @property
+    def _client(self) -> aetcd.Client:
+        return self._clients[self._current]
+
+    async def _call(self, operation: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+        """`operation` on the current endpoint's client; on a connection error, on the next ones in turn."""
+        failure: BaseException | None = None
+        for _ in range(len(self._clients)):
+            client = self._clients[self._current]
+            try:
+                return await operation(client)
+            except CoordinatorUnavailable as exc:
+                failure = exc
+                if len(self._clients) > 1:
+                    log.warning(
+                        "etcd endpoint %s failed (%s); trying the next",
+                        self.endpoints[self._current],
+                        exc,
+                    )
+                    self._current = (self._current + 1) % len(self._clients)
+        assert failure is not None
+        raise failure
+
+    def leading(self) -> bool:
+        """Whether this candidate's leader lease is still valid by its own clock."""
+        return self.epoch is not None and time.monotonic() < self.deadline
 
     async def close(self) -> None:
-        with contextlib.suppress(*CoordinatorUnavailable):
-            await self._client.close()
+        for client in self._clients:
+            with contextlib.suppress(*CoordinatorUnavailable):
+                await client.close()
 
     async def lead(self, candidate: str, elected: asyncio.Event, lost: asyncio.Event) -> None:
         """Campaign until elected (sets `elected`), then hold the lease; returns when leadership is lost
         (sets `lost`). Cancel it to step down."""
-        lease = None
+        lease: Any = None
         try:
             while True:
-                lease = await self._client.lease(self.leader_ttl_s)
-                won, _ = await self._client.transaction(
-                    compare=[self._client.transactions.version(self.leader_key) == 0],
-                    success=[self._client.transactions.put(self.leader_key, candidate.encode(), lease=lease)],
-                    failure=[],
-                )
-                if won:
+                asked = time.monotonic()
+                lease = await self._call(lambda c: c.lease(self.leader_ttl_s))
+                if await self._call(functools.partial(self._claim, candidate, lease)):
                     break
-                await self._client.revoke_lease(lease.id)
+                await self._call(functools.partial(_revoke, lease))
                 lease = None
                 await asyncio.sleep(self.leader_ttl_s / 4)
-            log.info("elected leader (%s)", candidate)
+            found = await self._call(lambda c: c.get(self.leader_key))
+            if found is None or bytes(found.value).decode() != candidate:
+                log.error("the leader key vanished right after the election: campaigning again")
+                return
+            self.epoch, self.deadline = int(found.create_revision), asked + self.leader_ttl_s
+            log.info("elected leader (%s) at epoch %d", candidate, self.epoch)
             elected.set()
             while True:
-                await asyncio.sleep(self.leader_ttl_s / 4)
-                reply = await self._client.refresh_lease(lease.id)
-                if getattr(reply, "TTL", 0) <= 0:
+                await asyncio.sleep(max(0.0, min(self.leader_ttl_s / 4, self.deadline - time.monotonic())))
+                sent = time.monotonic()
+                if sent >= self.deadline:
+                    log.error("leader lease deadline passed without a refresh: stepping down")
+                    return
+                try:
+                    reply = await asyncio.wait_for(
+                        self._call(functools.partial(_refresh, lease)), self.deadline - sent
+                    )
+                except (TimeoutError, *CoordinatorUnavailable) as exc:
+                    # Not yet a reason to step down: the lease holds until its deadline; try again.
+                    log.warning("leader lease refresh failed (%s); %.1fs left", exc, self.deadline - sent)
+                    continue
+                ttl = getattr(reply, "TTL", 0)
+                if ttl <= 0:
                     log.error("leader lease expired: stepping down")
                     return
+                self.deadline = max(self.deadline, sent + min(ttl, self.leader_ttl_s))
         except CoordinatorUnavailable as exc:
             log.error("lost etcd while leading or campaigning: %s", exc)
         finally:
+            self.epoch = None
             lost.set()
             if lease is not None:
                 with contextlib.suppress(*CoordinatorUnavailable):
-                    await self._client.revoke_lease(lease.id)
+                    await self._call(functools.partial(_revoke, lease))
+
+    async def _claim(self, candidate: str, lease: Any, client: aetcd.Client) -> bool:
+        """Put the leader key on `lease` if nobody holds it."""
+        won, _ = await client.transaction(
+            compare=[client.transactions.version(self.leader_key) == 0],
+            success=[client.transactions.put(self.leader_key, candidate.encode(), lease=lease)],
+            failure=[],
+        )
+        return bool(won)
 
     async def leader(self) -> str | None:
-        found = await self._client.get(self.leader_key)
+        found = await self._call(lambda c: c.get(self.leader_key))
         return None if found is None else bytes(found.value).decode()
 
     async def machine_keys(self) -> dict[MachineKey, dict[str, Any]]:
         """Every live agent key (and its heartbeat summary) under the prefix."""
         found = {}
-        for kv in await self._client.get_prefix(f"{self.prefix}/jobs/".encode()):
+        for kv in await self._call(lambda c: c.get_prefix(f"{self.prefix}/jobs/".encode())):
             key = MachineKey.parse(self.prefix, bytes(kv.key))
             if key is not None:
                 found[key] = _decode(bytes(kv.value))
@@ -106,7 +171,7 @@ class EtcdCoordinator:
 
     async def watch_machines(self) -> AsyncIterator[tuple[str, MachineKey, dict[str, Any]]]:
         """("put" | "delete", key, summary) for every change under the agents' prefix."""
-        watch = await self._client.watch_prefix(f"{self.prefix}/jobs/".encode())
+        watch = await self._call(lambda c: c.watch_prefix(f"{self.prefix}/jobs/".encode()))
         try:
             async for event in watch:
                 key = MachineKey.parse(self.prefix, bytes(event.kv.key))
@@ -117,6 +182,14 @@ class EtcdCoordinator:
         finally:
             with contextlib.suppress(*CoordinatorUnavailable):
                 await watch.cancel()
+
+
+async def _revoke(lease: Any, client: aetcd.Client) -> Any:
+    return await client.revoke_lease(lease.id)
+
+
+async def _refresh(lease: Any, client: aetcd.Client) -> Any:
+    return await client.refresh_lease(lease.id)
 
 
 def _decode(value: bytes) -> dict[str, Any]:

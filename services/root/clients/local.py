@@ -136,6 +136,12 @@ class LocalOperator:
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
 
+    def instance_gone(self, instance_id: str) -> bool | None:
+        """Whether the agent process of a machine this operator started has exited (a suspect machine's
+        second signal); None for a machine it did not start."""
+        process = self._processes.get(instance_id)
+        return None if process is None else process.poll() is not None
+
     def close(self) -> None:
         for instance in list(self._processes):
             process = self._processes[instance]

@@ -44,6 +44,17 @@ async def record_exit(
     machine = await live_machine_at(session, job, rank, request.instance_id)
     if request.exit_code == 0 or job.state not in ACTIVE_STATES:
         return None
+    # A peer whose heartbeats lapsed is what this process was waiting on in a collective: the second
+    # signal that declares it lost. Its failure opens first, so this exit joins it as a consequence.
+    for suspect in await repo.live_machines(session, job.id):
+        if suspect.state == MachineState.SUSPECT and suspect.id != machine.id:
+            await machine_lost(
+                session,
+                job,
+                suspect,
+                "stopped heartbeating, and its peers' training processes failed",
+                details={"suspected_at": _iso(suspect.suspected_at), "silent": True},
+            )
     now = utcnow()
     what = f"training process rank {request.global_rank} {describe_exit(request.exit_code)}"
     details = {
@@ -137,6 +148,33 @@ async def joinable_failures(session: AsyncSession, job: Job) -> list[FailureEven
         for e in await repo.open_failures(session, job.id)
         if e.state == FailureState.DETECTED or (collecting is not None and e.plan_id == collecting)
     ]
+
+
+async def reinstate(session: AsyncSession, job: Job, machine: Machine, why: str) -> FailureEvent | None:
+    """A suspect or failed machine's heartbeats resumed: it is healthy again. A failed one's open failure
+    records the reinstatement and its replacement request is cancelled (a replacement already started that
+    later registers finds the rank taken). The recovery it opened goes on: training stopped for it, and the
+    reinstated machine reports what it holds like every survivor. Returns the failure event, if any."""
+    was = machine.state
+    machine.state, machine.suspected_at = MachineState.HEALTHY, None
+    if was != MachineState.FAILED:
+        return None
+    now = utcnow()
+    for event in await repo.open_failures(session, job.id):
+        mine = event.machine_id == machine.id and event.kind == FailureKind.HARDWARE
+        if mine and event.replaced_at is None:
+            replacement = event.details.get("replacement")
+            event.details = {
+                **event.details,
+                "reinstated": {"at": now.isoformat(), "why": why},
+                **({"replacement": {**replacement, "status": "cancelled"}} if replacement else {}),
+            }
+            return event
+    return None
+
+
+def _iso(value: Any) -> str | None:
+    return value.isoformat() if value is not None else None
 
 
 def describe_exit(exit_code: int) -> str:

@@ -193,6 +193,9 @@ async def record_replacement(
         retry = now + timedelta(seconds=REPLACEMENT_RETRY_S)
         outcome = {"status": "error", "error": error, "retry_at": retry.isoformat()}
     attempts = event.details.get("replacement", {}).get("attempts", 0) + 1
+    if event.details.get("replacement", {}).get("status") == "cancelled":
+        # The machine was reinstated while its replacement was being started: the request stays cancelled.
+        outcome = {**outcome, "status": "cancelled", "outcome": outcome["status"]}
     event.details = {**event.details, "replacement": {**outcome, "attempts": attempts, "at": now.isoformat()}}
 
 

@@ -1,0 +1,154 @@
+"""A fenced leader, on a real Postgres and etcd: a new leader's epoch refuses the deposed leader's writes
+(and waits for the one it has in flight); two replicas on one Postgres without etcd never both lead, and
+the second takes over when the first goes; the etcd coordinator uses every endpoint it is given (the first
+one dead here) and a leader whose lease refresh hangs stops by its own clock."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from services.root.clients.etcd import EtcdCoordinator
+from services.root.clients.local import LocalOperator
+from services.root.db.database import Database
+from services.root.db.migrate import upgrade_async
+from services.root.db.models import LeaderEpoch
+from services.root.orchestrator import Deposed, Orchestrator
+from services.root.settings import Settings
+from tests import harness
+
+
+@pytest.fixture
+async def database(postgres_server: harness.Postgres) -> AsyncIterator[Database]:
+    url = postgres_server.create_database(f"fence_{uuid.uuid4().hex[:8]}")
+    await upgrade_async(url)
+    db = Database(url)
+    yield db
+    await db.dispose()
+
+
+def replica(database: Database, tmp_path: Path, name: str) -> Orchestrator:
+    settings = Settings(database_url=database.url, state_dir=tmp_path / name, admin_token="x")
+    operator = LocalOperator(settings.resolved_public_url, tmp_path / name, tmp_path / "shm")
+    orchestrator = Orchestrator(database, settings, operator, None)
+    orchestrator.candidate = name
+    return orchestrator
+
+
+async def epoch_row(database: Database) -> LeaderEpoch:
+    async with database.session() as session:
+        return (await session.execute(select(LeaderEpoch))).scalar_one()
+
+
+async def test_a_deposed_leaders_writes_are_refused(database: Database, tmp_path: Path) -> None:
+    old, new = replica(database, tmp_path, "old"), replica(database, tmp_path, "new")
+    await old._claim_epoch(None)
+    async with old._session() as session:  # the leader's transactions go through
+        (await session.execute(select(LeaderEpoch))).scalar_one().holder = "written by old"
+
+    # The old leader is in the middle of a transaction when the new one is elected: the new epoch waits
+    # for it (the old leader's write lands before the hand-over, never after).
+    in_flight = old._session()
+    await in_flight.__aenter__()  # it holds the epoch row FOR SHARE until it commits
+    claim = asyncio.create_task(new._claim_epoch(None))
+    await asyncio.sleep(0.5)
+    assert not claim.done(), "the new epoch waits for the old leader's transaction in flight"
+    await in_flight.__aexit__(None, None, None)
+    await asyncio.wait_for(claim, 10)
+    assert new.epoch is not None and old.epoch is not None and new.epoch > old.epoch
+
+    # From now on every transaction of the old leader is refused, and it steps down.
+    with pytest.raises(Deposed):
+        async with old._session() as session:
+            (await session.execute(select(LeaderEpoch))).scalar_one().holder = "written by the deposed"
+    assert old._deposed.is_set()
+    assert (await epoch_row(database)).holder == "new"
+    async with new._session() as session:
+        (await session.execute(select(LeaderEpoch))).scalar_one().holder = "written by new"
+    assert (await epoch_row(database)).holder == "written by new"
+
+
+async def test_two_replicas_on_one_postgres_without_etcd_never_both_lead(
+    database: Database, tmp_path: Path
+) -> None:
+    first, second = replica(database, tmp_path, "first"), replica(database, tmp_path, "second")
+    runs = {first: asyncio.create_task(first.run()), second: asyncio.create_task(second.run())}
+    try:
+        leader = await _eventually_one_leader([first, second])
+        follower = second if leader is first else first
+        for _ in range(10):  # a while, both campaigning: one leader throughout
+            await asyncio.sleep(0.2)
+            assert (first.is_leader, second.is_leader).count(True) == 1
+        runs[leader].cancel()  # the leader goes: its session, and with it the lock, is dropped
+        with contextlib.suppress(asyncio.CancelledError):
+            await runs[leader]
+        assert await _eventually_one_leader([follower]) is follower
+        assert (await epoch_row(database)).holder == follower.candidate
+    finally:
+        for task in runs.values():
+            task.cancel()
+        await asyncio.gather(*runs.values(), return_exceptions=True)
+
+
+async def _eventually_one_leader(replicas: list[Orchestrator]) -> Orchestrator:
+    for _ in range(150):
+        leaders = [r for r in replicas if r.is_leader and r.epoch is not None]
+        if leaders:
+            assert len(leaders) == 1
+            return leaders[0]
+        await asyncio.sleep(0.1)
+    raise TimeoutError("no replica became leader")
+
+
+def dead_endpoint() -> str:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+async def test_the_coordinator_fails_over_to_the_next_etcd_endpoint(etcd_server: harness.Etcd) -> None:
+    prefix = f"/test-{uuid.uuid4().hex[:6]}"
+    coordinator = EtcdCoordinator([dead_endpoint(), etcd_server.endpoint], prefix)
+    elected, lost = asyncio.Event(), asyncio.Event()
+    campaign = asyncio.create_task(coordinator.lead("a", elected, lost))
+    try:
+        await asyncio.wait_for(elected.wait(), 10)
+        assert coordinator.leading() and coordinator.epoch is not None
+        assert await coordinator.leader() == "a"
+        await asyncio.sleep(1.5)  # past the first endpoint's failure, refreshes keep the lease
+        assert not lost.is_set() and coordinator.leading()
+    finally:
+        campaign.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await campaign
+        await coordinator.close()
+
+
+async def test_a_leader_whose_refresh_hangs_stops_by_its_own_clock(
+    etcd_server: harness.Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix = f"/test-{uuid.uuid4().hex[:6]}"
+    coordinator = EtcdCoordinator([etcd_server.endpoint], prefix)
+    elected, lost = asyncio.Event(), asyncio.Event()
+    campaign = asyncio.create_task(coordinator.lead("a", elected, lost))
+    try:
+        await asyncio.wait_for(elected.wait(), 10)
+
+        async def hang(lease: object, client: object) -> None:
+            await asyncio.Event().wait()  # a refresh that never answers (a partition, a stuck server)
+
+        monkeypatch.setattr("services.root.clients.etcd._refresh", hang)
+        await asyncio.wait_for(lost.wait(), 10)
+        assert not coordinator.leading()
+    finally:
+        campaign.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await campaign
+        await coordinator.close()

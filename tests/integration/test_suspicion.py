@@ -1,0 +1,183 @@
+"""Suspicion before replacement, on Postgres and SQLite, through the worker API the agents use: a machine
+whose heartbeats lapse is only suspect; a peer's training process failing declares it lost; a suspect or a
+failed machine whose heartbeats resume is reinstated (and its replacement request cancelled); the grace
+alone declares a silent suspect lost. And job isolation: one job whose orchestration step raises does not
+stop the recovery of another.
+
+The root here has a short heartbeat timeout and a grace no test waits for (set lower where a test needs
+it), and its own database, so that its leader is the only one acting on these jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from services.root.app import create_app
+from services.root.flows import recovery
+from services.root.settings import Settings
+from tests.integration.conftest import ADMIN_TOKEN, create_job, fresh_client
+from tests.integration.web.scenario import Scenario, eventually
+
+HEARTBEAT_TIMEOUT_S = 1.5
+LONG_GRACE_S = 3600.0
+
+
+@pytest.fixture(scope="module", params=["postgres", "sqlite"])
+async def suspicious_app(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[FastAPI]:
+    if request.param == "postgres":
+        database = request.getfixturevalue("postgres_server").create_database(f"susp_{uuid.uuid4().hex[:8]}")
+    else:
+        database = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('susp') / 'castor.db'}"
+    state: Path = tmp_path_factory.mktemp("susp-state")
+    settings = Settings(
+        database_url=database,
+        admin_token=ADMIN_TOKEN,
+        state_dir=state,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+        suspect_grace_s=LONG_GRACE_S,
+    )
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        yield app
+
+
+@pytest.fixture
+async def client(suspicious_app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    suspicious_app.state.castor.settings.suspect_grace_s = LONG_GRACE_S
+    async with fresh_client(suspicious_app) as http:
+        yield http
+
+
+@contextlib.asynccontextmanager
+async def heartbeating(scenario: Scenario, ranks: list[int]) -> AsyncIterator[None]:
+    """The agents of `ranks` heartbeat (every 0.2 s, well inside the timeout) while the block runs."""
+
+    async def beat() -> None:
+        while True:
+            for rank in ranks:
+                body = {"instance_id": scenario.instances[rank], "summary": {"local": {str(rank): 5}}}
+                await scenario.post(f"/machines/{rank}/heartbeat", body, 200)
+            await asyncio.sleep(0.2)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def two_machines(client: httpx.AsyncClient) -> Scenario:
+    scenario = Scenario(client, await create_job(client, machines=2, replicas=2))
+    await scenario.register(["i-0", "i-1"])
+    await scenario.heartbeat(5)
+    return scenario
+
+
+async def machine_state(scenario: Scenario, rank: int) -> str:
+    machines = await scenario.api("/machines")
+    return str(next(m["state"] for m in machines if m["rank"] == rank))
+
+
+async def in_state(scenario: Scenario, rank: int, state: str) -> bool:
+    return await machine_state(scenario, rank) == state
+
+
+async def test_a_silent_machine_is_suspect_and_lost_when_its_peer_fails_then_reinstated(
+    client: httpx.AsyncClient,
+) -> None:
+    scenario = await two_machines(client)
+    async with heartbeating(scenario, [0]):
+        await eventually(lambda: in_state(scenario, 1, "suspect"), "machine 1 to be suspect")
+        assert await scenario.api("/failures") == [], "a lapse of heartbeats alone declares nothing"
+        assert (await scenario.api(""))["state"] == "running"
+
+        # Machine 0's training process fails in a collective: the second signal.
+        await scenario.kill_process(0)
+        assert await machine_state(scenario, 1) == "failed"
+        (event,) = await scenario.api("/failures")
+        assert (event["kind"], event["rank"]) == ("hardware", 1)
+        assert "peers' training processes failed" in event["cause"]
+        assert [c["machine_rank"] for c in event["details"]["cascade"]] == [0], "the exit is its symptom"
+
+        # No launch spec: the local operator cannot replace it; the request is recorded and retried.
+        await eventually(
+            lambda: _replacement_status(scenario, "error"), "the replacement request to be recorded"
+        )
+        # Machine 1 was alive after all: its heartbeats resume before any replacement registered.
+        body = {"instance_id": "i-1", "summary": {"local": {"1": 5}}}
+        await scenario.post("/machines/1/heartbeat", body, 200)
+        await eventually(lambda: in_state(scenario, 1, "healthy"), "machine 1 to be reinstated")
+        (event,) = await scenario.api("/failures")
+        assert event["details"]["replacement"]["status"] == "cancelled"
+        assert "heartbeats resumed" in event["details"]["reinstated"]["why"]
+        # The recovery its loss opened goes on with it: it reports what it holds like the survivor.
+        await scenario.plan(2, "collecting")
+
+
+async def _replacement_status(scenario: Scenario, status: str) -> bool:
+    failures = await scenario.api("/failures")
+    return bool(failures) and failures[0]["details"].get("replacement", {}).get("status") == status
+
+
+async def test_a_suspect_whose_heartbeats_resume_is_healthy_again_and_nothing_is_recovered(
+    client: httpx.AsyncClient, suspicious_app: FastAPI
+) -> None:
+    scenario = await two_machines(client)
+    orchestrator = suspicious_app.state.castor.orchestrator
+    reinstated = orchestrator.reinstated
+    async with heartbeating(scenario, [0]):
+        await eventually(lambda: in_state(scenario, 1, "suspect"), "machine 1 to be suspect")
+        async with heartbeating(scenario, [1]):
+            await eventually(lambda: in_state(scenario, 1, "healthy"), "machine 1 to be reinstated")
+        assert orchestrator.reinstated > reinstated
+        assert await scenario.api("/failures") == []
+        assert (await scenario.api(""))["state"] == "running"
+
+
+async def test_a_suspect_without_a_second_signal_is_lost_after_the_grace(
+    client: httpx.AsyncClient, suspicious_app: FastAPI
+) -> None:
+    scenario = await two_machines(client)
+    async with heartbeating(scenario, [0]):
+        await eventually(lambda: in_state(scenario, 1, "suspect"), "machine 1 to be suspect")
+        assert await scenario.api("/failures") == []
+        suspicious_app.state.castor.settings.suspect_grace_s = 0.5
+        await eventually(lambda: in_state(scenario, 1, "failed"), "machine 1 to be declared lost")
+        (event,) = await scenario.api("/failures")
+        assert event["kind"] == "hardware" and "without a sign of life" in event["cause"]
+        await scenario.plan(2, "collecting")
+
+
+async def test_one_job_whose_step_raises_does_not_stop_the_recovery_of_another(
+    client: httpx.AsyncClient, suspicious_app: FastAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken = await two_machines(client)  # created first: the leader reaches it first
+    healthy = await two_machines(client)
+    original = recovery.advance
+
+    async def advance(session: Any, job: Any, settings: Settings) -> list[recovery.ReplaceMachine]:
+        if str(job.id) == broken.id:
+            raise RuntimeError("a bug that only this job's data triggers")
+        return await original(session, job, settings)
+
+    monkeypatch.setattr(recovery, "advance", advance)
+    orchestrator = suspicious_app.state.castor.orchestrator
+    failures = orchestrator.step_failures
+    async with heartbeating(broken, [0, 1]), heartbeating(healthy, [0, 1]):
+        await broken.kill_process(1)
+        await healthy.kill_process(1)
+        await healthy.plan(2, "collecting")  # the other job's recovery opened all the same
+    assert orchestrator.step_failures > failures, "the broken job's failures are counted"
+    assert (await broken.api(""))["state"] == "running", "its step never got through"

@@ -1,0 +1,64 @@
+"""The pure suspicion rules: when heartbeats lapse, what declares a suspect lost, when it is reinstated."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from services.root.domain.suspicion import Seen, lapsed, reinstatable, resumed, verdict
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def suspect(last: float = 0.0, since: float = 3.0) -> Seen:
+    return Seen("suspect", at(last), T0, at(since))
+
+
+def test_only_a_live_machine_silent_past_the_timeout_lapses() -> None:
+    assert lapsed(Seen("healthy", at(0), T0, None), at(3.1), 3.0)
+    assert not lapsed(Seen("healthy", at(0), T0, None), at(2.9), 3.0)
+    assert lapsed(Seen("pending", None, T0, None), at(4), 3.0), "no heartbeat yet: from registration"
+    for state in ("suspect", "failed", "replaced"):
+        assert not lapsed(Seen(state, at(0), T0, at(3)), at(60), 3.0)
+
+
+def test_a_suspect_alone_stays_suspect_until_the_grace_passes() -> None:
+    assert verdict(suspect(), at(5), 10.0, peer_failures=[], operator_says_gone=None) is None
+    assert verdict(suspect(), at(5), 10.0, peer_failures=[], operator_says_gone=False) is None
+    why = verdict(suspect(), at(13.5), 10.0, peer_failures=[], operator_says_gone=None)
+    assert why is not None and "suspect for 10s" in why
+
+
+def test_a_second_signal_declares_a_suspect_lost_at_once() -> None:
+    why = verdict(suspect(), at(4), 10.0, peer_failures=[at(1)], operator_says_gone=None)
+    assert why is not None and "peers' training processes failed" in why
+    why = verdict(suspect(), at(4), 10.0, peer_failures=[], operator_says_gone=True)
+    assert why is not None and "cloud operator" in why
+
+
+def test_a_peer_failure_long_before_the_suspects_last_heartbeat_is_not_its_symptom() -> None:
+    assert (
+        verdict(suspect(last=30, since=33), at(34), 10.0, peer_failures=[at(1)], operator_says_gone=None)
+        is None
+    )
+
+
+def test_only_a_suspect_is_judged() -> None:
+    healthy = Seen("healthy", at(0), T0, None)
+    assert verdict(healthy, at(60), 1.0, peer_failures=[at(1)], operator_says_gone=True) is None
+
+
+def test_a_heartbeat_after_the_suspicion_resumes_it() -> None:
+    assert resumed(Seen("suspect", at(4), T0, at(3)))
+    assert not resumed(Seen("suspect", at(0), T0, at(3)))
+    assert not resumed(Seen("healthy", at(4), T0, at(3)))
+
+
+def test_a_failed_machine_is_reinstated_only_before_its_replacement_registered() -> None:
+    assert reinstatable("failed", at(5), at(4), replaced=False)
+    assert not reinstatable("failed", at(5), at(4), replaced=True)
+    assert not reinstatable("failed", at(3), at(4), replaced=False), "no heartbeat since it failed"
+    assert not reinstatable("healthy", at(5), at(4), replaced=False)
