@@ -169,6 +169,10 @@ def etcd() -> Iterator[Etcd]:
             "new",
             "--heartbeat-interval=50",
             "--election-timeout=500",
+            # Heartbeats and leader refreshes write all the time: without compaction the history grows until
+            # the space quota stops every write (and every lease lapses at once). Keep one minute of it.
+            "--auto-compaction-mode=periodic",
+            "--auto-compaction-retention=1m",
             "--logger",
             "zap",
             "--log-outputs",
