@@ -45,16 +45,22 @@ async def record_exit(
     if request.exit_code == 0 or job.state not in ACTIVE_STATES:
         return None
     # A peer whose heartbeats lapsed is what this process was waiting on in a collective: the second
-    # signal that declares it lost. Its failure opens first, so this exit joins it as a consequence.
-    for suspect in await repo.live_machines(session, job.id):
-        if suspect.state == MachineState.SUSPECT and suspect.id != machine.id:
-            await machine_lost(
-                session,
-                job,
-                suspect,
-                "stopped heartbeating, and its peers' training processes failed",
-                details={"suspected_at": _iso(suspect.suspected_at), "silent": True},
-            )
+    # signal that declares it lost. Its failure opens first, so this exit joins it as a consequence. One
+    # exit explains one suspect, the longest silent (another suspect may merely be slow).
+    suspects = [
+        m
+        for m in await repo.live_machines(session, job.id)
+        if m.state == MachineState.SUSPECT and m.id != machine.id
+    ]
+    if suspects:
+        suspect = min(suspects, key=lambda m: m.last_heartbeat_at or m.registered_at)
+        await machine_lost(
+            session,
+            job,
+            suspect,
+            "stopped heartbeating, and its peers' training processes failed",
+            details={"suspected_at": _iso(suspect.suspected_at), "silent": True},
+        )
     now = utcnow()
     what = f"training process rank {request.global_rank} {describe_exit(request.exit_code)}"
     details = {

@@ -31,10 +31,10 @@ STEPS = 3
 class Tiny(nn.Module):
     """Two layers, one of them with an odd number of rows (uneven FSDP2 shards), and a buffer."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 9) -> None:
         super().__init__()
-        self.a = nn.Linear(6, 9)
-        self.b = nn.Linear(9, 4)
+        self.a = nn.Linear(6, hidden)
+        self.b = nn.Linear(hidden, 4)
         self.register_buffer("scale", torch.linspace(0.5, 1.5, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,6 +48,15 @@ def build(mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = Tiny()
     fully_shard(model.a, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+def build_tp(mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Tensor parallelism: a.weight Shard(0), b.weight Shard(1), b.bias Replicate."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = parallelize_module(Tiny(hidden=8), mesh, {"a": ColwiseParallel(), "b": RowwiseParallel()})
     return model, torch.optim.AdamW(model.parameters(), lr=0.05)
 
 
@@ -179,6 +188,30 @@ def scenarios(rank: int, shm: Path) -> dict[str, Any]:
             list(weight.shape),
         ]
 
+    # Tensor parallelism, and HSDP (FSDP2 on a 2-D mesh: replicated over one dimension, sharded over the
+    # other): in place, and into a fresh optimizer.
+    hsdp_mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
+    tp_mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    for name, builder, other_mesh in (("tp", build_tp, tp_mesh), ("hsdp", build, hsdp_mesh)):
+        other_model, other_optimizer = builder(other_mesh)
+        with Checkpointer(shm / f"{name}-{rank}") as checkpointer:
+            for step in (1, 2):
+                train_step(other_model, other_optimizer, step)
+                checkpointer.save(step, {"model": other_model, "optimizer": other_optimizer})
+            expected = snapshot(other_model, other_optimizer)
+            checkpointer.wait()  # before changing saved tensors outside an optimizer step
+            perturb(other_model, other_optimizer)
+            checkpointer.restore({"model": other_model, "optimizer": other_optimizer})
+            in_place = snapshot(other_model, other_optimizer)
+            fresh_model, fresh_optimizer = builder(other_mesh)
+            checkpointer.restore({"model": fresh_model, "optimizer": fresh_optimizer})
+        results[name] = [
+            sorted({str(p.placements) for p in other_model.parameters()}),  # type: ignore[attr-defined]
+            differences(expected, in_place),
+            differences(expected, snapshot(fresh_model, fresh_optimizer)),
+            differences(expected, snapshot(other_model, other_optimizer)),  # the fresh ones share nothing
+        ]
+
     # Another mesh: this rank alone (a world of one), and a mesh whose dimension has another name.
     groups = [dist.new_group([r]) for r in range(WORLD)]
     from torch.distributed.device_mesh import DeviceMesh
@@ -272,6 +305,12 @@ def test_fsdp2_states_restore_into_a_fresh_model_and_optimizer(outcome: list[dic
 def test_fsdp2_shards_survive_the_persistent_tier(outcome: list[dict[str, Any]]) -> None:
     for result in outcome:
         assert result["persistent"] == []
+
+
+def test_tensor_parallel_and_hsdp_states_restore_bit_exact(outcome: list[dict[str, Any]]) -> None:
+    for result in outcome:
+        assert result["tp"] == [["(Replicate(),)", "(Shard(dim=0),)", "(Shard(dim=1),)"], [], [], []]
+        assert result["hsdp"] == [["(Replicate(), Shard(dim=0))"], [], [], []]
 
 
 def test_restore_without_target_rebuilds_dtensors_on_the_world_mesh(outcome: list[dict[str, Any]]) -> None:
