@@ -352,12 +352,12 @@ class Orchestrator:
             if job is None or job.state not in ACTIVE:
                 return
             now = utcnow()
-            machines = list(await repo.live_machines(session, job_id))
-            exits = [
-                (e.machine_id, e.detected_at)
-                for e in await joinable_failures(session, job)
-                if e.kind == FailureKind.SOFTWARE
-            ]
+            # The longest silent first: a dead machine takes its peers' exits as its symptoms before a
+            # merely slow one (suspect at the same time) could take them for its own second signal.
+            machines = sorted(
+                await repo.live_machines(session, job_id),
+                key=lambda m: m.last_heartbeat_at or m.registered_at,
+            )
             events = list(await repo.open_failures(session, job_id))
             for machine in machines:
                 seen = _seen(machine)
@@ -392,11 +392,19 @@ class Orchestrator:
                             session, job, machine, "its heartbeats resumed before a replacement registered"
                         )
                     continue
+                if machine.state != MachineState.SUSPECT:
+                    continue
+                # Exits not yet explained: those a machine lost before folded into its failure are gone.
+                exits = [
+                    e.detected_at
+                    for e in await joinable_failures(session, job)
+                    if e.kind == FailureKind.SOFTWARE and e.machine_id != machine.id
+                ]
                 why = suspicion.verdict(
                     seen,
                     now,
                     self.settings.suspect_grace_s,
-                    peer_failures=[at for machine_id, at in exits if machine_id != machine.id],
+                    peer_failures=exits,
                     operator_says_gone=self._operator_says_gone(machine.instance_id),
                 )
                 if why is not None:
