@@ -275,6 +275,39 @@ def _split_launch_command(argv: list[str]) -> tuple[list[str], list[str]]:
         cut = argv.index("--")
         return argv[:cut], argv[cut + 1 :]
     return argv, []
+    checkpoints = commands.add_parser(
+        "checkpoints",
+        help="export a job's persisted checkpoints to torch.distributed.checkpoint (admin token)",
+    )
+    checkpoint_commands = checkpoints.add_subparsers(
+        dest="checkpoints_command", required=True, metavar="COMMAND"
+    )
+    export = leaf(
+        checkpoint_commands,
+        "export",
+        "checkpoints_export",
+        help="write a persisted checkpoint as a standard DCP directory (progress bar on a TTY)",
+        description="castor checkpoints export JOB [--iteration I] --to DIR",
+        epilog="Downloads every rank's shard of the persisted checkpoint (checksums verified) and writes a\n"
+        "directory that dcp.load(state, storage_reader=FileSystemReader(DIR)) reads at any world size.\n"
+        "Iterations held only in memory are exported from the job itself: worker_lib.export_dcp.\n"
+        "examples:\n"
+        "  castor checkpoints export gpt-small --iteration 1200 --to /data/gpt-small-1200",
+    )
+    export.add_argument("job", metavar="JOB")
+    export.add_argument("--iteration", type=int, metavar="I", help="default: the newest complete one")
+    export.add_argument("--to", required=True, metavar="DIR", help="output directory (new or empty)")
+    export.add_argument(
+        "--scratch",
+        metavar="DIR",
+        help="where the shards are downloaded to first, removed afterwards (default: next to --to)",
+    )
+    export.add_argument(
+        "--endpoint-url",
+        metavar="URL",
+        help="S3 endpoint of the persistent tier [AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL; default AWS]",
+    )
+
 
 
 def build_parser(*, agent_arguments: bool = True) -> argparse.ArgumentParser:

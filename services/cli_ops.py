@@ -872,6 +872,105 @@ COMMANDS: dict[str, Callable[[RootClient, argparse.Namespace], int]] = {
     "jobs_list": jobs_list,
     "jobs_show": jobs_show,
     "jobs_stop": jobs_stop,
+# ---- checkpoints export -----------------------------------------------------------------------------------
+
+
+def format_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def progress_bar(phase: str, done: int, total: int, width: int = 30) -> str:
+    share = done / total if total else 1.0
+    filled = round(width * share)
+    amount = (
+        f"{done}/{total} ranks" if phase == "download" else f"{format_bytes(done)} / {format_bytes(total)}"
+    )
+    verb = "downloading" if phase == "download" else "writing"
+    return f"[{'#' * filled}{'.' * (width - filled)}] {share:4.0%}  {verb} {amount}"
+
+
+def checkpoints_export(client: RootClient, args: argparse.Namespace) -> int:
+    """Download a persisted checkpoint's shards and write them as one standard DCP directory."""
+    job = resolve_job(client, args.job)
+    persisted: list[dict[str, Any]] = client.get(f"{API}/jobs/{job['id']}/checkpoints")
+    have = ", ".join(str(c["iteration"]) + ("" if c["complete"] else " (incomplete)") for c in persisted)
+    in_memory = (
+        "an iteration held only in memory is exported from the job's ranks with worker_lib.export_dcp "
+        '(README "torch.distributed.checkpoint (DCP)")'
+    )
+    if args.iteration is None:
+        chosen = next((c for c in persisted if c["complete"]), None)
+        if chosen is None:
+            raise CliError(
+                f"job {job['name']} has no complete persisted checkpoint ({have or 'none'}); {in_memory}"
+            )
+    else:
+        chosen = next((c for c in persisted if c["iteration"] == args.iteration), None)
+        if chosen is None:
+            raise CliError(
+                f"job {job['name']} has no persisted checkpoint of iteration {args.iteration} (persisted: "
+                f"{have or 'none'}); {in_memory}"
+            )
+    if not chosen["complete"]:
+        ranks = sorted(s["rank"] for s in chosen["shards"])
+        raise CliError(
+            f"iteration {chosen['iteration']} of job {job['name']} is incomplete (ranks {ranks} only)"
+        )
+    target = Path(args.to)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise CliError(f"{target} exists and is not an empty directory")
+    target.mkdir(parents=True, exist_ok=True)
+    shards = sorted(chosen["shards"], key=lambda s: s["rank"])
+    if [s["rank"] for s in shards] != list(range(len(shards))):
+        raise CliError(f"iteration {chosen['iteration']}: the shards' ranks are not 0..{len(shards) - 1}")
+
+    from worker_lib.errors import CheckpointError
+    from worker_lib.export import export_persisted, persisted_store
+
+    endpoint = (
+        args.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    )
+    line = ProgressLine(sys.stderr, sys.stderr.isatty() and not args.json)
+    started = time.monotonic()
+    try:
+        store = persisted_store(chosen["location"], shards[0]["key"], endpoint_url=endpoint)
+        metadata = export_persisted(
+            store,
+            [(s["key"], s["digest"]) for s in shards],
+            chosen["iteration"],
+            target,
+            scratch=args.scratch or target.resolve().parent,
+            progress=lambda phase, done, total: line.update(progress_bar(phase, done, total)),
+        )
+    except (CheckpointError, OSError) as exc:
+        raise CliError(f"exporting iteration {chosen['iteration']}: {exc}") from None
+    finally:
+        line.finish()
+    document = {
+        "job": job["name"],
+        "iteration": chosen["iteration"],
+        "ranks": len(shards),
+        "directory": str(target.resolve()),
+        "entries": len(metadata.state_dict_metadata),
+        "bytes": sum(f.stat().st_size for f in target.iterdir() if f.is_file()),
+        "seconds": round(time.monotonic() - started, 3),
+    }
+    if args.json:
+        print_json(document)
+    else:
+        print(
+            f"Exported iteration {document['iteration']} of {job['name']} ({document['ranks']} ranks, "
+            f"{document['entries']} entries, {format_bytes(document['bytes'])}) to {document['directory']}\n"
+            f"Load it with torch.distributed.checkpoint.load(state, "
+            f"storage_reader=FileSystemReader({str(document['directory'])!r})), at any world size."
+        )
+    return 0
+
+
     "jobs_delete": jobs_delete,
     "jobs_wait": jobs_wait,
     "failures_list": failures_list,
@@ -883,6 +982,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the operator command `args.ops` (a COMMANDS key); expected problems become one line on stderr
     and exit code 1."""
     command = COMMANDS[args.ops]
+    "checkpoints_export": checkpoints_export,
     try:
         connection = resolve_connection(args.root, args.token)
         with RootClient(connection, timeout=args.request_timeout) as client:

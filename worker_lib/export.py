@@ -5,8 +5,8 @@ sharding (DCP reshards on load). Two ways in, one conversion:
 
 - `export_dcp(checkpointer, directory)`: in the job, every rank runs it (a collective, with the world size
   the checkpoint was saved with); each rank writes its own shards from its shared memory.
-- `export_shards(shards, directory)`: one process holding every rank's checkpoint (manifest and verified
-  data), e.g. `castor checkpoints export` after downloading a persisted checkpoint from the persistent tier.
+- `export_shards(shards, directory)`: one process holding every rank's checkpoint (manifest and data),
+  e.g. `castor checkpoints export`, which downloads a persisted checkpoint (`export_persisted`) first.
 
 Each rank's checkpoint becomes a list of DCP write items without copying its bytes: a checkpoint written
 through CastorWriter gives back its items as saved; one written by `Checkpointer.save` is named as
@@ -18,15 +18,20 @@ writes the files, so the directory is DCP's own format.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import io
 import os
+import shutil
+import tempfile
 import warnings
 from collections import ChainMap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 import torch
 import torch.distributed as dist
@@ -62,14 +67,17 @@ from worker_lib.dcp import (
     is_dcp_tree,
 )
 from worker_lib.errors import CheckpointError, CheckpointNotFoundError
+from worker_lib.persistent import LocalDirStore, ObjectStore, S3Store
+from worker_lib.persistent_keys import checkpoint_prefix
 from worker_lib.restore import _ReadOnlyTensor
 from worker_lib.store.copy import CopyEngine
 from worker_lib.store.integrity import verify
 from worker_lib.store.layout import dtype_from_name
 from worker_lib.store.manifest import Manifest
+from worker_lib.store.slots import SlotStore
 from worker_lib.store.tree import unflatten
 
-__all__ = ["export_dcp", "export_shards"]
+__all__ = ["export_dcp", "export_persisted", "export_shards", "persisted_store"]
 
 # progress(done_bytes, total_bytes), called as items are written
 Progress = Callable[[int, int], None]
@@ -314,3 +322,54 @@ class _ExportPlanner(SavePlanner):
     def _report(self) -> None:
         if self._progress is not None:
             self._progress(min(self._done, self._total), self._total)
+
+
+def persisted_store(location: str, shard_key: str, *, endpoint_url: str | None = None) -> ObjectStore:
+    """The persistent tier a persisted checkpoint lies in, from its location (`file:///<dir>/<prefix>` or
+    `s3://<bucket>/<prefix>`, as the root records it) and one of its shard keys."""
+    parsed = urlparse(location)
+    prefix = checkpoint_prefix(shard_key)
+    if parsed.scheme == "s3":
+        return S3Store(parsed.netloc, endpoint_url=endpoint_url)
+    if parsed.scheme == "file":
+        path = unquote(parsed.path).rstrip("/")
+        if not path.endswith("/" + prefix):
+            raise CheckpointError(
+                f"persisted location {location!r} does not end with its key prefix {prefix!r}"
+            )
+        return LocalDirStore(Path(path[: -len(prefix) - 1]))
+    raise CheckpointError(f"unsupported persisted location {location!r}: expected file:// or s3://")
+
+
+def export_persisted(
+    store: ObjectStore,
+    shards: Sequence[tuple[str, str]],
+    iteration: int,
+    directory: str | os.PathLike[str],
+    *,
+    scratch: str | os.PathLike[str],
+    progress: Callable[[str, int, int], None] | None = None,
+) -> Metadata:
+    """Download every rank's persisted shard (`shards`: (key, digest) in rank order), each verified stripe
+    by stripe against the checksum the root recorded, into stores under `scratch` (removed afterwards),
+    then export them with `export_shards`. `progress(phase, done, total)`: ("download", ranks done, ranks),
+    then ("write", bytes, bytes)."""
+    work = Path(tempfile.mkdtemp(prefix=".castor-export-", dir=scratch))
+    try:
+        stores = []
+        for rank, (key, digest) in enumerate(shards):
+            if progress is not None:
+                progress("download", rank, len(shards))
+            destination = SlotStore(work / f"rank-{rank}")
+            asyncio.run(store.get(key, destination, iteration=iteration, digest=digest))
+            stores.append(destination)
+        if progress is not None:
+            progress("download", len(shards), len(shards))
+        with contextlib.ExitStack() as stack:
+            for opened_store in stores:
+                stack.callback(opened_store.close)  # after the reads below let go (last in, first out)
+            opened = [stack.enter_context(s.open_read(iteration)) for s in stores]
+            write = None if progress is None else (lambda done, total: progress("write", done, total))
+            return export_shards(opened, directory, progress=write)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
