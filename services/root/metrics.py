@@ -249,12 +249,34 @@ def _job_families(
         "Training time the job lost to failures (recoveries and rollbacks).",
         labels=["job"],
     )
+    interval = GaugeMetricFamily(
+        "castor_replication_interval_iterations",
+        "Achieved replication interval: iterations between fully replicated in-memory checkpoints (worst "
+        "machine of the job).",
+        labels=["job"],
+    )
+    replication_lag = GaugeMetricFamily(
+        "castor_replication_lag_iterations",
+        "Iterations the newest fully replicated checkpoint lags the newest commit (worst machine).",
+        labels=["job"],
+    )
+    stalled = GaugeMetricFamily(
+        "castor_replication_stalled",
+        "1 while the job's replication stopped advancing (lag past 4 intervals and 20 iterations), else 0.",
+        labels=["job"],
+    )
     for job in active:
         if job.newest_iteration is not None:
             newest.add_metric([job.name], job.newest_iteration)
         if job.checkpoints_per_minute is not None:
             frequency.add_metric([job.name], job.checkpoints_per_minute)
         wasted.add_metric([job.name], job.wasted_time_s)
+        if job.replication_interval is not None:
+            interval.add_metric([job.name], job.replication_interval)
+        if job.replication_lag is not None:
+            replication_lag.add_metric([job.name], job.replication_lag)
+        if job.replication_state is not None:
+            stalled.add_metric([job.name], 1 if job.replication_state == "stalled" else 0)
 
     committed = CounterMetricFamily(
         "castor_checkpoints_committed",
@@ -294,7 +316,19 @@ def _job_families(
             worst[job_id] = max(value, worst.get(job_id, 0.0))
     for job_id, value in worst.items():
         lag.add_metric([names[job_id]], value)
-    return [newest, frequency, wasted, committed, replicated, skipped, replicas_skipped, lag]
+    return [
+        newest,
+        frequency,
+        wasted,
+        interval,
+        replication_lag,
+        stalled,
+        committed,
+        replicated,
+        skipped,
+        replicas_skipped,
+        lag,
+    ]
 
 
 class _Snapshot:

@@ -231,6 +231,24 @@ class JobOut(BaseModel):
     checkpoints_committed: int
     checkpoints_skipped: int
     checkpoints_per_minute: float | None
+    replicated_iteration: int | None = Field(
+        None, description="The newest iteration every machine fully replicated to its placement peers."
+    )
+    replication_interval: int | None = Field(
+        None,
+        description="Achieved replication interval: iterations between fully replicated checkpoints (the "
+        "largest over the machines). Grows when a checkpoint takes longer than an iteration to send.",
+    )
+    replication_lag: int | None = Field(
+        None,
+        description="Iterations the newest fully replicated checkpoint lags the newest commit "
+        "(worst machine).",
+    )
+    replication_state: Literal["ok", "stalled"] | None = Field(
+        None,
+        description="'stalled': replication stopped advancing (the lag is past 4 intervals and 20 "
+        "iterations); null: nothing replicates (m = 1) or nothing reported yet.",
+    )
     failures: int
     wasted_time_s: float
     created_at: datetime
@@ -456,6 +474,27 @@ class CheckpointSummary(BaseModel):
     replicated: Count = Field(0, description="Checkpoints peers verified and committed.")
     replication_lag_s: Rate | None = Field(
         None, description="From the newest replicated commit to the peer's verified replica."
+    )
+    replicated_iteration: Count | None = Field(
+        None,
+        description="The newest iteration fully replicated: every local rank's checkpoint of it verified and "
+        "committed by every peer the placement names (kept, locally and on the peers, until a newer one is).",
+    )
+    replication_interval: Count | None = Field(
+        None,
+        description="Iterations between the last two fully replicated iterations (the achieved interval).",
+    )
+    replication_lag_iterations: Count | None = Field(
+        None,
+        description="The newest iteration every local rank committed minus replicated_iteration (null: the "
+        "machine replicates to no peer).",
+    )
+    replication_age_s: Rate | None = Field(None, description="Seconds since the last full replication.")
+    replication_rounds: Count = Field(0, description="Iterations fully replicated since the agent started.")
+    replication_aborted: Count = Field(
+        0,
+        description="Replication rounds given up: a training process needed a slot back, a peer refused the "
+        "checkpoint, or a rollback replaced it.",
     )
     uploaded: Count = Field(0, description="Checkpoints uploaded to the persistent tier.")
     warm_spares: Count | None = Field(

@@ -23,7 +23,6 @@ from tests.e2e.recovery_checks import (
     check_consistent_restore,
     check_event,
     newest_iteration,
-    recovered_events,
     wait_for_iteration,
 )
 from tests.harness import free_port
@@ -136,20 +135,44 @@ def _machines(cluster: NetCluster) -> list[dict[str, Any]]:
     return list(cluster.api("GET", f"/api/v1/jobs/{cluster.job['id']}/machines"))
 
 
-def test_machine_loss_then_a_root_partition_on_1_gbit_links(net_cluster: NetCluster, tmp_path: Path) -> None:
-    """One job on 4 machines (m = 2), two faults in turn (one cluster: starting one costs half a minute).
+def _settled(cluster: NetCluster, known: set[int], timeout: float = 180) -> list[dict[str, Any]]:
+    """The failures recorded since `known` once every one of them is recovered. A fault may record several:
+    the survivors' training processes fail too when a peer vanishes, before the root declares it lost."""
+
+    def done() -> list[dict[str, Any]] | None:
+        new = [e for e in cluster.failures() if e["id"] not in known]
+        return new if new and all(e["state"] == "recovered" for e in new) else None
+
+    try:
+        return list(wait_until(done, timeout, "the new failures recovered", interval=0.5))
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}\nfailures: {cluster.failures()}\n{cluster.logs()}") from exc
+
+
+def _hardware(events: list[dict[str, Any]], rank: int) -> dict[str, Any]:
+    (event,) = [e for e in events if e["kind"] == "hardware"]
+    check_event(event, kind="hardware", tier="peer")
+    assert event["rank"] == rank
+    return event
+
+
+def test_machine_loss_and_partitions_on_1_gbit_links(net_cluster: NetCluster, tmp_path: Path) -> None:
+    """One job on 4 machines (m = 2), three faults in turn (one cluster: starting one costs half a minute).
 
     1. Machine loss: rank 2's machine dies with its memory; a spare machine takes rank 2, restored from its
        group peer's memory, bit-exact.
     2. Partition from the root (and etcd) but not the peers: rank 1's heartbeats stop, the root declares it
        failed, and a second spare takes rank 1, restored from the peer's replica. When the partition heals,
        the old agent learns that its rank belongs to another instance and stops instead of training as a
-       second rank 1."""
+       second rank 1.
+    3. Partition from the peers but not the root: the collectives fail (software failures), and once healed
+       every rank resumes from its local memory."""
     cluster, emu = net_cluster, net_cluster.emu
     logs = tmp_path / "logs"
     cluster.start_root()
     job = cluster.create_job(machines=4, replicas=2)
-    command = cluster.training_command(logs, iterations=100_000, sleep=0.2)
+    # gloo's collective timeout: a rank cut off from its peers fails in seconds, not torch's 30 minutes.
+    command = cluster.training_command(logs, iterations=100_000, sleep=0.2, collective_timeout_s=20)
     for index in range(4):
         cluster.start_machine(index, command, rank=index)
     wait_for_iteration(logs, 3, timeout=180)
@@ -162,14 +185,13 @@ def test_machine_loss_then_a_root_partition_on_1_gbit_links(net_cluster: NetClus
     cluster.kill_machine(cluster.machines[2])  # agent, training process and shared memory: gone
     reached = newest_iteration(logs)
     cluster.start_machine(4, command, rank=2, instance_id=f"spare-4-{job['id'][:8]}")
-    (event,) = recovered_events(cluster, 1, timeout=180)
-    check_event(event, kind="hardware", tier="peer")
-    assert event["rank"] == 2
+    event = _hardware(_settled(cluster, set()), rank=2)
     assert event["details"]["tiers"] == {"0": "local", "1": "local", "2": "peer", "3": "local"}
     iteration = check_consistent_restore(logs, 4, reached, max_lost=None)
     wait_for_iteration(logs, iteration + 3, timeout=120)
 
     # 2. Partition from the root.
+    known = {e["id"] for e in cluster.failures()}
     old = cluster.machines[1]
     emu.partition_from_root(emu.machines[1])
     wait_until(
@@ -180,9 +202,7 @@ def test_machine_loss_then_a_root_partition_on_1_gbit_links(net_cluster: NetClus
     reached = newest_iteration(logs)
     assert old.process.poll() is None  # cut off, it cannot know yet
     cluster.start_machine(5, command, rank=1, instance_id=f"spare-5-{job['id'][:8]}")
-    events = recovered_events(cluster, 2, timeout=180)
-    event = next(e for e in events if e["rank"] == 1)
-    check_event(event, kind="hardware", tier="peer")
+    event = _hardware(_settled(cluster, known), rank=1)
     assert event["details"]["tiers"] == {"0": "local", "1": "peer", "2": "local", "3": "local"}
     iteration = check_consistent_restore(logs, 4, reached, max_lost=None)
     wait_for_iteration(logs, iteration + 3, timeout=120)
@@ -198,3 +218,18 @@ def test_machine_loss_then_a_root_partition_on_1_gbit_links(net_cluster: NetClus
         2: emu.machines[4].address,
         3: emu.machines[3].address,
     }
+
+    # 3. Partition from the peers, not the root: training's collectives stall and, after gloo's timeout, fail
+    # (a software failure on every rank; the agents still heartbeat); once healed, everyone resumes from
+    # local memory at one iteration.
+    known = {e["id"] for e in cluster.failures()}
+    emu.partition_from_peers(emu.machines[3])
+    wait_until(lambda: any(e["id"] not in known for e in cluster.failures()), 120, "the collectives to fail")
+    reached = newest_iteration(logs)
+    assert all(m["state"] == "healthy" for m in _machines(cluster))  # no machine is lost
+    emu.heal()
+    new = _settled(cluster, known)
+    assert {e["kind"] for e in new} == {"software"}, new
+    assert all(set(e["details"]["tiers"].values()) == {"local"} for e in new if e["details"].get("tiers"))
+    iteration = check_consistent_restore(logs, 4, reached, max_lost=None)
+    wait_for_iteration(logs, iteration + 3, timeout=120)

@@ -229,6 +229,9 @@ class Agent:
             # A recovery: stop training (the survivors too: every rank rolls back together), then say
             # what this machine holds, every checksum verified.
             self.resuming = None
+            # No replication round while the plan is built from these inventories (resumed on ready).
+            if self.machine.replicator is not None:
+                self.machine.replicator.pause()
             await self.workers.stop(self.config.stop_grace_s)
             await self._report_inventory(generation)
             self.collected = generation
@@ -242,6 +245,8 @@ class Agent:
                 return
             self.generation = generation
             self.resuming = (generation, directive["iteration"], set(self.machine.local_ranks()))
+            if self.machine.replicator is not None:
+                self.machine.replicator.resume()
             try:
                 await self.workers.start(self._launch_spec(directive))
             except Exception as exc:  # e.g. the training command does not exist

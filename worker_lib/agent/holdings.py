@@ -8,6 +8,7 @@ Layout under the agent's shared-memory root:
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import threading
@@ -30,6 +31,8 @@ from worker_lib.store.slots import SlotStore, free_bytes
 
 Tier = Literal["local", "replica"]
 SLOTS = 2  # what a store has unless its writer made more
+LOCAL_SLOTS = 4  # what the agent makes for each local rank (see local_slots)
+LOCAL_SLOTS_ENV = "CASTOR_LOCAL_SLOTS"
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
 _SLOT_FILE = re.compile(r"^slot-(\d+)\.bin$")
 
@@ -50,7 +53,24 @@ class Holding:
         return asdict(self)
 
 
-def rank_capacity(root: Path, ranks: int, configured: int | None = None) -> int:
+def local_slots() -> int:
+    """Slots of each local rank's store: $CASTOR_LOCAL_SLOTS, default LOCAL_SLOTS. Four let a replication
+    round pin the newest fully replicated checkpoint and the one in flight while the training process
+    rotates over the other two; with three a transfer must finish within about an iteration or the
+    training process takes its slot back; with two nothing is pinned."""
+    value = os.environ.get(LOCAL_SLOTS_ENV, "").strip()
+    if not value:
+        return LOCAL_SLOTS
+    try:
+        slots = int(value)
+    except ValueError:
+        raise ValueError(f"{LOCAL_SLOTS_ENV}={value!r}: expected a number of slots (2 or more)") from None
+    if slots < 2:
+        raise ValueError(f"{LOCAL_SLOTS_ENV}={value!r}: a store needs at least 2 slots")
+    return slots
+
+
+def rank_capacity(root: Path, ranks: int, configured: int | None = None, extra_slots: int = 0) -> int:
     """The most bytes one rank's checkpoint may take on this machine, decided once the placement says how
     many ranks it keeps (`ranks`: its own plus those it holds replicas of, SLOTS slots each).
 
@@ -59,15 +79,17 @@ def rank_capacity(root: Path, ranks: int, configured: int | None = None) -> int:
     instead of SIGBUS or a refused replica later. Without it: an equal share of the shared memory free now
     (plus what this machine's slots already take), so a peer's replicas can never take the share of this
     machine's own ranks, whatever sizes its manifests claim."""
+    # `extra_slots`: slots beyond SLOTS per rank (each local rank's store has local_slots()).
     root.mkdir(parents=True, exist_ok=True)
     used = sum(f.stat().st_blocks * 512 for f in root.rglob("slot-*.bin") if f.is_file())
     free, total = free_bytes(root)
+    slots = SLOTS * ranks + extra_slots
     if configured is not None:
-        needed = SLOTS * configured * ranks - used
+        needed = configured * slots - used
         if needed > free:
             raise ShmCapacityError(str(root), needed, free, total)
         return configured
-    return (free + used) // (SLOTS * max(1, ranks))
+    return (free + used) // max(1, slots)
 
 
 def manifest_generation(manifest: Manifest) -> int:
@@ -107,6 +129,17 @@ class Holdings:
             if tier == "replica":
                 store.max_bytes = self.replica_bytes_max(rank)
             return store
+
+    def prepare_local(self, ranks: list[int], slots: int) -> None:
+        """Create the slot files of each local rank's store (empty: sized by the first save), so the
+        training process's store has `slots` of them (a SlotStore uses every slot file present)."""
+        for rank in ranks:
+            directory = self.directory("local", rank)
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            for index in range(slots):
+                path = directory / f"slot-{index}.bin"
+                if not path.exists():
+                    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
 
     def ranks(self, tier: Tier) -> list[int]:
         base = self.root / ("local" if tier == "local" else "replicas")

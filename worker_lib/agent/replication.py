@@ -1,138 +1,161 @@
-"""Replication of committed checkpoints to placement-group peers, newest first, never blocking training.
+"""Replication of committed checkpoints to placement-group peers in rounds that always complete, never
+blocking training.
 
-One sender thread per peer machine. A commit notice marks the rank as pending for every peer; a sender
-takes the rank's newest committed checkpoint at the moment it starts (so when commits arrive faster than
-a peer can take them, the newest wins and the ones in between are skipped and counted) and streams it
-straight from shared memory, holding the slot's shared lock so the training process cannot overwrite it
-mid-transfer. The lock is held only while the bytes are read, and a transfer that a newer commit
-superseded is abandoned between stripes, so the training process gets the slot back within a stripe.
+A round replicates one iteration, the newest that every local rank has committed (the ranks align, so one
+iteration exists for all of them), of every local rank to every peer the placement names. It starts by
+pinning that iteration in each rank's store (a shared lock on its slot, so no writer takes it) and ends when
+every peer verified and committed every rank's checkpoint. Only then does the round's iteration become the
+newest fully replicated one, which stays pinned (locally here; on the holders it is the replica the round's
+writes never touch, since a replica store writes into its slot not holding the newest) until the next round
+completes; the next round then starts at once with the newest common iteration. When a transfer takes
+longer than an iteration, the iterations in between are skipped and the achieved replication interval
+(iterations between fully replicated checkpoints) grows, but it never becomes infinite: a newer commit is no
+reason to give a transfer up. A round is given up only when the training process needs one of its slots
+back (its store's writer found every slot it may take held: SlotStore.writer_waiting), when a peer refuses
+the checkpoint itself, or when the pinned checkpoint disappears (a rollback); the next round starts with a
+newer iteration.
+
+Each peer gets `streams` sender threads (each its own connection) taking the round's ranks from one queue
+whose order rotates every round, so no local rank is always served last. While a recovery collects the
+machines' inventories, `pause()` stops new rounds and keeps the pins, so the copies the planner picks from
+the inventory are still there when the plan is carried out.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from worker_lib.agent.dataplane import DataPlaneError, PeerConnection
 from worker_lib.agent.holdings import Holdings, manifest_generation
-from worker_lib.errors import CheckpointError
+from worker_lib.errors import CheckpointError, CheckpointNotFoundError
 from worker_lib.store.manifest import Manifest
+from worker_lib.store.slots import SlotPin
 
 log = logging.getLogger(__name__)
 
 PeerAddress = tuple[str, int]
 REFUSALS = ("too_large", "manifest_unauthenticated")  # codes of a receiver that will refuse again
 Version = tuple[int, int]  # (plan generation, iteration): after a rollback an iteration number recurs
+STREAMS_ENV = "CASTOR_REPLICATION_STREAMS"
+STREAMS = 2  # per peer: one TCP stream often cannot fill a fast link with a long round trip
+# A store of fewer slots cannot keep a pin and still let its training process rotate: nothing is pinned.
+PIN_MIN_SLOTS = 3
 
 
 def version(manifest: Manifest) -> Version:
     return manifest_generation(manifest), manifest.iteration
 
 
+def default_streams() -> int:
+    value = os.environ.get(STREAMS_ENV, "").strip()
+    return max(1, int(value)) if value.isdigit() else STREAMS
+
+
 @dataclass
 class ReplicationStats:
-    sent: int = 0  # checkpoints a peer verified and committed
-    skipped: int = 0  # commits superseded by a newer one before they were sent
+    sent: int = 0  # rank checkpoints a peer verified and committed
+    skipped: int = 0  # commits no completed round replicated (the rounds skip the ones in between)
     failed: int = 0
+    aborted: int = 0  # rounds given up: the training process needed a slot back, or a peer refused
+    rounds: int = 0  # rounds completed: an iteration every local rank has on every peer
     bytes_sent: int = 0
-    last_lag_s: float | None = None  # from the commit to the peer's verified replica
+    last_lag_s: float | None = None  # from the commit to the last peer's verified replica, last round
     replicated: dict[int, int] = field(default_factory=dict)  # rank -> newest iteration every peer holds
+    replicated_iteration: int | None = None  # the newest fully replicated iteration (pinned)
+    interval: int | None = None  # iterations between the last two fully replicated ones (same history)
+    replicated_at: float | None = None  # time.time() the last round completed
 
 
-class _PeerSender:
-    def __init__(self, replicator: Replicator, machine: int):
+@dataclass
+class _Round:
+    number: int
+    version: Version
+    pins: dict[int, SlotPin]  # rank -> its pinned slot of the round's iteration
+    todo: dict[int, deque[int]]  # peer machine -> ranks not yet taken by a sender
+    left: set[tuple[int, int]]  # (machine, rank) not yet verified and committed by the peer
+    committed_at: float
+    aborted: str | None = None
+
+    @property
+    def iteration(self) -> int:
+        return self.version[1]
+
+
+class _Sender:
+    """One stream to one peer machine: takes the current round's ranks for that peer and sends them."""
+
+    def __init__(self, replicator: Replicator, machine: int, stream: int):
         self.replicator = replicator
         self.machine = machine
-        self.pending: dict[int, int] = {}  # rank -> newest iteration noticed
-        self.sent: dict[int, Version] = {}  # rank -> the checkpoint this peer holds
-        self.condition = threading.Condition()
         self.connection: PeerConnection | None = None
-        self.thread = threading.Thread(target=self._run, name=f"castor-replicate-to-{machine}", daemon=True)
-
-    def notice(self, rank: int, iteration: int) -> None:
-        with self.condition:
-            if rank in self.pending:
-                self.replicator.stats.skipped += 1
-            self.pending[rank] = max(iteration, self.pending.get(rank, iteration))
-            self.condition.notify()
-
-    def _next(self) -> tuple[int, int] | None:
-        with self.condition:
-            while not self.pending and not self.replicator.stopping.is_set():
-                self.condition.wait(0.5)
-            if self.replicator.stopping.is_set():
-                return None
-            rank = min(self.pending)
-            return rank, self.pending.pop(rank)
+        self.thread = threading.Thread(
+            target=self._run, name=f"castor-replicate-to-{machine}-{stream}", daemon=True
+        )
 
     def _run(self) -> None:
-        backoff = 0.2
-        while (item := self._next()) is not None:
-            rank, iteration = item
-            address = self.replicator.peer_address(self.machine)
+        replicator, backoff = self.replicator, 0.2
+        while (item := replicator._take(self.machine)) is not None:
+            current, rank = item
+            address = replicator.peer_address(self.machine)
             if address is None:  # the peer has not registered yet
-                self._retry_later(rank, iteration, 0.5)
+                replicator._give_back(current, self.machine, rank, 0.5)
                 continue
             try:
-                self._send(rank, address)
+                done = self._send(current, rank, address)
                 backoff = 0.2
             except Exception as exc:  # the thread must outlive any one transfer, a bug's too
-                self.replicator.stats.failed += 1
+                replicator.stats.failed += 1
                 expected = isinstance(exc, OSError | DataPlaneError | CheckpointError)
                 # A peer that refuses the checkpoint itself (larger than it keeps for the rank, or a MAC that
                 # fails: another job's key) will refuse it again: an operator has to act, not the network.
+                # The round is given up so a newer (maybe smaller) checkpoint gets its chance.
                 refused = isinstance(exc, DataPlaneError) and exc.code in REFUSALS
                 log.log(
                     logging.ERROR if refused else logging.WARNING,
-                    "replicating rank %d to machine %d failed: %s",
+                    "replicating rank %d iteration %d to machine %d failed: %s",
                     rank,
+                    current.iteration,
                     self.machine,
                     exc,
                     exc_info=None if expected else exc,
                 )
                 self._disconnect()
-                self._retry_later(rank, iteration, backoff)
-                backoff = min(backoff * 2, 5.0)
+                if refused or isinstance(exc, CheckpointNotFoundError):
+                    replicator._abort(current, f"rank {rank}: {exc}")
+                else:
+                    replicator._give_back(current, self.machine, rank, backoff)
+                    backoff = min(backoff * 2, 5.0)
+                continue
+            if done:
+                replicator._done(current, self.machine, rank)
         self._disconnect()
 
-    def _send(self, rank: int, address: PeerAddress) -> None:
+    def _send(self, current: _Round, rank: int, address: PeerAddress) -> bool:
+        """Stream `rank`'s checkpoint of the round to the peer; False when the round was given up."""
         replicator = self.replicator
-        # The slot is held (shared lock) only while its bytes are read: the training process writes its
-        # next checkpoint into the other slot, and the one after into this one, which it can then do as
-        # soon as a newer commit made this transfer pointless (the newest wins).
-        with replicator.holdings.open_read(rank, tier="local") as (manifest, data):
-            if self.sent.get(rank) == version(manifest):
-                return
+        store = replicator.holdings.local_store(rank)
+        with store.open_read(current.iteration) as (manifest, data):
+            if version(manifest) != current.version:
+                raise CheckpointNotFoundError(f"iteration {current.iteration} of rank {rank} was replaced")
             if self.connection is None:
                 self.connection = PeerConnection(*address, replicator.key, replicator.job_id)
             outcome = self.connection.send_put(
-                rank, manifest, data, superseded=lambda: self._superseded(rank, manifest.iteration)
+                rank, manifest, data, superseded=lambda: replicator._must_let_go(current, rank)
             )
         if outcome == "superseded":
             self._disconnect()  # the peer drops the partial replica and keeps its previous one
-            replicator.stats.skipped += 1
-            return
+            return False
         if outcome == "sent":
             self.connection.finish_put()
-        self.sent[rank] = version(manifest)
+            replicator.stats.bytes_sent += manifest.data_bytes
         replicator.stats.sent += 1
-        replicator.stats.bytes_sent += manifest.data_bytes
-        replicator.stats.last_lag_s = max(0.0, time.time() - manifest.committed_at)
-        replicator.on_replicated(self.machine, rank, manifest.iteration)
-
-    def _superseded(self, rank: int, iteration: int) -> bool:
-        with self.condition:
-            return self.pending.get(rank, -1) > iteration
-
-    def _retry_later(self, rank: int, iteration: int, delay: float) -> None:
-        if self.replicator.stopping.wait(delay):
-            return
-        with self.condition:
-            self.pending.setdefault(rank, iteration)
-            self.condition.notify()
+        return True
 
     def _disconnect(self) -> None:
         if self.connection is not None:
@@ -141,7 +164,7 @@ class _PeerSender:
 
 
 class Replicator:
-    """Sends this machine's committed checkpoints to the peer machines the placement names."""
+    """Sends this machine's committed checkpoints to the peer machines the placement names, in rounds."""
 
     def __init__(
         self,
@@ -150,56 +173,266 @@ class Replicator:
         job_id: str,
         targets: list[int],
         peer_address: Callable[[int], PeerAddress | None],
+        streams: int | None = None,
     ):
         self.holdings = holdings
         self.key = key
         self.job_id = job_id
         self.peer_address = peer_address
+        self.targets = list(targets)
         self.stats = ReplicationStats()
         self.stopping = threading.Event()
-        self._senders = [_PeerSender(self, machine) for machine in targets]
-        self._replicated_by: dict[int, dict[int, int]] = {}  # rank -> {machine: iteration}
-        self._lock = threading.Lock()
+        self.condition = threading.Condition()
+        self._paused = False
+        self._ranks: set[int] = set()  # local ranks seen committing
+        self._noticed = 0  # commit notices, for stats.skipped
+        self._covered = 0  # of them, the ones completed rounds replicated
+        self._round: _Round | None = None
+        self._rounds = 0
+        self._pinned: dict[int, SlotPin] = {}  # rank -> the newest fully replicated checkpoint
+        self._pinned_version: Version | None = None
+        self._given_up: Version | None = None  # the last round given up
+        self._held: dict[tuple[int, int], Version] = {}  # (machine, rank) -> what the peer holds
+        self._coordinator = threading.Thread(target=self._coordinate, name="castor-replication", daemon=True)
+        count = default_streams() if streams is None else max(1, streams)
+        self._senders = [_Sender(self, machine, s) for machine in self.targets for s in range(count)]
 
     def start(self) -> Replicator:
+        self._coordinator.start()
         for sender in self._senders:
             sender.thread.start()
         return self
 
     def stop(self) -> None:
         self.stopping.set()
-        for sender in self._senders:
-            with sender.condition:
-                sender.condition.notify()
-            if sender.thread.is_alive():
-                sender.thread.join(timeout=5)
+        with self.condition:
+            self.condition.notify_all()
+        for thread in [self._coordinator, *(sender.thread for sender in self._senders)]:
+            if thread.is_alive():
+                thread.join(timeout=5)
+        with self.condition:
+            if self._round is not None:
+                self._release(self._round.pins)
+            self._release(self._pinned)
+
+    # -- what the agent tells it -------------------------------------------------------------------------
+
+    def notice_commit(self, rank: int, iteration: int) -> None:
+        with self.condition:
+            self._ranks.add(rank)
+            self._noticed += 1
+            self.condition.notify_all()
+
+    def pause(self) -> None:
+        """A recovery is collecting inventories: start no round and keep every pin until resume()."""
+        with self.condition:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self.condition:
+            self._paused = False
+            self.condition.notify_all()
 
     def flush(self, ranks: list[int], timeout_s: float = 60.0) -> bool:
         """Block until every peer holds the newest committed checkpoint of each of `ranks` (False on
         timeout): a machine whose training finished replicates its last checkpoint before it says so."""
         deadline = time.monotonic() + timeout_s
+        with self.condition:
+            self._ranks.update(ranks)
         while time.monotonic() < deadline:
             newest = {rank: m for rank in ranks if (m := self.holdings.newest("local", rank)) is not None}
-            if all(
-                sender.sent.get(rank) == version(manifest)
-                for sender in self._senders
-                for rank, manifest in newest.items()
-            ):
-                return True
-            for sender in self._senders:
-                for rank, manifest in newest.items():
-                    if sender.sent.get(rank) != version(manifest):
-                        sender.notice(rank, manifest.iteration)
+            with self.condition:
+                if all(
+                    self._held.get((machine, rank)) == version(manifest)
+                    for machine in self.targets
+                    for rank, manifest in newest.items()
+                ):
+                    return True
+                self.condition.notify_all()
             time.sleep(0.05)
         return False
 
-    def notice_commit(self, rank: int, iteration: int) -> None:
-        for sender in self._senders:
-            sender.notice(rank, iteration)
+    def summary(self) -> dict[str, int | float | None]:
+        """The heartbeat's replication figures: the newest fully replicated iteration, the interval between
+        the last two, and the lag (newest committed iteration every local rank has, minus it)."""
+        stats = self.stats
+        with self.condition:
+            ranks = sorted(self._ranks)
+        newest = [m.iteration for rank in ranks if (m := self.holdings.newest("local", rank)) is not None]
+        lag = None
+        if newest and len(newest) == len(ranks) and stats.replicated_iteration is not None and self.targets:
+            lag = max(0, min(newest) - stats.replicated_iteration)
+        elif newest and len(newest) == len(ranks) and self.targets:
+            lag = min(newest) + 1  # nothing fully replicated yet: every committed iteration is behind
+        return {
+            "replicated_iteration": stats.replicated_iteration if self.targets else None,
+            "replication_interval": stats.interval,
+            "replication_lag_iterations": lag,
+            "replication_age_s": (
+                round(time.time() - stats.replicated_at, 3) if stats.replicated_at is not None else None
+            ),
+            "replication_rounds": stats.rounds,
+            "replication_aborted": stats.aborted,
+        }
 
-    def on_replicated(self, machine: int, rank: int, iteration: int) -> None:
-        with self._lock:
-            per_peer = self._replicated_by.setdefault(rank, {})
-            per_peer[machine] = iteration
-            if len(per_peer) == len(self._senders):
-                self.stats.replicated[rank] = min(per_peer.values())
+    # -- rounds ------------------------------------------------------------------------------------------
+
+    def _coordinate(self) -> None:
+        while not self.stopping.is_set():
+            with self.condition:
+                try:
+                    self._step()
+                except Exception:  # the coordinator must outlive a bug in one step
+                    log.exception("replication round bookkeeping failed")
+                self.condition.wait(0.2)
+
+    def _step(self) -> None:
+        """With the condition held: finish, give up or start a round, and drop pins that a rollback broke."""
+        current = self._round
+        for rank, pin in list(self._pinned.items()):
+            if not pin.intact():
+                pin.release()
+                del self._pinned[rank]
+            elif pin.store.writer_waiting() and (
+                current is None or not (held := current.pins.get(rank)) or not held.held
+            ):
+                # The training process still finds no slot with the round's pin gone: its store has fewer
+                # slots than the agent made (a Checkpointer opened before they existed). Training first.
+                log.warning("rank %d's training process needs the pinned slot: unpinned", rank)
+                pin.release()
+                del self._pinned[rank]
+        if (
+            current is not None
+            and current.aborted is None
+            and not all(p.intact() for p in current.pins.values())
+        ):
+            current.aborted = "a pinned checkpoint was replaced"
+        if current is not None and current.aborted is None:
+            # A sender waiting for a peer's verdict no longer reads the slot but the round still pins it.
+            waiting = next((r for r, p in current.pins.items() if p.store.writer_waiting()), None)
+            if waiting is not None:
+                current.aborted = f"the training process of rank {waiting} needs its slot back"
+        if current is not None and current.aborted is not None:
+            log.info("replication round of iteration %d given up: %s", current.iteration, current.aborted)
+            self.stats.aborted += 1
+            self._release(current.pins)
+            self._round = None
+            self._given_up = current.version  # the next round takes a newer one
+        elif current is not None and not current.left:
+            self._complete(current)
+        if self._round is None and not self._paused and self.targets:
+            self._round = self._start()
+            if self._round is not None:
+                self.condition.notify_all()
+
+    def _start(self) -> _Round | None:
+        ranks = sorted(self._ranks | set(self.holdings.ranks("local")))
+        if not ranks:
+            return None
+        common: set[Version] | None = None
+        for rank in ranks:
+            try:
+                held = {version(m) for m in self.holdings.local_store(rank).committed()}
+            except CheckpointError:
+                return None
+            common = held if common is None else common & held
+        floor = max((v for v in (self._pinned_version, self._given_up) if v is not None), default=None)
+        candidates = sorted(v for v in common or () if floor is None or v > floor)
+        if not candidates:
+            return None
+        chosen = candidates[-1]
+        if any(self.holdings.local_store(rank).writer_waiting() for rank in ranks):
+            return None  # a training process is still getting its slot back from the last round
+        pins: dict[int, SlotPin] = {}
+        committed_at = time.time()
+        for rank in ranks:
+            store = self.holdings.local_store(rank)
+            manifest = next((m for m in store.committed() if version(m) == chosen), None)
+            pin = store.pin(chosen[1], manifest.digest) if manifest is not None else None
+            if pin is None:  # overwritten meanwhile: try again with what is there now
+                self._release(pins)
+                return None
+            pins[rank] = pin
+            committed_at = min(committed_at, pin.manifest.committed_at)
+        self._rounds += 1
+        # Round-robin over the local ranks: each round starts one rank further, so under load no rank is
+        # always the last to be sent.
+        shift = self._rounds % len(ranks)
+        order = ranks[shift:] + ranks[:shift]
+        todo = {
+            machine: deque(r for r in order if self._held.get((machine, r)) != chosen)
+            for machine in self.targets
+        }
+        left = {(machine, rank) for machine, queue in todo.items() for rank in queue}
+        return _Round(self._rounds, chosen, pins, todo, left, committed_at)
+
+    def _complete(self, current: _Round) -> None:
+        previous = self._pinned_version
+        self._release(self._pinned)
+        self._pinned = {rank: pin for rank, pin in current.pins.items() if pin.store.slots >= PIN_MIN_SLOTS}
+        self._release({r: p for r, p in current.pins.items() if r not in self._pinned})
+        self._pinned_version = current.version
+        self._round = None
+        stats = self.stats
+        if previous is not None and previous[0] == current.version[0]:
+            stats.interval = current.iteration - previous[1]
+        stats.replicated_iteration = current.iteration
+        stats.replicated_at = time.time()
+        stats.last_lag_s = max(0.0, stats.replicated_at - current.committed_at)
+        stats.rounds += 1
+        for rank in current.pins:
+            stats.replicated[rank] = current.iteration
+        self._covered += len(current.pins)
+        stats.skipped = max(0, self._noticed - self._covered)
+
+    def _release(self, pins: dict[int, SlotPin]) -> None:
+        for pin in pins.values():
+            pin.release()
+
+    # -- called by the senders ---------------------------------------------------------------------------
+
+    def _take(self, machine: int) -> tuple[_Round, int] | None:
+        with self.condition:
+            while not self.stopping.is_set():
+                current = self._round
+                if current is not None and current.aborted is None and current.todo.get(machine):
+                    return current, current.todo[machine].popleft()
+                self.condition.wait(0.5)
+            return None
+
+    def _give_back(self, current: _Round, machine: int, rank: int, delay: float) -> None:
+        if self.stopping.wait(delay):
+            return
+        with self.condition:
+            if self._round is current and current.aborted is None:
+                current.todo[machine].append(rank)
+                self.condition.notify_all()
+
+    def _done(self, current: _Round, machine: int, rank: int) -> None:
+        with self.condition:
+            self._held[(machine, rank)] = current.version
+            current.left.discard((machine, rank))
+            if not current.left:
+                self.condition.notify_all()
+
+    def _abort(self, current: _Round, reason: str) -> None:
+        with self.condition:
+            if current.aborted is None:
+                current.aborted = reason
+            self.condition.notify_all()
+
+    def _must_let_go(self, current: _Round, rank: int) -> bool:
+        """Asked between stripes (and while a peer stalls): give the transfer up only when its round was
+        given up, or the training process needs this rank's slot back, never for a newer commit."""
+        if current.aborted is not None or self.stopping.is_set():
+            return True
+        pin = current.pins.get(rank)
+        if pin is not None and pin.store.writer_waiting():
+            with self.condition:
+                if current.aborted is None:
+                    current.aborted = f"the training process of rank {rank} needs its slot back"
+                # Release the round's pin at once: the reader's own lock goes when the transfer unwinds.
+                pin.release()
+                self.condition.notify_all()
+            return True
+        return False

@@ -20,7 +20,7 @@ from typing import Any
 
 from worker_lib.agent.dataplane import REPLICA_BYTES_MAX_ENV, DataPlaneServer, data_plane_key
 from worker_lib.agent.heartbeat import etcd_heartbeats, rest_heartbeats
-from worker_lib.agent.holdings import Holdings, manifest_generation, rank_capacity
+from worker_lib.agent.holdings import SLOTS, Holdings, local_slots, manifest_generation, rank_capacity
 from worker_lib.agent.replication import Replicator
 from worker_lib.client import RootClient, RootRejected, RootUnavailable
 from worker_lib.errors import CheckpointNotFoundError
@@ -91,6 +91,10 @@ class MachineServices:
             accepts_replica_of=self.holds_replicas_of,
         ).start()
         await self.register()
+        if not self.identity.embedded:
+            # Before any training process opens its store: a round pins two slots of each, the training
+            # process rotates over the others (torchrun's processes may have opened theirs already).
+            self.holdings.prepare_local(self.local_ranks(), self.local_slots)
         self.replicator = Replicator(
             self.holdings, self.key, self.job_id, self.sends_to(), self.addresses.get
         ).start()
@@ -146,7 +150,12 @@ class MachineServices:
             for machine in range(int(self.registration["machines"]))
             if machine != self.machine_rank and self.machine_rank in self._placement_of(machine)["holders"]
         )
-        return rank_capacity(self.holdings.root, len(self.local_ranks()) + held, configured)
+        extra = (self.local_slots - SLOTS) * len(self.local_ranks())
+        return rank_capacity(self.holdings.root, len(self.local_ranks()) + held, configured, extra)
+
+    @property
+    def local_slots(self) -> int:
+        return SLOTS if self.identity.embedded else local_slots()
 
     async def report_progress(
         self, generation: int, event: str, details: dict[str, Any] | None = None
@@ -291,6 +300,9 @@ class MachineServices:
             "per_minute": min(rates) if rates else None,
             "replicated": self.replicator.stats.sent if self.replicator else 0,
             "replication_lag_s": self.replicator.stats.last_lag_s if self.replicator else None,
+            # The achieved replication interval, the newest fully replicated iteration and how far it lags
+            # behind the newest commit, in iterations (see replication.Replicator.summary).
+            **(self.replicator.summary() if self.replicator else {}),
             "uploaded": self.uploads.uploaded,
             # Per rank, cumulative: the root charges the job the slowest rank's figure (README: "Planning a
             # cluster"), since ranks that meet in collectives all wait for the one that stalls.

@@ -21,6 +21,7 @@ import fcntl
 import mmap
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -40,6 +41,11 @@ from worker_lib.store.faults import pause_point
 from worker_lib.store.manifest import Manifest
 
 OnBusy = Literal["skip", "wait"]
+
+# A writer that finds every slot it may take held by readers touches this file; readers that can let go
+# (a replication transfer, never a pin of the newest fully replicated checkpoint) do when it is fresh.
+WANT_FILE = "want"
+WANT_FRESH_S = 0.5
 
 _READ_ATTEMPTS = 10
 _EMPTY: NDArray[np.uint8] = np.empty(0, dtype=np.uint8)
@@ -153,13 +159,19 @@ def _close_mapping(mapping: mmap.mmap) -> None:
 
 class SlotStore:
     def __init__(self, directory: str | os.PathLike[str], slots: int = 2):
+        """`slots`: at least this many; the store's owner may have made more (a worker agent creates the
+        slot files of its local ranks before training starts, so a replication round can pin two of them
+        while the training process still rotates over two others), and every slot present is used."""
         if slots < 2:
             raise ValueError(
                 "a store needs at least 2 slots: one keeps the newest checkpoint while the next is written"
             )
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        slots = max(slots, slot_files(self.directory))
         self._slots = [_Slot(self.directory, k) for k in range(slots)]
+        self._want_path = self.directory / WANT_FILE
+        self._wanting = False
         # The most data a checkpoint here may have (None: no bound). Set on stores whose sizes come from
         # someone else (a peer's replica): slots never grow beyond it.
         self.max_bytes: int | None = None
@@ -220,7 +232,12 @@ class SlotStore:
         )
         chosen = self._lock_any(candidates, on_busy)
         if chosen is None:
+            self._want()
             return None
+        if self._wanting:
+            self._wanting = False
+            with suppress(FileNotFoundError):
+                os.unlink(self._want_path)
         try:
             self._invalidate(chosen)
             pause_point("after-invalidate")
@@ -232,6 +249,46 @@ class SlotStore:
     def close(self) -> None:
         for slot in self._slots:
             slot.close()
+
+    def writer_waiting(self, within_s: float = WANT_FRESH_S) -> bool:
+        """Whether a writer found every slot it may take held by readers in the last `within_s` seconds: the
+        training process needs a slot back, and a reader that can let go (a replication transfer) should."""
+        try:
+            return time.time() - os.stat(self._want_path).st_mtime < within_s
+        except FileNotFoundError:
+            return False
+
+    def pin(self, iteration: int, digest: str | None = None) -> SlotPin | None:
+        """Hold the committed checkpoint of `iteration` (with content `digest`, when given) with a shared
+        lock until `SlotPin.release()`: no writer takes its slot meanwhile. None when it is not here."""
+        for slot in self._slots:
+            try:
+                manifest = self._manifest(slot)
+            except CheckpointCorruptError:
+                continue
+            if manifest is None or manifest.iteration != iteration:
+                continue
+            if digest is not None and manifest.digest != digest:
+                continue
+            fd = os.open(slot.data_path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                if self._manifest(slot) == manifest:  # not replaced between the listing and the lock
+                    return SlotPin(self, slot, manifest, fd)
+            except (BlockingIOError, CheckpointCorruptError):
+                pass
+            os.close(fd)
+            return None
+        return None
+
+    def _want(self) -> None:
+        """Say (by the mtime of a marker file) that a writer is waiting for a slot readers hold."""
+        self._wanting = True
+        try:
+            os.utime(self._want_path)
+        except FileNotFoundError:
+            with suppress(OSError):
+                os.close(os.open(self._want_path, os.O_WRONLY | os.O_CREAT, 0o600))
 
     def _committed(self) -> list[tuple[_Slot, Manifest]]:
         found = [(slot, manifest) for slot in self._slots if (manifest := self._manifest(slot)) is not None]
@@ -276,6 +333,7 @@ class SlotStore:
                 continue
         if on_busy == "skip":
             return None
+        self._want()
         fcntl.flock(candidates[0].open_fd(), fcntl.LOCK_EX)
         return candidates[0]
 
@@ -306,6 +364,42 @@ class SlotStore:
                 free, total = free_bytes(self.directory)
                 raise ShmCapacityError(str(self.directory), needed, free, total) from exc
             slot.map(size)
+
+
+class SlotPin:
+    """A committed checkpoint held with a shared lock (see SlotStore.pin) until released."""
+
+    def __init__(self, store: SlotStore, slot: _Slot, manifest: Manifest, fd: int):
+        self.store = store
+        self.manifest = manifest
+        self.slot = slot.index
+        self._slot = slot
+        self._fd: int | None = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def intact(self) -> bool:
+        """Still the checkpoint pinned: a writer that rolled the store back (a checkpoint of this iteration
+        or later of a new history) unlinks the manifest even of a held slot."""
+        try:
+            return self._fd is not None and self.store._manifest(self._slot) == self.manifest
+        except CheckpointCorruptError:
+            return False
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock
+            self._fd = None
+
+
+def slot_files(directory: Path) -> int:
+    """How many consecutive slot files (slot-0.bin, slot-1.bin, ...) `directory` has."""
+    count = 0
+    while (directory / f"slot-{count}.bin").exists():
+        count += 1
+    return count
 
 
 class SlotWriter:

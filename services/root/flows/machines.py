@@ -27,6 +27,7 @@ from services.root.db.models import (
     utcnow,
 )
 from services.root.domain.placement import Placement
+from services.root.domain.replication import job_replication
 from services.root.errors import Conflict
 from services.root.flows.directives import make_ready
 from services.root.flows.jobs import placement_out, stored_placement
@@ -334,3 +335,6 @@ def _refresh_job_counters(job: Job, live: Sequence[_HasSummary]) -> None:
     job.checkpoints_skipped = sum(m.summary.get("skipped", 0) for m in live)
     rates = [m.summary["per_minute"] for m in live if m.summary.get("per_minute") is not None]
     job.checkpoints_per_minute = min(rates) if rates else None
+    progress = job_replication(m.summary for m in live)
+    job.replicated_iteration, job.replication_interval = progress.replicated_iteration, progress.interval
+    job.replication_lag, job.replication_state = progress.lag, progress.state

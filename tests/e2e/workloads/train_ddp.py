@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -44,6 +45,12 @@ def main() -> None:
     parser.add_argument("--embedded", action="store_true", help="plain torchrun: attach to Castor here")
     parser.add_argument("--crash-at", type=int, default=None, help="rank 1 exits once at this iteration")
     parser.add_argument(
+        "--collective-timeout-s",
+        type=float,
+        default=None,
+        help="gloo's timeout of one collective (torch's default: 30 min): a rank cut off fails sooner",
+    )
+    parser.add_argument(
         "--print-environ", action="store_true", help="print the environment to stdout (the agent's log)"
     )
     args = parser.parse_args()
@@ -55,7 +62,9 @@ def main() -> None:
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
+    seconds = args.collective_timeout_s
+    timeout = {} if seconds is None else {"timeout": timedelta(seconds=seconds)}
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size, **timeout)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(args.width, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, 1)

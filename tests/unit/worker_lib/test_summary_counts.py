@@ -15,10 +15,11 @@ def test_saves_skipped_and_replicas_skipped_are_reported_apart(tmp_path: Path) -
     services = MachineServices(client, "castor-job.x.secret", MachineIdentity("i-0"), tmp_path / "shm")
     services.on_notice(b'{"event": "skip", "rank": 0, "iteration": 4}')  # a save the training skipped
     services.replicator = SimpleNamespace(  # type: ignore[assignment]
-        stats=SimpleNamespace(skipped=7, sent=3, last_lag_s=None)
+        stats=SimpleNamespace(skipped=7, sent=3, last_lag_s=None), summary=lambda: {"replication_interval": 4}
     )
     summary = services.summary()
     assert summary["skipped"] == 1 and summary["replicas_skipped"] == 7
+    assert summary["replication_interval"] == 4, "the replicator's figures travel in the heartbeat"
 
 
 def test_the_summary_adds_up_each_ranks_stall_over_its_training_processes(tmp_path: Path) -> None:

@@ -1,0 +1,62 @@
+"""A job's in-memory replication progress from its machines' heartbeat summaries (pure).
+
+Each replicating agent reports the newest iteration it fully replicated (every local rank on every peer
+the placement names), the achieved interval between its last two fully replicated iterations, and its lag:
+the newest iteration all its ranks committed minus the fully replicated one. When a checkpoint takes longer
+than an iteration to cross the network the interval grows; the lag then stays within about two intervals.
+When replication stops advancing (a peer unreachable, every round given up), the interval stays at its
+last value while the lag keeps growing: that is the "stalled" state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Stalled: the lag exceeds this many intervals (steady state: one to two), and at least STALLED_LAG_MIN
+# iterations (a first round of a large checkpoint on a slow link is not yet a stall).
+STALLED_INTERVALS = 4
+STALLED_LAG_MIN = 20
+
+
+@dataclass(frozen=True)
+class ReplicationProgress:
+    replicated_iteration: int | None  # the newest iteration every replicating machine fully replicated
+    interval: int | None  # the largest achieved interval, iterations
+    lag: int | None  # the largest lag, iterations
+    state: str | None  # "ok", "stalled"; None: no machine replicates (or none reported yet)
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def stalled(interval: int | None, lag: int) -> bool:
+    return lag > max(STALLED_INTERVALS * (interval or 1), STALLED_LAG_MIN)
+
+
+def job_replication(summaries: Iterable[Mapping[str, Any]]) -> ReplicationProgress:
+    """Figures over the machines that report a replication lag (a machine with no peers to send to, m = 1,
+    reports none)."""
+    replicating = [s for s in summaries if _count(s.get("replication_lag_iterations")) is not None]
+    if not replicating:
+        return ReplicationProgress(None, None, None, None)
+    lags = [int(s["replication_lag_iterations"]) for s in replicating]
+    intervals = [i for s in replicating if (i := _count(s.get("replication_interval"))) is not None]
+    replicated = [_count(s.get("replicated_iteration")) for s in replicating]
+    interval = max(intervals) if intervals else None
+    state = (
+        "stalled"
+        if any(
+            stalled(_count(s.get("replication_interval")), lag)
+            for s, lag in zip(replicating, lags, strict=True)
+        )
+        else "ok"
+    )
+    return ReplicationProgress(
+        replicated_iteration=None if None in replicated else min(r for r in replicated if r is not None),
+        interval=interval,
+        lag=max(lags),
+        state=state,
+    )
