@@ -20,6 +20,18 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
         ("replication.py", {"raw_socket_gbps", "replicate_gbps", "peer_fetch_gbps", "training_slowdown_pct"}),
         ("recovery.py", {"software", "etcd_detect_s"}),
         ("agent_cost.py", {"agent_cpu_s_per_iteration", "save_blocked_ms", "training_cpu_s_per_iteration"}),
+        (
+            "models.py",
+            {
+                "transformer_params_m",
+                "iteration_s_none",
+                "iteration_s_memcpy",
+                "iteration_s_castor",
+                "memcpy_overhead_pct",
+                "overhead_pct",
+                "stall_pct",
+            },
+        ),
     ],
 )
 def test_benchmark_runs(script: str, keys: set[str]) -> None:

@@ -1,0 +1,273 @@
+"""What checkpointing every iteration costs a real model's training; the last line printed is JSON.
+
+    .venv/bin/python benchmarks/models.py            # a GPT-style decoder of ~110 M parameters, 6 rounds
+    .venv/bin/python benchmarks/models.py --quick    # a tiny decoder, 2 rounds: checks that it runs
+
+The model registers the buffers transformers have: a causal mask per block (persistent, in the state) and
+the RoPE tables. One iteration is a forward, a backward and an AdamW step, in three variants:
+
+- `none`: no checkpoint;
+- `memcpy`: before the forward, a plain synchronous copy of the whole state (parameters, buffers, AdamW
+  moments) into preallocated, touched memory, with torch's threads: the simplest checkpoint there is;
+- `castor`: before the forward, `Checkpointer.save(i, {"model": model, "optimizer": optimizer})` with the
+  default settings (asynchronous: the copy and its checksums run in background threads while forward and
+  backward compute, and the optimizer step waits for them if they are not done).
+
+The variants run interleaved in one process, one iteration each per round, in an order that rotates from
+round to round (A B C, B C A, C A B, ...), so machine drift and noisy neighbours hit all three alike. The
+overheads are the median of the per-round paired differences (variant minus `none`) over the median
+iteration without checkpoints. `stall_pct` is the median share of a `castor` iteration that the training
+thread spent blocked inside Castor (the save() call and every wait for the copy: `stats.stalled_s`).
+`copy_cpu_s` is the CPU time the background threads used per save, read from /proc: the cycles the copy and
+its checksums take from compute when no core is idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_lib import Checkpointer
+
+
+@dataclass(frozen=True)
+class Shape:
+    vocab: int
+    width: int
+    layers: int
+    heads: int
+    context: int
+    batch: int
+
+
+FULL = Shape(vocab=32768, width=768, layers=12, heads=12, context=128, batch=2)
+QUICK = Shape(vocab=256, width=64, layers=2, heads=4, context=16, batch=2)
+
+
+class Block(nn.Module):
+    def __init__(self, shape: Shape):
+        super().__init__()
+        width = shape.width
+        self.heads = shape.heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+        # A persistent buffer, as in nanoGPT: part of the state, read by every forward.
+        causal = torch.tril(torch.ones(shape.context, shape.context, dtype=torch.bool))
+        self.register_buffer("mask", causal.view(1, 1, shape.context, shape.context))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, tokens, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, tokens, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        mask = self.mask[:, :, :tokens, :tokens]
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, tokens, width))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding on the last dimension (halves rotated)."""
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]
+    tokens = x.shape[-2]
+    cos, sin = cos[:tokens], sin[:tokens]
+    return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+
+
+class Decoder(nn.Module):
+    def __init__(self, shape: Shape):
+        super().__init__()
+        self.embed = nn.Embedding(shape.vocab, shape.width)
+        self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.layers))
+        self.norm = nn.LayerNorm(shape.width)
+        self.head = nn.Linear(shape.width, shape.vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied, as in GPT-2
+        head_width = shape.width // shape.heads
+        frequencies = 1.0 / 10000 ** (torch.arange(0, head_width, 2, dtype=torch.float32) / head_width)
+        angles = torch.outer(torch.arange(shape.context, dtype=torch.float32), frequencies)
+        self.register_buffer("rope_cos", angles.cos())
+        self.register_buffer("rope_sin", angles.sin())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, self.rope_cos, self.rope_sin)
+        return self.head(self.norm(x))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="a tiny decoder and 2 rounds")
+    parser.add_argument("--rounds", type=int, help="rounds of one iteration per variant (default 6, quick 2)")
+    parser.add_argument("--dir", default="/dev/shm", help="where the temporary store goes (a tmpfs)")
+    args = parser.parse_args()
+    shape = QUICK if args.quick else FULL
+    rounds = args.rounds or (2 if args.quick else 6)
+    directory = Path(tempfile.mkdtemp(prefix="castor-models-bench-", dir=args.dir))
+    try:
+        results = run(shape, rounds, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    report(results)
+
+
+def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = Decoder(shape)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(shape.vocab, (shape.batch, shape.context + 1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def train_step() -> None:
+        logits = model(inputs)
+        F.cross_entropy(logits.reshape(-1, shape.vocab), targets.reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    train_step()  # AdamW's moments exist from here on: the state has its full size
+    state = {"model": model, "optimizer": optimizer}
+    sources = state_tensors(model, optimizer)
+    copies = [torch.empty_like(source) for source in sources]
+    for copy in copies:
+        copy.zero_()  # touched: the copies measure a copy, not page faults
+
+    checkpointer = Checkpointer(directory)
+    iteration = iter(range(1, 1_000_000))
+    copy_threads = ThreadClock("castor-")
+
+    def none() -> None:
+        train_step()
+
+    def memcpy() -> None:
+        for copy, source in zip(copies, sources, strict=True):
+            copy.copy_(source)
+        train_step()
+
+    def castor() -> None:
+        checkpointer.save(next(iteration), state)
+        train_step()
+
+    variants: dict[str, Callable[[], None]] = {"none": none, "memcpy": memcpy, "castor": castor}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    stalls: list[float] = []
+    saves: list[float] = []
+    copy_cpu: list[float] = []
+    copy_wall: list[float] = []
+    try:
+        for name in variants:  # warm-up: the store's slots are mapped and touched by the first saves
+            variants[name]()
+        castor()
+        names = list(variants)
+        for round_ in range(rounds):
+            order = names[round_ % 3 :] + names[: round_ % 3]
+            for name in order:
+                stalled_before, cpu_before = checkpointer.stats.stalled_s, copy_threads.cpu_s()
+                started = time.perf_counter()
+                variants[name]()
+                times[name].append(time.perf_counter() - started)
+                if name == "castor":
+                    stats = checkpointer.stats
+                    stalls.append(stats.stalled_s - stalled_before)
+                    saves.append(stats.last_save_s)
+                    copy_wall.append(stats.last_copy_s)
+                    copy_cpu.append(copy_threads.cpu_s() - cpu_before)
+            measured = ", ".join(f"{n} {times[n][-1]:.3f} s" for n in order)
+            print(f"round {round_ + 1}/{rounds}: {measured}", flush=True)
+        checkpointer.wait()
+    finally:
+        checkpointer.close()
+
+    median = {name: statistics.median(values) for name, values in times.items()}
+    paired = {
+        name: statistics.median(t - n for t, n in zip(times[name], times["none"], strict=True))
+        for name in ("memcpy", "castor")
+    }
+    castor = times["castor"]
+    state_bytes = sum(source.numel() * source.element_size() for source in sources)
+    return {
+        "transformer_params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+        "transformer_buffers": len(list(model.buffers())),
+        "state_gb": round(state_bytes / 1e9, 3),
+        "rounds": rounds,
+        "torch_threads": torch.get_num_threads(),
+        "iteration_s_none": round(median["none"], 3),
+        "iteration_s_memcpy": round(median["memcpy"], 3),
+        "iteration_s_castor": round(median["castor"], 3),
+        "memcpy_overhead_pct": round(100 * paired["memcpy"] / median["none"], 2),
+        "overhead_pct": round(100 * paired["castor"] / median["none"], 2),
+        "stall_pct": round(100 * statistics.median(s / t for s, t in zip(stalls, castor, strict=True)), 3),
+        "stall_ms": round(1e3 * statistics.median(stalls), 2),
+        "save_call_ms": round(1e3 * statistics.median(saves), 2),
+        "copy_s": round(statistics.median(copy_wall), 3),
+        "copy_cpu_s": round(statistics.median(copy_cpu), 3),
+        "iterations_s": {name: [round(t, 3) for t in values] for name, values in times.items()},
+    }
+
+
+def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor a checkpoint holds, each storage once (the tied head is the embedding)."""
+    seen: set[int] = set()
+    tensors: list[torch.Tensor] = []
+    candidates = list(model.state_dict().values()) + [
+        value
+        for per_parameter in optimizer.state.values()
+        for value in per_parameter.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    for tensor in candidates:
+        if tensor.untyped_storage().data_ptr() not in seen:
+            seen.add(tensor.untyped_storage().data_ptr())
+            tensors.append(tensor.detach())
+    return tensors
+
+
+class ThreadClock:
+    """CPU time used so far by this process's threads whose name starts with a prefix (from /proc)."""
+
+    def __init__(self, prefix: str):
+        self._prefix = prefix
+        self._tick = os.sysconf("SC_CLK_TCK")
+        self._dead: dict[int, float] = {}  # last reading of threads that may be gone by now
+
+    def cpu_s(self) -> float:
+        for thread in threading.enumerate():
+            if thread.name.startswith(self._prefix) and thread.native_id is not None:
+                try:
+                    fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1]
+                except OSError:
+                    continue
+                utime, stime = fields.split()[11:13]
+                self._dead[thread.native_id] = (int(utime) + int(stime)) / self._tick
+        return math.fsum(self._dead.values())
+
+
+def report(results: dict[str, object]) -> None:
+    for key, value in results.items():
+        if key != "iterations_s":
+            print(f"{key:>22}: {value}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
