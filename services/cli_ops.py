@@ -845,7 +845,14 @@ def failures_show(client: RootClient, args: argparse.Namespace) -> int:
         print(f"Recovery plan {failure['plan_id']}: no longer available")
     else:
         print("Recovery plan: none yet")
-    details = failure.get("details") or {}
+    details = dict(failure.get("details") or {})
+    error = details.pop("error", None)
+    if isinstance(error, dict) and error.get("message"):
+        # The training process's uncaught exception (from its torchelastic error file), as Python prints it.
+        print()
+        print(f"Exception: {error['message']}")
+        if error.get("traceback"):
+            print("  " + str(error["traceback"]).rstrip().replace("\n", "\n  "))
     if details:
         print()
         print("Details")
@@ -865,13 +872,6 @@ def failures_show(client: RootClient, args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- entry point ------------------------------------------------------------------------------------------
-
-COMMANDS: dict[str, Callable[[RootClient, argparse.Namespace], int]] = {
-    "jobs_create": jobs_create,
-    "jobs_list": jobs_list,
-    "jobs_show": jobs_show,
-    "jobs_stop": jobs_stop,
 # ---- checkpoints export -----------------------------------------------------------------------------------
 
 
@@ -971,10 +971,18 @@ def checkpoints_export(client: RootClient, args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- entry point ------------------------------------------------------------------------------------------
+
+COMMANDS: dict[str, Callable[[RootClient, argparse.Namespace], int]] = {
+    "jobs_create": jobs_create,
+    "jobs_list": jobs_list,
+    "jobs_show": jobs_show,
+    "jobs_stop": jobs_stop,
     "jobs_delete": jobs_delete,
     "jobs_wait": jobs_wait,
     "failures_list": failures_list,
     "failures_show": failures_show,
+    "checkpoints_export": checkpoints_export,
 }
 
 
@@ -982,7 +990,6 @@ def run(args: argparse.Namespace) -> int:
     """Run the operator command `args.ops` (a COMMANDS key); expected problems become one line on stderr
     and exit code 1."""
     command = COMMANDS[args.ops]
-    "checkpoints_export": checkpoints_export,
     try:
         connection = resolve_connection(args.root, args.token)
         with RootClient(connection, timeout=args.request_timeout) as client:

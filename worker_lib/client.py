@@ -71,14 +71,23 @@ class RootClient:
         return await self._call("POST", f"/machines/{rank}/heartbeat", json=body, retry_for_s=2.0)
 
     async def report_exit(
-        self, rank: int, instance_id: str, *, local_rank: int, global_rank: int, exit_code: int
+        self,
+        rank: int,
+        instance_id: str,
+        *,
+        local_rank: int,
+        global_rank: int,
+        exit_code: int,
+        error: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        body = {
+        body: dict[str, Any] = {
             "instance_id": instance_id,
             "local_rank": local_rank,
             "global_rank": global_rank,
             "exit_code": exit_code,
         }
+        if error is not None:  # the exception from the process's torchelastic error file
+            body["error"] = error
         return await self._call("POST", f"/machines/{rank}/exits", json=body)
 
     async def directive(self, after: int, wait_s: float = 10.0) -> dict[str, Any]:

@@ -525,6 +525,18 @@ class HeartbeatResponse(BaseModel):
     peers: list[Peer]
 
 
+class ProcessError(BaseModel):
+    """A training process's uncaught exception, from its torchelastic error file (TORCHELASTIC_ERROR_FILE)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Text = Field("", max_length=200, description="The exception's type, e.g. ValueError.")
+    message: Text = Field(
+        min_length=1, max_length=2000, description="`Type: message`, as torchelastic writes it."
+    )
+    traceback: Text = Field("", max_length=10000, description="The traceback's last frames.")
+
+
 class ExitReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -533,6 +545,9 @@ class ExitReport(BaseModel):
     global_rank: Count
     exit_code: int = Field(
         strict=True, ge=-128, le=255, description="Process exit code; negative: killed by that signal."
+    )
+    error: ProcessError | None = Field(
+        None, description="The uncaught exception the process recorded before it exited, if it did."
     )
 
 

@@ -383,6 +383,7 @@ class Agent:
                 local_rank=ended.local_rank,
                 global_rank=ended.global_rank,
                 exit_code=ended.exit_code,
+                error=ended.error,
             )
         except (RootUnavailable, RootRejected) as exc:
             log.error("could not report the exit of rank %d: %s", ended.global_rank, exc)

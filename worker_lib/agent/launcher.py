@@ -8,6 +8,11 @@ recovery plan chose for every rank). Each process leads its own process group, s
 its children (data loader workers). It never gets the worker token, and dies with the agent (a parent-death
 signal, see die_with_parent); pids/rank-<r> names it with its start time, so a restarted agent can find
 what a previous one left running (see stale).
+
+Like torchrun, each process gets TORCHELASTIC_ERROR_FILE, a file of its own: an uncaught exception in a
+process whose entry point is wrapped in torch.distributed.elastic's `@record` (or any process started from
+a warm spare, which wraps the script itself) is written there as JSON (type and message, the traceback),
+and the exit report carries it to the root (see read_error_file).
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from worker_lib.agent import die_with_parent
 from worker_lib.agent.stale import record_pid
@@ -91,6 +98,43 @@ class ProcessExit:
     global_rank: int
     exit_code: int  # negative: killed by that signal (subprocess convention)
     expected: bool  # the agent stopped it on purpose
+    # The uncaught exception the process wrote to its error file: {"type", "message", "traceback"}.
+    error: dict[str, str] | None = None
+
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+# What an exit report carries of an error file: the message's start and the traceback's end (its last
+# frames, where the exception was raised), within what the root's API accepts.
+ERROR_MESSAGE_CHARS = 2000
+ERROR_TRACEBACK_CHARS = 8000
+
+
+def read_error_file(path: Path) -> dict[str, str] | None:
+    """The exception in a torchelastic error file (`ErrorHandler.record_exception`'s format:
+    {"message": {"message": "ValueError: boom", "extraInfo": {"py_callstack": "Traceback ..."}}}; the
+    message may also be a plain string). None when there is none or it cannot be read."""
+    try:
+        data: Any = json.loads(path.read_text(errors="replace"))
+    except (OSError, ValueError):
+        return None
+    message: Any = data.get("message") if isinstance(data, dict) else None
+    extra: Any = {}
+    if isinstance(message, dict):
+        extra = message.get("extraInfo") or {}
+        message = message.get("message")
+    if not isinstance(message, str) or not message:
+        return None
+    kind, _, rest = message.partition(": ")
+    is_type = kind.replace(".", "").replace("_", "").isalnum() and " " not in kind and bool(rest)
+    stack = extra.get("py_callstack") if isinstance(extra, dict) else None
+    traceback = stack if isinstance(stack, str) else ""
+    if len(traceback) > ERROR_TRACEBACK_CHARS:
+        traceback = "...\n" + traceback[-ERROR_TRACEBACK_CHARS:]
+    return {
+        "type": kind if is_type else "",
+        "message": message[:ERROR_MESSAGE_CHARS],
+        "traceback": traceback,
+    }
 
 
 def script_arguments(command: Sequence[str]) -> list[str] | None:
@@ -175,6 +219,13 @@ class WorkerGroup:
         # Whether a command's interpreter is the spares' (by its executable and startup environment): it
         # is asked once, not at every restart.
         self._same_interpreter: dict[tuple[str, tuple[tuple[str, str], ...]], bool] = {}
+        # Each process's TORCHELASTIC_ERROR_FILE lies here (beside pids/, or a directory of its own).
+        self.error_dir = (
+            pid_dir.parent / "errors" if pid_dir else Path(tempfile.mkdtemp(prefix="castor-errors-"))
+        )
+
+    def error_file(self, spec: LaunchSpec, local_rank: int) -> Path:
+        return self.error_dir / f"generation-{spec.generation}-rank-{spec.global_rank(local_rank)}.json"
 
     @property
     def warm_spares(self) -> int:
@@ -236,6 +287,12 @@ class WorkerGroup:
 
     async def _launch(self, spec: LaunchSpec, local_rank: int) -> asyncio.subprocess.Process:
         env = spec.environment(local_rank)
+        # As torchrun does: one error file per process, set even where the user's environment names one
+        # (a shared file would mix the ranks' exceptions). A leftover of an earlier run is not this one's.
+        error_file = self.error_file(spec, local_rank)
+        self.error_dir.mkdir(parents=True, exist_ok=True)
+        error_file.unlink(missing_ok=True)
+        env[ERROR_FILE_ENV] = str(error_file)
         spares = [p for p in self._spares if p.returncode is None]
         arguments = await self.warm_arguments(spec.command, env) if spares else None
         if spares and arguments is None:
@@ -312,8 +369,11 @@ class WorkerGroup:
 
     async def _watch(self, spec: LaunchSpec, local_rank: int, process: asyncio.subprocess.Process) -> None:
         code = await process.wait()
+        error = read_error_file(self.error_file(spec, local_rank)) if code != 0 else None
         await self.exits.put(
-            ProcessExit(spec.generation, local_rank, spec.global_rank(local_rank), code, self._stopping)
+            ProcessExit(
+                spec.generation, local_rank, spec.global_rank(local_rank), code, self._stopping, error
+            )
         )
 
     def signal(self, signum: int) -> None:

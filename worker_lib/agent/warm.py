@@ -20,6 +20,7 @@ import json
 import os
 import runpy
 import sys
+from collections.abc import Callable
 
 from worker_lib.agent import die_with_parent
 
@@ -45,6 +46,10 @@ def main() -> None:
     os.environ.update(order["env"])
     os.chdir(order["cwd"])
     argv: list[str] = order["argv"]
+    recorded(run, argv)
+
+
+def run(argv: list[str]) -> None:
     if argv[0] == "-m":
         sys.argv = argv[1:]
         sys.path[0] = os.getcwd()
@@ -53,6 +58,19 @@ def main() -> None:
         sys.argv = argv
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
         runpy.run_path(argv[0], run_name="__main__")
+
+
+def recorded(function: Callable[[list[str]], None], argv: list[str]) -> None:
+    """Run the script as torchelastic's `@record` would: an uncaught exception is written to
+    TORCHELASTIC_ERROR_FILE (which the agent sends with the exit report), then raised as before. A script
+    started from a spare needs no `@record` of its own; one that has it writes the same exception there
+    first."""
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import record
+    except ImportError:  # torch without torch.distributed: the exit code alone, as before
+        function(argv)
+        return
+    record(function)(argv)
 
 
 if __name__ == "__main__":

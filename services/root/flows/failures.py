@@ -63,13 +63,18 @@ async def record_exit(
         )
     now = utcnow()
     what = f"training process rank {request.global_rank} {describe_exit(request.exit_code)}"
-    details = {
+    details: dict[str, Any] = {
         "exit_code": request.exit_code,
         "global_rank": request.global_rank,
         "local_rank": request.local_rank,
         "instance_id": request.instance_id,
         "machine_rank": rank,
     }
+    if request.error is not None:
+        # The exception itself, not only its exit code: in the cause (the pages' and the CLI's one line,
+        # within the column's 500 characters) and whole in the details (the failure page's traceback).
+        what = f"{what}: {request.error.message}"[:500]
+        details["error"] = request.error.model_dump()
     current = await joinable_failures(session, job)
     if current:
         consequence = current[0]

@@ -535,6 +535,8 @@ class FailurePage:
     details_json: str
     live: bool
     now: datetime
+    # The training process's uncaught exception, when its error file had one: {type, message, traceback}.
+    error: dict[str, Any] | None = None
 
     @property
     def title(self) -> str:
@@ -652,4 +654,5 @@ async def failure_page(
         details_json=json.dumps(details, indent=2, sort_keys=True, default=str),
         live=row.open or job.state in LIVE_JOB_STATES,
         now=now,
+        error=details["error"] if isinstance(details.get("error"), dict) else None,
     )
