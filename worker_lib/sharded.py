@@ -70,20 +70,26 @@ def local_shard(dtensor: Any) -> torch.Tensor:
 
 def spec_of(dtensor: Any, index: int) -> dict[str, JsonValue]:
     """The `dtensor` node of a DTensor whose local shard is the checkpoint's tensor `index`."""
-    spec = dict(
-        _placement_spec(
-            dtensor.device_mesh, tuple(dtensor.placements), tuple(dtensor.shape), tuple(dtensor.stride())
-        )
-    )
+    mesh = dtensor.device_mesh
+    # Cached by the mesh's identity (comparing meshes or DTensorSpecs by value costs more than the
+    # whole lookup): it runs for every sharded tensor of every save.
+    key = (id(mesh), tuple(dtensor.placements), tuple(dtensor.shape), dtensor.stride())
+    cached = _SPECS.get(key)
+    if cached is None or cached[0] is not mesh:
+        if len(_SPECS) > 4096:
+            _SPECS.clear()
+        cached = _SPECS[key] = (mesh, _placement_spec(mesh, key[1], key[2], key[3]))
+    spec = dict(cached[1])
     spec["tensor"] = index
     return spec
 
 
-@lru_cache(maxsize=4096)
+_SPECS: dict[tuple[Any, ...], tuple[Any, dict[str, JsonValue]]] = {}
+
+
 def _placement_spec(
     mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...], stride: tuple[int, ...]
 ) -> dict[str, JsonValue]:
-    # Cached: it runs for every sharded tensor of every save, and a state's shardings rarely change.
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local_shape, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
