@@ -20,7 +20,9 @@ from tests.integration.conftest import admin, bearer, create_job
 BIG = machine_flows.COUNTERS_INLINE_MAX_MACHINES + 8
 
 
-async def heartbeat(client: httpx.AsyncClient, job: dict[str, Any], rank: int, iteration: int) -> httpx.Response:
+async def heartbeat(
+    client: httpx.AsyncClient, job: dict[str, Any], rank: int, iteration: int
+) -> httpx.Response:
     summary = {"local": {str(rank): iteration}, "committed": iteration, "skipped": 0, "per_minute": 60.0}
     return await client.post(
         f"/api/v1/worker/jobs/{job['id']}/machines/{rank}/heartbeat",
@@ -101,3 +103,32 @@ async def test_a_large_jobs_counters_follow_its_heartbeats(client: httpx.AsyncCl
             break
         await asyncio.sleep(0.1)
     assert fetched["newest_iteration"] == 101
+
+
+async def test_concurrent_directive_requests_share_one_read(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    job = await registered_job(client, 4)
+    reads: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if "from recovery_plans" in statement.lower():
+            reads.append(statement)
+
+    engine = root_app.state.castor.database.engine.sync_engine
+    url = f"/api/v1/worker/jobs/{job['id']}/directive"
+    # The leader reads plans too: count only while the requests run, and allow for its few.
+    await client.get(url, params={"wait": 0}, headers=bearer(str(job["worker_token"])))
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        answers = await asyncio.gather(
+            *(
+                client.get(url, params={"wait": 0}, headers=bearer(str(job["worker_token"])))
+                for _ in range(40)
+            )
+        )
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    assert {a.status_code for a in answers} == {200}
+    assert len({a.json()["revision"] for a in answers}) == 1 and len(answers[0].json()["machines"]) == 4
+    assert len(reads) < 10, f"{len(reads)} reads of the plan for 40 requests"

@@ -78,10 +78,12 @@ async def get_directive(
         int, Query(ge=-1, le=schemas.INT32_MAX, description="Return once the revision is newer than this.")
     ] = -1,
     wait: Annotated[float, Query(ge=0, le=60, description="Seconds to wait for a newer revision.")] = 0,
-) -> schemas.DirectiveOut:
+) -> Response:
     """What this job's agents must do now (long poll): wait, train from an iteration, stop and report
     their inventory, or exit."""
-    return await directives.wait_for_directive(state.database, job_id, after, wait)
+    built = await directives.wait_for_directive(state.database, job_id, after, wait)
+    # Serialized once per read of the directive, not per agent (schema: DirectiveOut).
+    return Response(content=built.body, media_type="application/json")
 
 
 @router.post(
