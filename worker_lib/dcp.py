@@ -282,10 +282,14 @@ class CastorReader(StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 later.append((item, k, None))
                 continue
-            dest = planner.resolve_tensor(item).detach()
+            dest = planner.resolve_tensor(item)
             whole = not any(item.storage_offsets) and tuple(item.lengths) == self._shapes[k]
-            if whole and targets[k] is None and tuple(dest.shape) == self._shapes[k]:
-                targets[k] = dest  # restored straight into the state, checked stripe by stripe
+            # A whole saved chunk into a CPU tensor of its shape: restored straight into the state, each
+            # stripe checked then copied. Anything else (a part of a chunk, a GPU tensor) is restored into
+            # a fresh tensor first and copied from there.
+            cpu = dest.device.type == "cpu"
+            if whole and cpu and targets[k] is None and tuple(dest.shape) == self._shapes[k]:
+                targets[k] = dest.detach()
                 direct.append((item, dest))
             else:
                 later.append((item, k, dest))
@@ -302,7 +306,7 @@ class CastorReader(StorageReader):
             for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
                 source = source.narrow(dim, start, length)
             with torch.no_grad():
-                maybe_dest.copy_(source)
+                maybe_dest.detach().copy_(source)
             direct.append((item, maybe_dest))
         for item, dest in direct:
             planner.commit_tensor(item, dest)
