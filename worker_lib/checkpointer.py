@@ -403,7 +403,8 @@ class Checkpointer:
 
 NOT_DISTRIBUTED = -1
 # How long a save whose slot is being read keeps trying when nothing in training needs the state back
-# (an explicit wait() or close()): a replication stream lets go within a stripe once it is superseded.
+# (an explicit wait() or close()): a replication stream lets go within a stripe once it sees the store's
+# `want` marker (SlotStore.writer_waiting), which a save finding every slot held leaves.
 BUSY_WAIT_LIMIT_S = 10.0
 _BUSY_POLL_S = 0.002
 

@@ -296,7 +296,8 @@ def _job_families(
     )
     replicas_skipped = CounterMetricFamily(
         "castor_replicas_skipped",
-        "Commits the machine's replication never sent, superseded by a newer one (since the agent started).",
+        "Commits no replication round of the machine sent: rounds skip the iterations committed while one "
+        "is under way (since the agent started).",
         labels=["job", "machine"],
     )
     lag = GaugeMetricFamily(

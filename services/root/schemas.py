@@ -468,7 +468,9 @@ class CheckpointSummary(BaseModel):
         "replication or an upload) when training needed the state back.",
     )
     replicas_skipped: Count = Field(
-        0, description="Commits replication never sent: a newer one superseded them while a peer was busy."
+        0,
+        description="Commits no replication round sent: a round replicates one iteration and skips those "
+        "committed while it was under way.",
     )
     per_minute: Rate | None = Field(None, description="Effective checkpoint frequency.")
     replicated: Count = Field(0, description="Checkpoints peers verified and committed.")

@@ -293,8 +293,8 @@ class MachineServices:
             "replicas": held["replicas"],
             "committed": self.committed,
             # Two different things, counted apart: saves the training skipped (their slot was still being
-            # read when training needed the state back) and commits replication never sent (a newer one
-            # superseded them while a peer was busy).
+            # read when training needed the state back) and commits no replication round sent (the rounds
+            # skip the iterations committed while one is under way).
             "skipped": self.skipped,
             "replicas_skipped": self.replicator.stats.skipped if self.replicator else 0,
             "per_minute": min(rates) if rates else None,

@@ -235,7 +235,7 @@ class MachineBox:
     replication_lag_s: float | None
     last_heartbeat_at: datetime | None
     sends_to: list[int]
-    replicas_skipped: int = 0  # commits its replication never sent (superseded); not saves skipped
+    replicas_skipped: int = 0  # commits no replication round sent; not saves skipped
 
 
 @dataclass(frozen=True)
