@@ -34,10 +34,19 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.root.db.database import Database
-from services.root.db.models import FailureKind, JobState, MachineState, Tier
+from services.root.db.models import (
+    FailureKind,
+    JobState,
+    MachineState,
+    PersistedCheckpoint,
+    PersistedShard,
+    Tier,
+)
 from services.root.domain.ettr import MeasuredEttr
 from services.root.flows import ettr as ettr_flows
 from services.root.middleware import KNOWN_METHODS
@@ -138,6 +147,7 @@ async def database_families(database: Database) -> list[Metric]:
         active = await queries.active_jobs(session)
         summaries = await queries.live_machine_summaries(session, [job.id for job in active])
         ettrs = await ettr_flows.ettr_by_job(session, active)
+        persisted = await _persisted_iterations(session, active)
 
     result: list[Metric] = []
     family = GaugeMetricFamily("castor_jobs", "Jobs by state.", labels=["state"])
@@ -200,7 +210,49 @@ async def database_families(database: Database) -> list[Metric]:
     result.append(counter)
     result += _job_families(active, summaries)
     result += _ettr_families(active, ettrs)
+    result += _persistent_families(active, persisted)
     return result
+
+
+async def _persisted_iterations(session: AsyncSession, active: Sequence[Any]) -> dict[Any, int]:
+    """Each active job's newest complete persisted checkpoint: one shard of every rank reached the tier."""
+    if not active:
+        return {}
+    shards = (
+        select(PersistedShard.checkpoint_id, func.count().label("shards"))
+        .group_by(PersistedShard.checkpoint_id)
+        .subquery()
+    )
+    rows = await session.execute(
+        select(PersistedCheckpoint.job_id, PersistedCheckpoint.iteration, shards.c.shards)
+        .join(shards, shards.c.checkpoint_id == PersistedCheckpoint.id)
+        .where(PersistedCheckpoint.job_id.in_([job.id for job in active]))
+    )
+    world = {job.id: job.num_machines * job.procs_per_machine for job in active}
+    newest: dict[Any, int] = {}
+    for job_id, iteration, count in rows:
+        if count >= world[job_id]:
+            newest[job_id] = max(iteration, newest.get(job_id, iteration))
+    return newest
+
+
+def _persistent_families(active: Sequence[Any], persisted: dict[Any, int]) -> list[Metric]:
+    """How far the persistent tier is behind training (the alert rules in ops/prometheus/alerts.yml)."""
+    iteration = GaugeMetricFamily(
+        "castor_job_persisted_iteration",
+        "Newest iteration of the job with a complete checkpoint in the persistent tier (absent: none yet).",
+        labels=["job"],
+    )
+    every = GaugeMetricFamily(
+        "castor_job_persist_every",
+        "The job's persist_every: iterations between uploads to the persistent tier (0: disabled).",
+        labels=["job"],
+    )
+    for job in active:
+        every.add_metric([job.name], job.persist_every)
+        if job.id in persisted:
+            iteration.add_metric([job.name], persisted[job.id])
+    return [iteration, every]
 
 
 def _ettr_families(active: Sequence[Any], ettrs: dict[Any, MeasuredEttr]) -> list[Metric]:
