@@ -1,10 +1,10 @@
 """torch.distributed.checkpoint through Castor: dcp.save / dcp.async_save into the memory tier, dcp.load
 back bit-exact in new processes, and an export that plain dcp.load reads at another world size.
 
-Two real processes over gloo (torch.multiprocessing spawn) train an FSDP2 model (DTensor parameters and
-AdamW states) beside plain replicated tensors and a non-tensor value, and save through CastorWriter; they
-exit, and two new processes (a restarted job) load through CastorReader and export. The test process then
-loads the export alone (world size 1) with FileSystemReader into an unsharded model.
+Two real processes over gloo (torch.multiprocessing, forkserver) train an FSDP2 model (DTensor parameters
+and AdamW states) beside plain replicated tensors and a non-tensor value, and save through CastorWriter;
+they are killed (SIGKILL), and two new processes (a restarted job) load through CastorReader and export.
+The test process then loads each export alone (world size 1) with FileSystemReader into an unsharded model.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import tempfile
+import time
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -131,8 +133,10 @@ def rank_main(rank: int, phase: str, port: int, root: str) -> None:
 
         mesh = init_device_mesh("cpu", (WORLD,))
         result = (save_phase if phase == "save" else load_phase)(rank, mesh, Path(root))
-        dist.barrier()
         out.write_text(json.dumps(result))
+        dist.barrier()  # every rank's result written, every checkpoint committed
+        if phase == "save":
+            os.kill(os.getpid(), signal.SIGKILL)  # the job dies as a kill -9 leaves it: no teardown at all
     except BaseException:
         out.write_text(json.dumps({"error": traceback.format_exc()}))
     finally:
@@ -199,8 +203,17 @@ def run_phase(phase: str, root: Path) -> list[dict[str, Any]]:
         rank_main, args=(phase, free_port(), str(root)), nprocs=WORLD, join=False, start_method="forkserver"
     )
     assert context is not None
-    while not context.join(timeout=300):
-        pass
+    deadline = time.monotonic() + 600
+    try:
+        while not context.join(timeout=5):
+            assert time.monotonic() < deadline, f"{phase}: the ranks did not finish within 600 s"
+    except mp.ProcessExitedException as exc:
+        if not (phase == "save" and exc.signal_name == "SIGKILL"):
+            raise
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
     results = [json.loads((root / f"{phase}-{rank}.json").read_text()) for rank in range(WORLD)]
     for result in results:
         assert "error" not in result, result["error"]
