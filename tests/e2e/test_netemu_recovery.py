@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -149,10 +150,15 @@ def _settled(cluster: NetCluster, known: set[int], timeout: float = 180) -> list
         raise TimeoutError(f"{exc}\nfailures: {cluster.failures()}\n{cluster.logs()}") from exc
 
 
-def _hardware(events: list[dict[str, Any]], rank: int) -> dict[str, Any]:
+def _hardware(events: list[dict[str, Any]], rank: int, spare: Machine) -> dict[str, Any]:
+    """The machine loss among `events`: recovered, with `spare` in the lost machine's place, which fetched
+    the rank's checkpoint from a peer's memory. (Its tier may read "local" when a later failure in the same
+    recovery, e.g. a slow restart here, restarted everyone again after that fetch.)"""
     (event,) = [e for e in events if e["kind"] == "hardware"]
-    check_event(event, kind="hardware", tier="peer")
-    assert event["rank"] == rank
+    check_event(event, kind="hardware", tier=event["tier"])
+    assert event["rank"] == rank and event["details"]["replaced_by"] == spare.instance_id, event
+    fetched = re.search(rf"rank {rank}: iteration \d+ ready \(peer", spare.log_path.read_text())
+    assert fetched, f"the replacement did not restore rank {rank} from a peer:\n{spare.log_path.read_text()}"
     return event
 
 
@@ -172,7 +178,7 @@ def test_machine_loss_and_partitions_on_1_gbit_links(net_cluster: NetCluster, tm
     cluster.start_root()
     job = cluster.create_job(machines=4, replicas=2)
     # gloo's collective timeout: a rank cut off from its peers fails in seconds, not torch's 30 minutes.
-    command = cluster.training_command(logs, iterations=100_000, sleep=0.2, collective_timeout_s=20)
+    command = cluster.training_command(logs, iterations=100_000, sleep=0.2, collective_timeout_s=30)
     for index in range(4):
         cluster.start_machine(index, command, rank=index)
     wait_for_iteration(logs, 3, timeout=180)
@@ -184,9 +190,8 @@ def test_machine_loss_and_partitions_on_1_gbit_links(net_cluster: NetCluster, tm
     # 1. Machine loss.
     cluster.kill_machine(cluster.machines[2])  # agent, training process and shared memory: gone
     reached = newest_iteration(logs)
-    cluster.start_machine(4, command, rank=2, instance_id=f"spare-4-{job['id'][:8]}")
-    event = _hardware(_settled(cluster, set()), rank=2)
-    assert event["details"]["tiers"] == {"0": "local", "1": "local", "2": "peer", "3": "local"}
+    spare = cluster.start_machine(4, command, rank=2, instance_id=f"spare-4-{job['id'][:8]}")
+    _hardware(_settled(cluster, set()), rank=2, spare=spare)
     iteration = check_consistent_restore(logs, 4, reached, max_lost=None)
     wait_for_iteration(logs, iteration + 3, timeout=120)
 
@@ -201,9 +206,8 @@ def test_machine_loss_and_partitions_on_1_gbit_links(net_cluster: NetCluster, tm
     )
     reached = newest_iteration(logs)
     assert old.process.poll() is None  # cut off, it cannot know yet
-    cluster.start_machine(5, command, rank=1, instance_id=f"spare-5-{job['id'][:8]}")
-    event = _hardware(_settled(cluster, known), rank=1)
-    assert event["details"]["tiers"] == {"0": "local", "1": "peer", "2": "local", "3": "local"}
+    spare = cluster.start_machine(5, command, rank=1, instance_id=f"spare-5-{job['id'][:8]}")
+    _hardware(_settled(cluster, known), rank=1, spare=spare)
     iteration = check_consistent_restore(logs, 4, reached, max_lost=None)
     wait_for_iteration(logs, iteration + 3, timeout=120)
 

@@ -48,7 +48,7 @@ def main() -> None:
         "--collective-timeout-s",
         type=float,
         default=None,
-        help="gloo's timeout of one collective (torch's default: 30 min): a rank cut off fails sooner",
+        help="gloo's timeout of training's all-reduce (torch's default: 30 min): a rank cut off fails sooner",
     )
     parser.add_argument(
         "--print-environ", action="store_true", help="print the environment to stdout (the agent's log)"
@@ -62,14 +62,17 @@ def main() -> None:
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    seconds = args.collective_timeout_s
-    timeout = {} if seconds is None else {"timeout": timedelta(seconds=seconds)}
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size, **timeout)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
+    group = None
+    if args.collective_timeout_s is not None:
+        # Training's all-reduce only: the rendezvous keeps torch's timeout (restarted ranks join late).
+        timeout = timedelta(seconds=args.collective_timeout_s)
+        group = dist.new_group(backend="gloo", timeout=timeout)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(args.width, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, 1)
     )
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, process_group=group)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     log = (args.log_dir / f"rank-{rank}.jsonl").open("a", buffering=1)
