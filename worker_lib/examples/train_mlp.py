@@ -19,11 +19,13 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
 from worker_lib import Checkpointer
 
 
+@record  # an uncaught exception goes to TORCHELASTIC_ERROR_FILE: the failure page shows it
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iterations", type=int, default=200)
