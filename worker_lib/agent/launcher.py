@@ -219,10 +219,15 @@ class WorkerGroup:
         # Whether a command's interpreter is the spares' (by its executable and startup environment): it
         # is asked once, not at every restart.
         self._same_interpreter: dict[tuple[str, tuple[tuple[str, str], ...]], bool] = {}
-        # Each process's TORCHELASTIC_ERROR_FILE lies here (beside pids/, or a directory of its own).
-        self.error_dir = (
-            pid_dir.parent / "errors" if pid_dir else Path(tempfile.mkdtemp(prefix="castor-errors-"))
-        )
+        # Each process's TORCHELASTIC_ERROR_FILE lies here: beside pids/, or (no machine directory, as in
+        # some tests) a temporary directory made at the first launch.
+        self._error_dir = pid_dir.parent / "errors" if pid_dir else None
+
+    @property
+    def error_dir(self) -> Path:
+        if self._error_dir is None:
+            self._error_dir = Path(tempfile.mkdtemp(prefix="castor-errors-"))
+        return self._error_dir
 
     def error_file(self, spec: LaunchSpec, local_rank: int) -> Path:
         return self.error_dir / f"generation-{spec.generation}-rank-{spec.global_rank(local_rank)}.json"
