@@ -410,7 +410,17 @@ async def metrics(request: Request) -> Response:
         up.add_metric([], 0)
     leader = GaugeMetricFamily("castor_leader", "1 if this root replica is the leader (runs recoveries).")
     leader.add_metric([], 1 if state.castor.orchestrator.is_leader else 0)
-    families += [up, leader, *state.castor_metrics.registry.collect()]
+    # This replica's orchestrator since it started: a job whose step raised (the others went on), and
+    # suspect or failed machines whose heartbeats resumed.
+    step_failures = CounterMetricFamily(
+        "castor_orchestration_step_failures", "Orchestration steps of one job that raised on this replica."
+    )
+    step_failures.add_metric([], state.castor.orchestrator.step_failures)
+    reinstated = CounterMetricFamily(
+        "castor_machines_reinstated", "Suspect or failed machines reinstated when their heartbeats resumed."
+    )
+    reinstated.add_metric([], state.castor.orchestrator.reinstated)
+    families += [up, leader, step_failures, reinstated, *state.castor_metrics.registry.collect()]
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(families))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

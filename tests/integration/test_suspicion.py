@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.root.app import create_app
 from services.root.flows import recovery
@@ -180,4 +181,12 @@ async def test_one_job_whose_step_raises_does_not_stop_the_recovery_of_another(
         await healthy.kill_process(1)
         await healthy.plan(2, "collecting")  # the other job's recovery opened all the same
     assert orchestrator.step_failures > failures, "the broken job's failures are counted"
+    metrics = (await client.get("/metrics")).text
+    counted = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if not sample.labels
+    }
+    assert counted["castor_orchestration_step_failures_total"] > 0, "and exported"
     assert (await broken.api(""))["state"] == "running", "its step never got through"
