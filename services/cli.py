@@ -50,8 +50,10 @@ def _demo(args: argparse.Namespace) -> int:
     """The embedded one-machine setup: SQLite in the state dir, REST heartbeats, local machines; a training
     job that survives injected failures (see services/demo.py)."""
     import asyncio
+    import faulthandler
+    import signal
 
-    from services.demo import exit_process, serve_demo
+    from services.demo import exit_process, force_stop, serve_demo
     from services.root.settings import Settings
 
     smallest = MIN_DEMO_MACHINES_WITH_FAULTS if not args.no_faults else 2
@@ -85,11 +87,17 @@ def _demo(args: argparse.Namespace) -> int:
 
         uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
         return 0
+    # `kill -USR1 <pid>` prints every thread's stack: how to see what a demo that seems stuck is doing.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Not asyncio.run: its teardown cancels leftover tasks and joins the default executor's threads without
+    # a deadline, after serve_demo has already stopped everything it started (bounded, with a watchdog).
+    runner = asyncio.Runner()
     try:
-        code = asyncio.run(
+        code = runner.run(
             serve_demo(settings, args.machines, args.iterations, not args.no_faults, args.exit_when_done)
         )
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the first Ctrl-C stops everything; a second one interrupts that
+        force_stop()
         code = 0
     exit_process(code)  # everything is stopped: skip the interpreter's slow teardown (see exit_process)
 
@@ -267,14 +275,6 @@ def _add_ops_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
     failures_show.add_argument("job", metavar="JOB")
     failures_show.add_argument("failure_id", type=int, metavar="FAILURE_ID")
 
-
-def _split_launch_command(argv: list[str]) -> tuple[list[str], list[str]]:
-    """`castor jobs create ... --launch -- COMMAND...`: argparse cannot take a positional NAME and a
-    trailing command in one subparser, so the command after the first `--` is cut off here."""
-    if argv[:2] == ["jobs", "create"] and "--" in argv:
-        cut = argv.index("--")
-        return argv[:cut], argv[cut + 1 :]
-    return argv, []
     checkpoints = commands.add_parser(
         "checkpoints",
         help="export a job's persisted checkpoints to torch.distributed.checkpoint (admin token)",
@@ -308,6 +308,14 @@ def _split_launch_command(argv: list[str]) -> tuple[list[str], list[str]]:
         help="S3 endpoint of the persistent tier [AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL; default AWS]",
     )
 
+
+def _split_launch_command(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`castor jobs create ... --launch -- COMMAND...`: argparse cannot take a positional NAME and a
+    trailing command in one subparser, so the command after the first `--` is cut off here."""
+    if argv[:2] == ["jobs", "create"] and "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1 :]
+    return argv, []
 
 
 def build_parser(*, agent_arguments: bool = True) -> argparse.ArgumentParser:

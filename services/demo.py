@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -36,6 +38,10 @@ STEP_TIMEOUT_S = 300.0
 # How long the server's shutdown waits for open connections and request tasks before it cancels them: longer
 # than the local operator's release of the job's machines (a task of the stop request), which must finish.
 SERVER_GRACE_S = int(RELEASE_GRACE_S) + 10
+# Ctrl-C stops the job (its machines get RELEASE_GRACE_S to exit), then the server: bounded steps, and past
+# this budget a watchdog prints every thread's stack and ends the process, so a Ctrl-C never hangs silently.
+STOP_JOB_TIMEOUT_S = RELEASE_GRACE_S + 15
+SHUTDOWN_BUDGET_S = STOP_JOB_TIMEOUT_S + SERVER_GRACE_S + 15
 
 
 @dataclass
@@ -187,10 +193,30 @@ class Demo:
         the root does not take them for failed machines to replace."""
         if not self.job:
             return
-        with contextlib.suppress(httpx.HTTPError):
-            if (await self._job())["state"] not in ("completed", "failed", "stopped"):
-                await self.api("POST", f"/jobs/{self.job['id']}/stop")
-                self.say(f"Stopped job {self.job['name']}.")
+        # A client of its own: the demo's was in the middle of a request when Ctrl-C cancelled it.
+        async with httpx.AsyncClient(
+            base_url=self.url, headers=self.http.headers, timeout=STOP_JOB_TIMEOUT_S
+        ) as http:
+            try:
+                job = (await http.get(f"/api/v1/jobs/{self.job['id']}")).raise_for_status().json()
+                if job["state"] not in ("completed", "failed", "stopped"):
+                    (await http.post(f"/api/v1/jobs/{self.job['id']}/stop")).raise_for_status()
+                    self.say(f"Stopped job {self.job['name']}.")
+            except httpx.HTTPError as error:
+                self.say(f"Could not stop job {self.job['name']}: {error!r}")
+
+    def stop_machines_now(self) -> None:
+        """The last resort of a shutdown past its budget: kill this job's local machines (agents, spares and
+        training processes) by what their command lines and environments name."""
+        if not self.job:
+            return
+        shm = self.settings.local_shm_base / uuid.UUID(self.job["id"]).hex
+        # Substring matches: agents name their machine's directory under it, training processes and
+        # warm spares carry it in CASTOR_SHM_DIR.
+        local_faults.kill(
+            local_faults.pids_with_arguments(str(shm))
+            + local_faults.pids_with_environ(f"CASTOR_SHM_DIR={shm}")
+        )
 
     async def _recovered_count(self) -> int:
         return sum(
@@ -262,6 +288,8 @@ async def serve_demo(
     )
     serving = asyncio.create_task(server.serve())
     demo = Demo(settings, machines, iterations, faults)
+    watchdog = ShutdownWatchdog(demo)
+    _unfinished.append(demo)
     try:
         failures = await demo.run()
         recoveries = {e["plan_id"] for e in failures}  # a group loss is two machine failures, one recovery
@@ -275,12 +303,58 @@ async def serve_demo(
         # stay open); the server is shut down below instead.
         await asyncio.shield(serving)
         return 0
+    except asyncio.CancelledError:
+        demo.say("\nCtrl-C: stopping the demo (a second Ctrl-C forces it).")
+        raise
     finally:
+        watchdog.start()
         await asyncio.shield(demo.stop_unfinished_job())  # Ctrl-C cancels this task: finish the stop
         server.should_exit = True
         with contextlib.suppress(BaseException):
-            await asyncio.wait_for(serving, SERVER_GRACE_S + 20)  # then the lifespan closes the database
-        await demo.http.aclose()
+            await asyncio.wait_for(serving, SERVER_GRACE_S + 5)  # then the lifespan closes the database
+        with contextlib.suppress(BaseException):
+            await demo.http.aclose()
+        _unfinished.remove(demo)
+
+
+# The demo whose shutdown has not completed: a second Ctrl-C interrupts that shutdown (asyncio raises
+# KeyboardInterrupt out of the event loop), and its machines must not outlive the process.
+_unfinished: list[Demo] = []
+
+
+def force_stop() -> None:
+    """After a second Ctrl-C: kill the machines of a demo whose shutdown was interrupted."""
+    for demo in _unfinished:
+        demo.say("Ctrl-C again: killing the job's machines.")
+        demo.stop_machines_now()
+
+
+class ShutdownWatchdog:
+    """A thread that ends the demo if its shutdown overruns SHUTDOWN_BUDGET_S: it prints every thread's
+    stack (what the shutdown waits on), kills the job's machines and exits with status 1. It needs nothing
+    from the event loop, which is what a hang would be blocking."""
+
+    def __init__(self, demo: Demo, budget_s: float = SHUTDOWN_BUDGET_S):
+        self.demo = demo
+        self.budget_s = budget_s
+        self._timer: threading.Timer | None = None
+
+    def start(self) -> None:
+        if self._timer is None:
+            self._timer = threading.Timer(self.budget_s, self._give_up)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _give_up(self) -> None:
+        print(
+            f"castor demo: the shutdown took over {self.budget_s:.0f} s; the stacks of its threads:",
+            file=sys.stderr,
+            flush=True,
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        with contextlib.suppress(Exception):
+            self.demo.stop_machines_now()
+        exit_process(1)
 
 
 def exit_process(code: int) -> NoReturn:

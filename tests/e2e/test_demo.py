@@ -16,18 +16,15 @@ import httpx
 import pytest
 
 from services import local_faults
+from services.demo import SHUTDOWN_BUDGET_S
 from tests.e2e.cluster import wait_until
 from tests.harness import free_port, wait_for_port
 
 pytestmark = pytest.mark.slow
 
-# An open bug, not a flake: in two fresh-clone runs of the whole suite both Ctrl-C tests below failed (the
-# demo did not exit within 60 s of SIGINT, printing nothing after it) when they ran right after
-# test_demo_survives_three_kinds_of_failure; alone, or after every other e2e and browser test but that one,
-# they pass (14 runs). The cause is not found yet. Non-strict xfail keeps them running and visible.
-CTRL_C_AFTER_A_FAULT_DEMO = pytest.mark.xfail(
-    strict=False, reason="open bug: Ctrl-C can hang a demo started after a demo with faults (cause not found)"
-)
+# The demo's own shutdown budget (its watchdog prints the stacks and exits 1 past it), plus margin: a hang
+# shows up as a failed assertion with the stacks in the output, not as a timeout with nothing to read.
+CTRL_C_WITHIN_S = SHUTDOWN_BUDGET_S + 30
 
 
 def test_demo_survives_three_kinds_of_failure(tmp_path: Path) -> None:
@@ -57,7 +54,6 @@ def test_demo_survives_three_kinds_of_failure(tmp_path: Path) -> None:
     assert re.search(r"admin token: castor-admin\.\S+", output)
 
 
-@CTRL_C_AFTER_A_FAULT_DEMO
 def test_ctrl_c_stops_the_demo_its_job_and_its_machines(tmp_path: Path) -> None:
     shm = Path("/dev/shm") / f"castor-demo-{uuid.uuid4().hex[:8]}"
     state = tmp_path / "state"
@@ -83,7 +79,7 @@ def test_ctrl_c_stops_the_demo_its_job_and_its_machines(tmp_path: Path) -> None:
         job = wait_until(training, 180, "the demo job to train")
         assert local_faults.pids_with_arguments("--shm-dir", str(shm)), "its machines run"
         process.send_signal(signal.SIGINT)
-        output, _ = process.communicate(timeout=60)
+        output, _ = process.communicate(timeout=CTRL_C_WITHIN_S)
     finally:
         if process.poll() is None:
             process.kill()
@@ -100,7 +96,6 @@ def test_ctrl_c_stops_the_demo_its_job_and_its_machines(tmp_path: Path) -> None:
     assert not shm.exists() or not any(shm.iterdir()), "their shared memory was given back"
 
 
-@CTRL_C_AFTER_A_FAULT_DEMO
 def test_ctrl_c_after_the_job_ended_shuts_the_server_down_cleanly(tmp_path: Path) -> None:
     """Once the job is over the demo keeps serving its pages until Ctrl-C. Ctrl-C used to cancel uvicorn's
     task itself (the demo's task was awaiting it), so the server skipped its shutdown and the app's
@@ -118,7 +113,7 @@ def test_ctrl_c_after_the_job_ended_shuts_the_server_down_cleanly(tmp_path: Path
         wait_until(over, 300, "the end of the job")
         assert process.poll() is None, log.read_text()
         process.send_signal(signal.SIGINT)
-        process.wait(timeout=60)
+        process.wait(timeout=CTRL_C_WITHIN_S)
     finally:
         if process.poll() is None:
             process.kill()
