@@ -170,6 +170,7 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
 
     variants: dict[str, Callable[[], None]] = {"none": none, "memcpy": memcpy, "castor": castor}
     times: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}  # the process's CPU time, all threads
     stalls: list[float] = []
     saves: list[float] = []
     copy_cpu: list[float] = []
@@ -183,9 +184,12 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
             order = names[round_ % 3 :] + names[: round_ % 3]
             for name in order:
                 stalled_before, cpu_before = checkpointer.stats.stalled_s, copy_threads.cpu_s()
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.process_time()
                 variants[name]()
                 times[name].append(time.perf_counter() - started)
+                # A castor iteration's copy is finished inside it (the optimizer step waits for it), so its
+                # CPU is counted here.
+                cpu[name].append(time.process_time() - cpu_started)
                 if name == "castor":
                     stats = checkpointer.stats
                     stalls.append(stats.stalled_s - stalled_before)
@@ -203,6 +207,10 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
         name: statistics.median(t - n for t, n in zip(times[name], times["none"], strict=True))
         for name in ("memcpy", "castor")
     }
+    paired_cpu = {
+        name: statistics.median(t - n for t, n in zip(cpu[name], cpu["none"], strict=True))
+        for name in ("memcpy", "castor")
+    }
     castor = times["castor"]
     state_bytes = sum(source.numel() * source.element_size() for source in sources)
     return {
@@ -216,6 +224,11 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
         "iteration_s_castor": round(median["castor"], 3),
         "memcpy_overhead_pct": round(100 * paired["memcpy"] / median["none"], 2),
         "overhead_pct": round(100 * paired["castor"] / median["none"], 2),
+        "cpu_s_none": round(statistics.median(cpu["none"]), 3),
+        "cpu_s_memcpy": round(statistics.median(cpu["memcpy"]), 3),
+        "cpu_s_castor": round(statistics.median(cpu["castor"]), 3),
+        "memcpy_cpu_overhead_pct": round(100 * paired_cpu["memcpy"] / statistics.median(cpu["none"]), 2),
+        "cpu_overhead_pct": round(100 * paired_cpu["castor"] / statistics.median(cpu["none"]), 2),
         "stall_pct": round(100 * statistics.median(s / t for s, t in zip(stalls, castor, strict=True)), 3),
         "stall_ms": round(1e3 * statistics.median(stalls), 2),
         "save_call_ms": round(1e3 * statistics.median(saves), 2),
