@@ -25,7 +25,7 @@ from worker_lib.sharded import (
     check_same_sharding,
     describe_mesh,
     dtensor_type,
-    live_dtensors,
+    live_meshes,
     local_shard,
     mesh_spec,
 )
@@ -74,7 +74,7 @@ def restore_state(manifest: Manifest, data: memoryview, into: Any, engine: CopyE
         _walk(matching, into, "state", (), targets)
     # Sharded tensors without a live target (optimizer states) become DTensors on this process's mesh:
     # checked here, before any byte is copied.
-    meshes = MeshResolver(live_dtensors(into))
+    meshes = MeshResolver(live_meshes(into))
     for ref in sharded:
         if ref.index not in targets.tensors:
             meshes.check(ref.spec, manifest.tensors[ref.index].key)

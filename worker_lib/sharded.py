@@ -18,7 +18,7 @@ resharding needs every rank's shards; export the checkpoint to torch.distributed
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
 
@@ -202,8 +202,8 @@ class MeshResolver:
 
     def __init__(self, live: Iterable[Any] = ()):
         self._meshes: dict[str, Any] = {}
-        for dtensor in live:
-            self.add(dtensor.device_mesh)
+        for mesh in live:
+            self.add(mesh)
 
     def add(self, mesh: Any) -> None:
         self._meshes.setdefault(_mesh_key(mesh_spec(mesh)), mesh)
@@ -291,24 +291,29 @@ def _default_device() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-def live_dtensors(target: Any) -> list[Any]:
-    """The DTensors of a restore target (modules' states, optimizers' parameters and states, tensors), for
-    their meshes."""
+def live_meshes(target: Any) -> list[Any]:
+    """The device meshes of a restore target's DTensors (modules' parameters and buffers, optimizers'
+    parameters, tensors), each once."""
     DTensor = dtensor_type()
     if DTensor is None:
         return []
-    found: list[Any] = []
+    meshes: dict[int, Any] = {}
+
+    def add(tensors: Iterable[Any]) -> None:
+        for tensor in tensors:
+            if isinstance(tensor, DTensor):
+                mesh = getattr(tensor, "device_mesh")  # noqa: B009 (DTensor is only known at run time)
+                meshes.setdefault(id(mesh), mesh)
 
     def visit(value: Any) -> None:
-        if isinstance(value, DTensor):
-            found.append(value)
+        if isinstance(value, torch.Tensor):
+            add([value])
         elif isinstance(value, torch.nn.Module):
-            found.extend(t for t in _module_tensors(value) if isinstance(t, DTensor))
+            add(value.parameters())
+            add(value.buffers())
         elif isinstance(value, torch.optim.Optimizer):
             for group in value.param_groups:
-                found.extend(p for p in group["params"] if isinstance(p, DTensor))
-                if found:
-                    return
+                add(group["params"])
         elif isinstance(value, dict):
             for item in value.values():
                 visit(item)
@@ -317,8 +322,4 @@ def live_dtensors(target: Any) -> list[Any]:
                 visit(item)
 
     visit(target)
-    return found
-
-
-def _module_tensors(module: torch.nn.Module) -> Sequence[torch.Tensor]:
-    return [*module.parameters(), *module.buffers()]
+    return list(meshes.values())
