@@ -21,6 +21,10 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
         ("recovery.py", {"software", "etcd_detect_s"}),
         ("agent_cost.py", {"agent_cpu_s_per_iteration", "save_blocked_ms", "training_cpu_s_per_iteration"}),
         (
+            "scale.py",
+            {"machines", "register_all_s", "heartbeat_p99_ms", "false_positives", "detect_s", "job_page_ms"},
+        ),
+        (
             "models.py",
             {
                 "transformer_params_m",
