@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 TICK_S = 0.2
 CLOUD_CHECK_S = 10.0
 SUMMARY_WRITE_S = 2.0  # etcd mode: how often a heartbeat's summary is copied into the database
+SWEEP_S = 5.0  # etcd mode: how often the leader compares the machines with the live keys
 # Postgres without etcd: the advisory lock whose session holds the leadership (per database).
 ADVISORY_LOCK_KEY = 0x63617374_6F72  # "castor"
 ADVISORY_CHECK_S = 1.0
@@ -478,13 +479,19 @@ class Orchestrator:
                 sweep.cancel()
 
     async def _sweep_missing_keys(self) -> None:
-        """After becoming leader: machines whose lease expired while nobody was watching."""
+        """Machines whose lease expired while nobody was watching (before this leader, or between two
+        watches): soon after the watch starts, then every SWEEP_S (a machine that registered just before
+        the first sweep is looked at by the next)."""
         assert self.coordinator is not None
         await asyncio.sleep(self.settings.lease_ttl_s + 1.0)  # let agents that just registered put their key
-        try:
-            await self._sweep_once()
-        except Exception as exc:  # the watch restarts (with a new sweep) if etcd is the problem
-            log.warning("sweep of expired leases failed: %s", exc)
+        while True:
+            try:
+                await self._sweep_once()
+            except Deposed:
+                return
+            except Exception as exc:  # the watch restarts (with a new sweep) if etcd is the problem
+                log.warning("sweep of expired leases failed: %s", exc)
+            await asyncio.sleep(max(SWEEP_S, self.settings.lease_ttl_s + 1.0))
 
     async def _sweep_once(self) -> None:
         assert self.coordinator is not None
@@ -496,7 +503,7 @@ class Orchestrator:
                 MachineKey(m.job_id, m.rank, m.instance_id)
                 for job_id in job_ids
                 for m in await repo.live_machines(session, job_id)
-                if m.state in _ALIVE
+                if m.state in _UNSUSPECTED
                 and m.registered_at < grace
                 and MachineKey(m.job_id, m.rank, m.instance_id) not in present
             }
@@ -518,7 +525,7 @@ class Orchestrator:
                 now = utcnow()
                 for machine in await repo.live_machines(session, job_id):
                     key = MachineKey(machine.job_id, machine.rank, machine.instance_id)
-                    if key in by_job[job_id] and machine.state in _ALIVE:
+                    if key in by_job[job_id] and machine.state in _UNSUSPECTED:
                         self._suspect(job, machine, now, why)
             await self.judge(job_id)
 
@@ -567,7 +574,8 @@ class Orchestrator:
                 log.exception("cloud health check failed")
 
 
-_ALIVE = (MachineState.HEALTHY, MachineState.PENDING, MachineState.SUSPECT)
+_UNSUSPECTED = (MachineState.HEALTHY, MachineState.PENDING)
+_ALIVE = (*_UNSUSPECTED, MachineState.SUSPECT)
 
 
 def _seen(machine: Machine) -> suspicion.Seen:

@@ -20,12 +20,17 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import select
 
 from services.root.app import create_app
+from services.root.clients.etcd import machine_key
+from services.root.db.models import LeaderEpoch
 from services.root.flows import recovery
 from services.root.settings import Settings
+from tests import harness
 from tests.integration.conftest import ADMIN_TOKEN, create_job, fresh_client
 from tests.integration.web.scenario import Scenario, eventually
+from worker_lib.agent.heartbeat import etcd_heartbeats
 
 HEARTBEAT_TIMEOUT_S = 1.5
 LONG_GRACE_S = 3600.0
@@ -190,3 +195,60 @@ async def test_one_job_whose_step_raises_does_not_stop_the_recovery_of_another(
     }
     assert counted["castor_orchestration_step_failures_total"] > 0, "and exported"
     assert (await broken.api(""))["state"] == "running", "its step never got through"
+
+
+@pytest.fixture(scope="module")
+async def etcd_app(
+    postgres_server: harness.Postgres, etcd_server: harness.Etcd, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[FastAPI]:
+    settings = Settings(
+        database_url=postgres_server.create_database(f"susp_etcd_{uuid.uuid4().hex[:8]}"),
+        admin_token=ADMIN_TOKEN,
+        state_dir=tmp_path_factory.mktemp("susp-etcd-state"),
+        etcd_endpoints=[etcd_server.endpoint],
+        etcd_prefix=f"/susp-{uuid.uuid4().hex[:8]}",
+        lease_ttl_s=1,
+        suspect_grace_s=LONG_GRACE_S,
+    )
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        yield app
+
+
+async def test_etcd_a_machine_whose_lease_expires_is_suspect_and_reinstated_when_its_key_returns(
+    etcd_app: FastAPI, etcd_server: harness.Etcd
+) -> None:
+    settings = etcd_app.state.castor.settings
+    async with fresh_client(etcd_app) as client:
+        scenario = await two_machines(client)
+        job = uuid.UUID(scenario.id)
+
+        def heartbeats(rank: int) -> asyncio.Task[None]:
+            key = machine_key(settings.etcd_prefix, job, rank, scenario.instances[rank])
+            return asyncio.create_task(
+                etcd_heartbeats([etcd_server.endpoint], key, 1, 0.3, lambda: {"local": {str(rank): 5}})
+            )
+
+        alive = [heartbeats(0), heartbeats(1)]
+        try:
+            await eventually(lambda: _is_leader(etcd_app), "the root to lead")
+            alive[1].cancel()  # machine 1's lease is no longer refreshed: it expires
+            await eventually(lambda: in_state(scenario, 1, "suspect"), "machine 1 to be suspect", within=30)
+            assert await scenario.api("/failures") == [], "a lease expiry alone declares nothing"
+            alive[1] = heartbeats(1)  # its agent reaches etcd again: a new lease, the key is back
+            await eventually(
+                lambda: in_state(scenario, 1, "healthy"), "machine 1 to be reinstated", within=30
+            )
+            assert await scenario.api("/failures") == []
+        finally:
+            for task in alive:
+                task.cancel()
+            await asyncio.gather(*alive, return_exceptions=True)
+
+
+async def _is_leader(app: FastAPI) -> bool:
+    """Leading with the epoch the database holds (emptying the tables deposed the previous one)."""
+    orchestrator = app.state.castor.orchestrator
+    async with app.state.castor.database.session() as session:
+        epoch = (await session.execute(select(LeaderEpoch.epoch))).scalar_one_or_none()
+    return bool(orchestrator.is_leader and epoch is not None and orchestrator.epoch == epoch)
