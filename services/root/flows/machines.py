@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from services.root import schemas
 from services.root.clients.etcd import machine_key
 from services.root.db import repository as repo
+from services.root.db.database import mark_changed
 from services.root.db.models import (
     FailureEvent,
     FailureKind,
@@ -92,6 +93,10 @@ async def register_machine(
     machine.embedded = request.embedded
     machine.state = MachineState.HEALTHY
     machine.last_heartbeat_at = utcnow()
+    # The directive's machine list changed (a new holder of a rank, a new address): drop the cached copy at
+    # commit, else a replacement's first poll can read its rank still held by the machine it displaced
+    # and stop as "replaced".
+    mark_changed(session, job.id)
     plan = await repo.latest_plan(session, job.id)
     if job.state == JobState.PENDING and len(live) == job.num_machines:
         # Everyone is here: training starts from scratch, meeting at machine 0.

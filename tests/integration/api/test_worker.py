@@ -71,6 +71,21 @@ async def test_requested_rank(client: httpx.AsyncClient) -> None:
     assert (await register(client, job, "i-y")).json()["rank"] == 0
 
 
+async def test_a_registration_is_in_the_next_directive_at_once(client: httpx.AsyncClient) -> None:
+    """The directive is cached for a moment; a registration drops that copy, or a replacement's first poll
+    could show its rank still held by the machine it displaced (and the agent stops as "replaced")."""
+    job = await create_job(client, machines=2, replicas=2)
+    token = bearer(str(job["worker_token"]))
+    url = f"/api/v1/worker/jobs/{job['id']}/directive"
+    await register(client, job, "i-0")
+    await register(client, job, "i-1")
+    before = (await client.get(url, headers=token)).json()  # read, and cached
+    assert [(m["rank"], m["data_port"]) for m in before["machines"]] == [(0, 7000), (1, 7000)]
+    await register(client, job, "i-1", port=7100)  # the agent restarted on a new port
+    after = (await client.get(url, headers=token)).json()
+    assert [(m["rank"], m["data_port"]) for m in after["machines"]] == [(0, 7000), (1, 7100)]
+
+
 async def test_heartbeat_updates_counters(client: httpx.AsyncClient) -> None:
     job = await create_job(client, machines=2, replicas=2)
     token = bearer(str(job["worker_token"]))
