@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/models.py            # a GPT-style decoder of ~110 M parameters, 6 rounds
     .venv/bin/python benchmarks/models.py --quick    # a tiny decoder, 2 rounds: checks that it runs
+    .venv/bin/python benchmarks/models.py --only single|fsdp2    # one of the two parts
 
 The model registers the buffers transformers have: a causal mask per block (persistent, in the state) and
 the RoPE tables. One iteration is a forward, a backward and an AdamW step, in three variants:
@@ -19,7 +20,13 @@ overheads are the median of the per-round paired differences (variant minus `non
 iteration without checkpoints. `stall_pct` is the median share of a `castor` iteration that the training
 thread spent blocked inside Castor (the save() call and every wait for the copy: `stats.stalled_s`).
 `copy_cpu_s` is the CPU time the background threads used per save, read from /proc: the cycles the copy and
-its checksums take from compute when no core is idle.
+its checksums take from compute when no core is idle. `cpu_s_*` are each variant's process CPU time per
+iteration (all threads), and the `*cpu_overhead_pct` their paired differences: on a machine whose cores
+other work also wants, wall times swing with the neighbours and CPU time is what a variant costs.
+
+The FSDP2 part (`fsdp2_*`, see run_fsdp2) shards the same decoder over 4 ranks (gloo, one process each) and
+times each rank's save (to the commit), restore (in place, into the sharded model) and a plain copy of its
+local tensors (`memcpy_gbps`), interleaved in the same run.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import statistics
 import tempfile
 import threading
@@ -38,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -121,12 +131,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny decoder and 2 rounds")
     parser.add_argument("--rounds", type=int, help="rounds of one iteration per variant (default 6, quick 2)")
     parser.add_argument("--dir", default="/dev/shm", help="where the temporary store goes (a tmpfs)")
+    parser.add_argument("--only", choices=("single", "fsdp2"), help="run one part only")
     args = parser.parse_args()
     shape = QUICK if args.quick else FULL
     rounds = args.rounds or (2 if args.quick else 6)
     directory = Path(tempfile.mkdtemp(prefix="castor-models-bench-", dir=args.dir))
+    results: dict[str, object] = {}
     try:
-        results = run(shape, rounds, directory)
+        if args.only != "fsdp2":
+            results.update(run(shape, rounds, directory / "single"))
+        if args.only != "single":
+            results.update(run_fsdp2(shape, max(rounds, 3), directory / "fsdp2"))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     report(results)
@@ -238,6 +253,106 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
     }
 
 
+FSDP2_RANKS = 4
+
+
+def run_fsdp2(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
+    """FSDP2 on 4 ranks (gloo, one process each): each rank saves and restores its shards of the decoder
+    and its AdamW state; `memcpy_gbps` copies the same local tensors into preallocated, touched memory.
+    Rounds rotate the three operations (every rank runs the same one at once, between barriers); rates are
+    per rank (its bytes over its time), medians over ranks and rounds, and the ratios are medians of the
+    per-round, per-rank ratios to the same round's memcpy."""
+    directory.mkdir(parents=True)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(fsdp2_rank, args=(port, shape, rounds, str(directory)), nprocs=FSDP2_RANKS, join=True)
+    per_rank = [json.loads((directory / f"result-{rank}.json").read_text()) for rank in range(FSDP2_RANKS)]
+    rates = {
+        name: [rate for result in per_rank for rate in result[name]] for name in ("memcpy", "save", "restore")
+    }
+
+    def ratio(name: str) -> float:
+        return statistics.median(
+            r / m for result in per_rank for r, m in zip(result[name], result["memcpy"], strict=True)
+        )
+
+    return {
+        "fsdp2_ranks": FSDP2_RANKS,
+        "fsdp2_rank_state_gb": round(statistics.median(r["bytes"] for r in per_rank) / 1e9, 3),
+        "fsdp2_save_gbps": round(statistics.median(rates["save"]), 3),
+        "fsdp2_restore_gbps": round(statistics.median(rates["restore"]), 3),
+        "memcpy_gbps": round(statistics.median(rates["memcpy"]), 3),
+        "fsdp2_save_vs_memcpy": round(ratio("save"), 3),
+        "fsdp2_restore_vs_memcpy": round(ratio("restore"), 3),
+    }
+
+
+def fsdp2_rank(rank: int, port: int, shape: Shape, rounds: int, directory: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(FSDP2_RANKS)
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=FSDP2_RANKS)
+    try:
+        mesh = init_device_mesh("cpu", (FSDP2_RANKS,), mesh_dim_names=("dp",))
+        torch.manual_seed(0)
+        model = Decoder(shape)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        torch.manual_seed(1 + rank)
+        tokens = torch.randint(shape.vocab, (shape.batch, shape.context + 1))
+        F.cross_entropy(model(tokens[:, :-1]).reshape(-1, shape.vocab), tokens[:, 1:].reshape(-1)).backward()
+        optimizer.step()  # AdamW's moments exist from here on
+        optimizer.zero_grad(set_to_none=True)
+        state = {"model": model, "optimizer": optimizer}
+
+        sources = state_tensors(model, optimizer)
+        copies = [torch.empty_like(source).zero_() for source in sources]
+        nbytes = sum(source.numel() * source.element_size() for source in sources)
+        checkpointer = Checkpointer(Path(directory) / f"rank-{rank}")
+        iteration = iter(range(1, 1_000_000))
+
+        def memcpy() -> int:
+            for copy, source in zip(copies, sources, strict=True):
+                copy.copy_(source)
+            return nbytes
+
+        saved = [0]
+
+        def save() -> int:
+            saved[0] = next(iteration)
+            checkpointer.save(saved[0], state)
+            checkpointer.wait()
+            return checkpointer.stats.last_bytes
+
+        def restore() -> int:
+            # The iteration given: without it, the ranks would first agree on one (a collective).
+            restored = checkpointer.restore(state, iteration=saved[0])
+            assert restored is not None
+            return checkpointer.stats.last_bytes
+
+        operations: dict[str, Callable[[], int]] = {"memcpy": memcpy, "save": save, "restore": restore}
+        rates: dict[str, list[float]] = {name: [] for name in operations}
+        save(), save(), restore()  # both slots mapped and touched
+        names = list(operations)
+        for round_ in range(rounds):
+            for name in names[round_ % 3 :] + names[: round_ % 3]:
+                dist.barrier()
+                started = time.perf_counter()
+                moved = operations[name]()
+                rates[name].append(moved / (time.perf_counter() - started) / 1e9)
+        checkpointer.close()
+        result = {**rates, "bytes": nbytes}
+    finally:
+        dist.destroy_process_group()
+    (Path(directory) / f"result-{rank}.json").write_text(json.dumps(result))
+
+
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every tensor a checkpoint holds, each storage once (the tied head is the embedding)."""
     seen: set[int] = set()
@@ -249,6 +364,7 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[to
         if isinstance(value, torch.Tensor)
     ]
     for tensor in candidates:
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
         if tensor.untyped_storage().data_ptr() not in seen:
             seen.add(tensor.untyped_storage().data_ptr())
             tensors.append(tensor.detach())
