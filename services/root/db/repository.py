@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import case, delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -59,6 +59,25 @@ async def live_machines(session: AsyncSession, job_id: uuid.UUID) -> Sequence[Ma
         .order_by(Machine.rank)
     )
     return (await session.execute(query)).scalars().all()
+
+
+class LiveRank(NamedTuple):
+    rank: int
+    state: str
+    instance_id: str
+
+
+async def live_ranks(session: AsyncSession, job_id: uuid.UUID) -> list[LiveRank]:
+    """Each live machine's rank, state and instance id (not its row: no summary, no inventory)."""
+    query = (
+        select(Machine.rank, Machine.state, Machine.instance_id)
+        .where(Machine.job_id == job_id, Machine.state != MachineState.REPLACED)
+        .order_by(Machine.rank)
+    )
+    return [
+        LiveRank(rank, state, instance_id)
+        for rank, state, instance_id in (await session.execute(query)).all()
+    ]
 
 
 async def all_machines(session: AsyncSession, job_id: uuid.UUID) -> Sequence[Machine]:

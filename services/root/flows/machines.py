@@ -46,7 +46,9 @@ async def register_machine(
     The caller holds the job row locked (SELECT ... FOR UPDATE), so concurrent registrations serialize."""
     if job.state in (JobState.COMPLETED, JobState.STOPPED, JobState.FAILED):
         raise Conflict(f"job {job.name!r} is {job.state}; it takes no new machines", code="job_finished")
-    live = list(await repo.live_machines(session, job.id))
+    # Ranks and states only, not every machine's row: a thousand machines register one after another.
+    live = await repo.live_ranks(session, job.id)
+    registered = len(live)
     machine = await repo.machine_by_instance(session, job.id, request.instance_id)
     if machine is not None and machine.state == MachineState.REPLACED:
         raise Conflict(
@@ -55,14 +57,15 @@ async def register_machine(
         )
     if machine is None:
         rank = _choose_rank(job, live, request.rank)
-        displaced = next((m for m in live if m.rank == rank), None)
-        if displaced is not None:
+        displaced = next(iter(await repo.machines_at_ranks(session, job.id, [rank])), None)
+        if displaced is None:
+            registered += 1
+        else:
             displaced.state = MachineState.REPLACED
             await session.flush()  # frees the live-rank unique index before the insert
             await _note_replacement(session, job, displaced, request.instance_id)
         machine = Machine(job_id=job.id, rank=rank, instance_id=request.instance_id)
         session.add(machine)
-        live = [m for m in live if m is not displaced] + [machine]
     elif request.rank is not None and request.rank != machine.rank:
         raise Conflict(
             f"instance {request.instance_id!r} is already machine {machine.rank}, not {request.rank}",
@@ -98,14 +101,18 @@ async def register_machine(
     # and stop as "replaced".
     mark_changed(session, job.id)
     plan = await repo.latest_plan(session, job.id)
-    if job.state == JobState.PENDING and len(live) == job.num_machines:
+    await session.flush()
+    if job.state == JobState.PENDING and registered == job.num_machines:
         # Everyone is here: training starts from scratch, meeting at machine 0.
         job.state, job.started_at = JobState.RUNNING, utcnow()
         if plan is not None and plan.status == PlanStatus.PENDING:
-            make_ready(session, job, plan, next(m for m in live if m.rank == 0))
-    await session.flush()
+            rank0 = machine if machine.rank == 0 else (await repo.machines_at_ranks(session, job.id, [0]))[0]
+            make_ready(session, job, plan, rank0)
+        await session.flush()
 
-    placement = stored_placement(job, await repo.placement_groups(session, job.id))
+    placement = await _placement(session, job)
+    members = placement.group_of(machine.rank).members
+    peers = await repo.machines_at_ranks(session, job.id, [m for m in members if m != machine.rank])
     return schemas.RegisterResponse(
         machine_id=machine.id,
         rank=machine.rank,
@@ -116,7 +123,7 @@ async def register_machine(
         persist_every=job.persist_every,
         checkpoint_bytes_max=job.checkpoint_bytes_max,
         placement=placement_out(job, placement),
-        peers=_group_peers(machine.rank, placement.group_of(machine.rank).members, live),
+        peers=_group_peers(machine.rank, members, peers),
         heartbeat=heartbeat_config(job, machine.rank, machine.instance_id, settings),
         plan_generation=plan.generation if plan else None,
         persistent=persistent_tier(settings),
@@ -131,7 +138,7 @@ async def _note_replacement(session: AsyncSession, job: Job, failed: Machine, in
             event.details = {**event.details, "replaced_by": instance_id}
 
 
-def _choose_rank(job: Job, live: Sequence[Machine], requested: int | None) -> int:
+def _choose_rank(job: Job, live: Sequence[repo.LiveRank], requested: int | None) -> int:
     bound = {m.rank: m for m in live}
     if requested is not None:
         if requested >= job.num_machines:
