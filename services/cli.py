@@ -179,7 +179,7 @@ def _add_ops_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
         return sub
 
     jobs = commands.add_parser(
-        "jobs", help="create, list, inspect, wait for, stop and delete jobs (admin token)"
+        "jobs", help="create, list, inspect, wait for, watch, stop and delete jobs (admin token)"
     )
     job_commands = jobs.add_subparsers(dest="jobs_command", required=True, metavar="COMMAND")
     create = leaf(
@@ -262,6 +262,17 @@ def _add_ops_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
     wait.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (default: never)")
     wait.add_argument("--interval", type=float, default=1.0, metavar="S", help="poll every S seconds (1)")
     wait.add_argument("--quiet", "-q", action="store_true", help="no progress line")
+
+    watch = leaf(
+        job_commands,
+        "watch",
+        "jobs_watch",
+        help="a live view of a job's machines, replication and recovery until it ends (Ctrl-C to leave)",
+        epilog="Exits 0 when the job completes or is stopped, 1 when it fails. Without a terminal it prints\n"
+        "a line per state change and the full view once at the end.",
+    )
+    watch.add_argument("job", metavar="ID_OR_NAME")
+    watch.add_argument("--interval", type=float, default=1.0, metavar="S", help="refresh every S seconds (1)")
 
     failures = commands.add_parser(
         "failures", help="failure events of a job and their recovery (admin token)"

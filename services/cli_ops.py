@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import errno
-import itertools
+import functools
 import json
 import os
 import shlex
-import shutil
 import sys
 import time
 import uuid
@@ -29,6 +28,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import httpx
+from rich.console import Console
+
+from services import cli_render
 
 DEFAULT_ROOT_URL = "http://127.0.0.1:8080"
 JOB_STATES = ("pending", "running", "recovering", "failed", "completed", "stopped")
@@ -279,38 +281,24 @@ def format_time(value: str | datetime | None, now: datetime | None = None) -> st
     return f"{local:%Y-%m-%d %H:%M:%S} {local.tzname() or ''} ({format_ago(moment, now)})".replace("  ", " ")
 
 
-def _cell(value: object) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.1f}"
-    return str(value)
+_cell = cell = cli_render.cell
+to_text = cli_render.to_text
 
 
 def render_table(headers: Sequence[str], rows: Iterable[Sequence[object]], indent: str = "") -> str:
-    """Aligned columns, two spaces apart; numeric columns right-aligned, the last column not padded."""
-    raw = [list(row) for row in rows]
-    cells = [[_cell(value) for value in row] for row in raw]
-    widths = [len(h) for h in headers]
-    for row in cells:
-        for i, text in enumerate(row):
-            widths[i] = max(widths[i], len(text))
-    numeric = [
-        any(row[i] is not None for row in raw)
-        and all(
-            row[i] is None or (isinstance(row[i], int | float) and not isinstance(row[i], bool))
-            for row in raw
-        )
-        for i in range(len(headers))
-    ]
+    """Aligned columns, two spaces apart; numeric columns right-aligned, the last column not padded;
+    plain text (a rich table laid out at an unlimited width)."""
+    return cli_render.render_table(headers, rows, indent)
 
-    def line(texts: Sequence[str]) -> str:
-        parts = [
-            text.rjust(widths[i]) if numeric[i] else text.ljust(widths[i]) for i, text in enumerate(texts)
-        ]
-        return (indent + "  ".join(parts)).rstrip()
 
-    return "\n".join([line(list(headers)), *(line(row) for row in cells)])
+@functools.cache
+def _stdout() -> Console:
+    return cli_render.stdout_console()
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]], indent: str = "") -> str:
+    """render_table for stdout: the same layout, with state colours when stdout is a colour terminal."""
+    return cli_render.render_table(headers, rows, indent, like=_stdout())
 
 
 def render_fields(pairs: Sequence[tuple[str, object]], indent: str = "  ") -> str:
@@ -457,11 +445,7 @@ def jobs_list(client: RootClient, args: argparse.Namespace) -> int:
         )
         for job in items
     ]
-    print(
-        render_table(
-            ("NAME", "STATE", "MACHINES", "ITERATION", "FAILURES", "CKPT/MIN", "CREATED", "ID"), rows
-        )
-    )
+    print(table(("NAME", "STATE", "MACHINES", "ITERATION", "FAILURES", "CKPT/MIN", "CREATED", "ID"), rows))
     shown_to = page["offset"] + len(items)
     if page["offset"] or shown_to < page["total"]:
         more = f"; next page: --offset {shown_to}" if shown_to < page["total"] else ""
@@ -587,7 +571,7 @@ def jobs_show(client: RootClient, args: argparse.Namespace) -> int:
             for m in machines
         ]
         headers = ("RANK", "STATE", "INSTANCE", "HOST", "DATA PLANE", "HEARTBEAT", "ITERATION", "REGISTERED")
-        print(render_table(headers, rows, indent="  "))
+        print(table(headers, rows, indent="  "))
     else:
         print(f"Machines: none registered yet (0 of {job['machines']})")
     print()
@@ -599,7 +583,7 @@ def jobs_show(client: RootClient, args: argparse.Namespace) -> int:
         groups = [
             (g["index"], g["kind"], ", ".join(str(r) for r in g["members"])) for g in placement["groups"]
         ]
-        print(render_table(("GROUP", "KIND", "MEMBERS"), groups, indent="  "))
+        print(table(("GROUP", "KIND", "MEMBERS"), groups, indent="  "))
         probabilities = sorted(placement["recovery_probability"].items(), key=lambda kv: int(kv[0]))
         print("  recovery from CPU memory when k machines fail at once:")
         print("    " + "   ".join(f"k={k}: {p:.3f}" for k, p in probabilities))
@@ -607,7 +591,7 @@ def jobs_show(client: RootClient, args: argparse.Namespace) -> int:
     if failures:
         recent = failures[: args.failures]
         print(f"Recent failures ({len(recent)} of {len(failures)})")
-        print(render_table(FAILURE_HEADERS, _failure_rows(recent, now), indent="  "))
+        print(table(FAILURE_HEADERS, _failure_rows(recent, now), indent="  "))
         if len(failures) > len(recent):
             print(f"  ... `castor failures list {job['name']}` shows all {len(failures)}")
     else:
@@ -646,45 +630,18 @@ def jobs_delete(client: RootClient, args: argparse.Namespace) -> int:
     return 0
 
 
-SPINNER = "|/-\\"
-
-
-class ProgressLine:
-    """One line rewritten in place on a terminal (carriage return, no curses); silent elsewhere."""
-
-    def __init__(self, stream: TextIO, enabled: bool):
-        self.stream = stream
-        self.enabled = enabled
-        self._width = 0
-
-    def update(self, text: str) -> None:
-        if not self.enabled:
-            return
-        # One terminal row at most: a wrapped line could not be rewritten with a carriage return.
-        text = text[: max(20, shutil.get_terminal_size().columns - 1)]
-        self.stream.write("\r" + text.ljust(self._width))
-        self.stream.flush()
-        self._width = len(text)
-
-    def finish(self) -> None:
-        if self.enabled and self._width:
-            self.stream.write("\r" + " " * self._width + "\r")
-            self.stream.flush()
-            self._width = 0
-
-
-def progress_text(job: dict[str, Any], elapsed: float, tick: int, note: str = "") -> str:
+def progress_text(job: dict[str, Any], note: str = "") -> str:
+    """The state line `castor jobs wait` shows beside its spinner (rich adds the time waited)."""
     iteration = job.get("newest_iteration")
     parts = [
         f"{job['name']}: {job['state']}",
         f"iteration {iteration if iteration is not None else '-'}",
         f"machines {job['machines_healthy']}/{job['machines']} healthy",
         f"failures {job['failures']}",
-        f"{elapsed:.0f} s" if elapsed < 60 else format_duration(elapsed),
     ]
     if note:
         parts.append(note)
-    return SPINNER[tick % len(SPINNER)] + " " + "  ".join(parts)
+    return "  ".join(parts)
 
 
 def jobs_wait(
@@ -696,35 +653,31 @@ def jobs_wait(
 ) -> int:
     job = resolve_job(client, args.job)
     target: str = args.state
-    progress = ProgressLine(sys.stderr, sys.stderr.isatty() and not args.quiet)
+    console = cli_render.stderr_console()
     started = clock()
     note = ""
-    try:
-        for tick in itertools.count():
+    with cli_render.wait_progress(console, console.is_terminal and not args.quiet) as progress:
+        task = progress.add_task(progress_text(job), total=None)
+        while True:
             elapsed = clock() - started
             state = job["state"]
             if state == target:
                 break
             if state in TERMINAL_STATES:
-                progress.finish()
                 raise CliError(f"job {job['name']} ended in state {state}, not {target}")
             if args.timeout is not None and elapsed >= args.timeout:
-                progress.finish()
                 raise CliError(
                     f"timed out after {format_duration(elapsed)}: job {job['name']} is {state}, not {target}"
                 )
-            progress.update(progress_text(job, elapsed, tick, note))
+            progress.update(task, description=progress_text(job, note))
             sleep(args.interval)
             try:
                 job = client.get(f"{API}/jobs/{job['id']}")
                 note = ""
             except NotFound:
-                progress.finish()
                 raise CliError(f"job {job['name']} was deleted while waiting") from None
             except Unreachable:
                 note = "(root unreachable, retrying)"  # a root replica failing over; keep waiting
-    finally:
-        progress.finish()
     elapsed = clock() - started
     if args.json:
         print_json(job)
@@ -733,6 +686,154 @@ def jobs_wait(
         at = f" at iteration {iteration}" if iteration is not None else ""
         print(f"job {job['name']} is {job['state']}{at} (waited {format_duration(elapsed)})")
     return 0
+
+
+# ---- jobs watch -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Snapshot:
+    """What `castor jobs watch` shows: the job, its current machines and its failures (newest first)."""
+
+    job: dict[str, Any]
+    machines: list[dict[str, Any]]
+    failures: list[dict[str, Any]]
+    note: str = ""
+
+
+def take_snapshot(client: RootClient, job_id: str) -> Snapshot:
+    base = f"{API}/jobs/{job_id}"
+    job = client.get(base)
+    machines = [m for m in client.get(f"{base}/machines") if m["state"] != "replaced"]
+    return Snapshot(job, sorted(machines, key=lambda m: m["rank"]), client.get(f"{base}/failures"))
+
+
+def replication_text(job: dict[str, Any]) -> str:
+    """Replication as the job's API reports it: the newest fully replicated iteration, the achieved
+    interval, the lag behind the newest commit and whether it stalled."""
+    if job.get("replication_state") is None:
+        return (
+            "none (one replica, or nothing reported yet)"
+            if job.get("replicas") == 1
+            else "nothing reported yet"
+        )
+    parts = [f"iteration {cell(job.get('replicated_iteration'))}"]
+    if job.get("replication_interval") is not None:
+        parts.append(f"every {job['replication_interval']} iterations")
+    if job.get("replication_lag") is not None:
+        parts.append(f"lag {job['replication_lag']}")
+    return ", ".join(parts)
+
+
+def watch_view(snapshot: Snapshot, now: datetime | None = None) -> Any:
+    """The live view of one job: a state line, replication, the machines and the newest failure's phases."""
+    from rich.console import Group
+    from rich.padding import Padding
+    from rich.text import Text
+
+    now = now or datetime.now(UTC)
+    job = snapshot.job
+    header = Text.assemble(
+        ("Job ", "bold"),
+        (job["name"], "bold"),
+        "  ",
+        cli_render.styled(job["state"]),
+        f"  iteration {cell(job.get('newest_iteration'))}",
+        f"  machines {job['machines_healthy']}/{job['machines']} healthy",
+        f"  failures {job['failures']}",
+    )
+    if snapshot.note:
+        header.append(f"  {snapshot.note}", style="yellow")
+    replication = Text("Replication: ")
+    if job.get("replication_state") is not None:
+        replication.append_text(cli_render.styled(job["replication_state"]))
+        replication.append(", ")
+    replication.append(replication_text(job))
+    parts: list[Any] = [header, replication, Text("")]
+    if snapshot.machines:
+        parts.append(Text(f"Machines ({len(snapshot.machines)} of {job['machines']} registered)"))
+        rows = [
+            (
+                m["rank"],
+                m["state"],
+                m["instance_id"],
+                m["hostname"] or None,
+                format_ago(m["last_heartbeat_at"], now),
+                _machine_iteration(m),
+                (m.get("summary") or {}).get("replicated_iteration"),
+            )
+            for m in snapshot.machines
+        ]
+        headers = ("RANK", "STATE", "INSTANCE", "HOST", "HEARTBEAT", "ITERATION", "REPLICATED")
+        parts.append(Padding(cli_render.make_table(headers, rows), (0, 0, 0, 2), expand=False))
+    else:
+        parts.append(Text(f"Machines: none registered yet (0 of {job['machines']})"))
+    parts.append(Text(""))
+    if snapshot.failures:
+        failure = snapshot.failures[0]  # newest first: the recovery in progress, else the last one
+        number = f"#{failure['number']}" if failure.get("number") is not None else str(failure["id"])
+        title = Text(f"Recovery of failure {number} ({failure['kind']}, rank {cell(failure['rank'])}): ")
+        title.append_text(cli_render.styled(failure["state"]))
+        title.append(f"  {shorten(failure['cause'])}")
+        parts.append(title)
+        phases = cli_render.make_table(("PHASE", "AT", "TOOK"), phase_rows(failure, now))
+        parts.append(Padding(phases, (0, 0, 0, 2), expand=False))
+    else:
+        parts.append(Text("Failures: none"))
+    return Group(*parts)
+
+
+def jobs_watch(
+    client: RootClient,
+    args: argparse.Namespace,
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Refresh a job's view every --interval seconds until the job ends (exit 0; 1 when it failed) or
+    Ctrl-C (130). On a terminal the view is redrawn in place (rich.live.Live); elsewhere (a pipe, a log)
+    it prints one line per change of the job's state and the full view once at the end; with --json only
+    the last snapshot, as one document {"job", "machines", "failures"}."""
+    from rich.live import Live
+
+    job = resolve_job(client, args.job)
+    console = _stdout()
+    snapshot = take_snapshot(client, job["id"])
+    live = Live(
+        watch_view(snapshot), console=console, auto_refresh=False, transient=False, redirect_stderr=False
+    )
+    interactive = console.is_terminal and not console.is_dumb_terminal and not args.json
+    last_state = None
+    if interactive:
+        live.start()
+    try:
+        while True:
+            state = snapshot.job["state"]
+            if interactive:
+                live.update(watch_view(snapshot), refresh=True)
+            elif state != last_state and not args.json:
+                iteration = cell(snapshot.job.get("newest_iteration"))
+                at = f"{datetime.now().astimezone():%H:%M:%S}"
+                print(f"{at} job {job['name']}: {state}, iteration {iteration}", flush=True)
+            last_state = state
+            if state in TERMINAL_STATES:
+                break
+            sleep(args.interval)
+            try:
+                snapshot = take_snapshot(client, job["id"])
+            except NotFound:
+                raise CliError(f"job {job['name']} was deleted while watching") from None
+            except Unreachable:
+                # A root replica failing over: keep the last view, say so, and keep watching.
+                snapshot.note = "(root unreachable, retrying)"
+    finally:
+        if interactive:
+            live.stop()
+    if args.json:
+        print_json({"job": snapshot.job, "machines": snapshot.machines, "failures": snapshot.failures})
+    elif not interactive:
+        print()
+        print(to_text(watch_view(snapshot)))
+    return 1 if snapshot.job["state"] == "failed" else 0
 
 
 # ---- failures ---------------------------------------------------------------------------------------------
@@ -784,7 +885,7 @@ def failures_list(client: RootClient, args: argparse.Namespace) -> int:
     if not failures:
         print(f"job {job['name']} has no failures")
         return 0
-    print(render_table(FAILURE_HEADERS, _failure_rows(failures, datetime.now(UTC))))
+    print(table(FAILURE_HEADERS, _failure_rows(failures, datetime.now(UTC))))
     return 0
 
 
@@ -823,7 +924,7 @@ def failures_show(client: RootClient, args: argparse.Namespace) -> int:
     )
     print()
     print("Phases")
-    print(render_table(("PHASE", "AT", "TOOK"), phase_rows(failure, datetime.now(UTC)), indent="  "))
+    print(table(("PHASE", "AT", "TOOK"), phase_rows(failure, datetime.now(UTC)), indent="  "))
     print()
     if plan is not None:
         if plan["iteration"] is not None:
@@ -840,7 +941,7 @@ def failures_show(client: RootClient, args: argparse.Namespace) -> int:
             for s in sorted(plan["sources"], key=lambda s: s["rank"])
         ]
         if rows:
-            print(render_table(("RANK", "TIER", "SOURCE", "DIGEST"), rows, indent="  "))
+            print(table(("RANK", "TIER", "SOURCE", "DIGEST"), rows, indent="  "))
     elif failure.get("plan_id") is not None:
         print(f"Recovery plan {failure['plan_id']}: no longer available")
     else:
@@ -883,14 +984,11 @@ def format_bytes(count: float) -> str:
     raise AssertionError("unreachable")
 
 
-def progress_bar(phase: str, done: int, total: int, width: int = 30) -> str:
-    share = done / total if total else 1.0
-    filled = round(width * share)
-    amount = (
-        f"{done}/{total} ranks" if phase == "download" else f"{format_bytes(done)} / {format_bytes(total)}"
-    )
-    verb = "downloading" if phase == "download" else "writing"
-    return f"[{'#' * filled}{'.' * (width - filled)}] {share:4.0%}  {verb} {amount}"
+def transfer_text(phase: str, done: int, total: int) -> str:
+    """What an export's progress bar is doing: "downloading 1/2 ranks", "writing 3.0 MiB / 8.0 MiB"."""
+    if phase == "download":
+        return f"downloading {done}/{total} ranks"
+    return f"writing {format_bytes(done)} / {format_bytes(total)}"
 
 
 def checkpoints_export(client: RootClient, args: argparse.Namespace) -> int:
@@ -934,8 +1032,23 @@ def checkpoints_export(client: RootClient, args: argparse.Namespace) -> int:
     endpoint = (
         args.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     )
-    line = ProgressLine(sys.stderr, sys.stderr.isatty() and not args.json)
+    console = cli_render.stderr_console()
+    bar = cli_render.transfer_progress(console, console.is_terminal and not args.json)
+    task = bar.add_task("", total=None)
+
+    def progress(phase: str, done: int, total: int) -> None:
+        # One bar for both phases: each starts it over with its own total (ranks, then bytes). A phase's
+        # end is drawn at once: a small export can finish between two of rich's timed refreshes.
+        bar.update(
+            task,
+            completed=done,
+            total=total or 1,
+            description=transfer_text(phase, done, total),
+            refresh=done >= total,
+        )
+
     started = time.monotonic()
+    bar.start()
     try:
         store = persisted_store(chosen["location"], shards[0]["key"], endpoint_url=endpoint)
         metadata = export_persisted(
@@ -944,12 +1057,12 @@ def checkpoints_export(client: RootClient, args: argparse.Namespace) -> int:
             chosen["iteration"],
             target,
             scratch=args.scratch or target.resolve().parent,
-            progress=lambda phase, done, total: line.update(progress_bar(phase, done, total)),
+            progress=progress,
         )
     except (CheckpointError, OSError) as exc:
         raise CliError(f"exporting iteration {chosen['iteration']}: {exc}") from None
     finally:
-        line.finish()
+        bar.stop()
     document = {
         "job": job["name"],
         "iteration": chosen["iteration"],
@@ -980,6 +1093,7 @@ COMMANDS: dict[str, Callable[[RootClient, argparse.Namespace], int]] = {
     "jobs_stop": jobs_stop,
     "jobs_delete": jobs_delete,
     "jobs_wait": jobs_wait,
+    "jobs_watch": jobs_watch,
     "failures_list": failures_list,
     "failures_show": failures_show,
     "checkpoints_export": checkpoints_export,

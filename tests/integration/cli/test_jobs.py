@@ -270,8 +270,9 @@ def test_wait_shows_a_progress_line_on_a_terminal(root: Root) -> None:
         root, "jobs", "wait", name, "--state", "running", "--timeout", "1.5", "--interval", "0.2"
     )
     assert code == 1 and "timed out" in screen
-    assert f"\r| {name}: pending  iteration -  machines 0/2 healthy  failures 0" in screen, repr(screen)
-    assert screen.count("\r") >= 3, "the line is rewritten in place"
+    assert f" {name}: pending  iteration -  machines 0/2 healthy  failures 0" in screen, repr(screen)
+    # rich's progress display: the line is erased and redrawn in place (carriage return, erase line).
+    assert screen.count("\r\x1b[2K") >= 3, "the line is rewritten in place"
 
     for rank in range(2):
         root.api(

@@ -3,13 +3,16 @@ connection settings' precedence."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from services import cli_ops
 from services.cli import _split_launch_command, build_parser
+from tests.integration.cli.conftest import Root, castor, castor_on_tty, create_job, unique
 
 
 @pytest.mark.parametrize(
@@ -131,3 +134,68 @@ def test_existing_subcommands_still_parse() -> None:
     assert agent.root == "http://r" and agent.command == ["--", "python", "x.py"]
     assert parser.parse_args(["serve", "--port", "9"]).port == 9
     assert parser.parse_args(["db", "upgrade"]).revision == "head"
+
+
+# ---- rich output against the real root: colours only on a terminal, --json untouched ---------------------
+
+ANSI = "\x1b["
+
+
+def _stopped_job(root: Root) -> dict[str, Any]:
+    """A job whose documents no longer change (stopped: its ETTR and times are final)."""
+    job = create_job(root, unique("render"), machines=2)
+    root.api(
+        "POST",
+        f"/api/v1/worker/jobs/{job['id']}/machines",
+        token=job["worker_token"],
+        json={"instance_id": "i-render", "address": "127.0.0.1", "data_port": 9300},
+    ).raise_for_status()
+    root.api("POST", f"/api/v1/jobs/{job['id']}/stop").raise_for_status()
+    return job
+
+
+def test_tables_have_no_escape_sequences_without_a_terminal(root: Root) -> None:
+    job = _stopped_job(root)
+    for args in (("jobs", "list"), ("jobs", "show", job["name"]), ("failures", "list", job["name"])):
+        result = castor(root, *args)
+        assert result.returncode == 0, result.stderr
+        assert ANSI not in result.stdout and ANSI not in result.stderr, (args, result.stdout)
+    shown = castor(root, "jobs", "show", job["name"]).stdout
+    machines = shown[shown.index("RANK") :].splitlines()
+    assert machines[0].split()[:3] == ["RANK", "STATE", "INSTANCE"]
+    assert machines[1].split()[:3] == ["0", "healthy", "i-render"]
+
+
+def test_a_terminal_gets_colours_unless_no_color(root: Root, monkeypatch: pytest.MonkeyPatch) -> None:
+    job = _stopped_job(root)
+    code, screen = castor_on_tty(root, "jobs", "show", job["name"])
+    assert code == 0 and "i-render" in screen
+    assert ANSI in screen, "a terminal shows the states in colour"
+    monkeypatch.setenv("NO_COLOR", "1")  # https://no-color.org: the CLI's rich console honours it
+    code, screen = castor_on_tty(root, "jobs", "show", job["name"])
+    assert code == 0 and "i-render" in screen
+    assert ANSI not in screen, repr(screen)
+
+
+def test_json_output_is_the_apis_documents_byte_for_byte(root: Root) -> None:
+    job = _stopped_job(root)
+
+    def document(value: Any) -> str:
+        return json.dumps(value, indent=2, ensure_ascii=False) + "\n"
+
+    api = f"/api/v1/jobs/{job['id']}"
+    shown = castor(root, "jobs", "show", job["name"], "--json")
+    expected = {
+        "job": root.api("GET", api).json(),
+        "machines": root.api("GET", f"{api}/machines").json(),
+        "placement": root.api("GET", f"{api}/placement").json(),
+        "failures": root.api("GET", f"{api}/failures").json(),
+    }
+    assert shown.stdout == document(expected)
+    listed = castor(root, "jobs", "list", "--state", "stopped", "--limit", "500", "--json")
+    page = root.api("GET", "/api/v1/jobs", params={"state": "stopped", "limit": 500}).json()
+    assert listed.stdout == document(page)
+    # On a terminal too: --json is never coloured or redrawn.
+    code, screen = castor_on_tty(root, "jobs", "show", job["name"], "--json")
+    assert code == 0 and ANSI not in screen
+    assert json.loads(screen) == expected
