@@ -3,8 +3,9 @@
 They talk to a running root service over its public REST API with the admin token. Everything here is
 plain and synchronous: an httpx client wrapper that turns every expected problem (unreachable root, bad
 token, unknown job, a 409/422 from the server) into one clear line and exit code 1, the command functions,
-and a tiny renderer for aligned tables, human durations and relative timestamps. `--json` prints the API's
-JSON as one document instead.
+human durations and relative timestamps, and `castor jobs watch`'s view. Tables, colours, progress bars
+and the live view are rich's, set up in `services/cli_render.py`. `--json` prints the API's JSON as one
+document instead.
 
 The parsers are declared in `services/cli.py`; this module is imported only when one of these commands
 runs, so `castor --help` does not pay for httpx.
