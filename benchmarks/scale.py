@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import random
@@ -251,14 +252,15 @@ async def run(args: argparse.Namespace, server: harness.Postgres, database: str,
             timeout=httpx.Timeout(30.0, connect=10.0),
             limits=limits,
         )
-        machines = []
-        for rank in range(args.machines):
-            client = RootClient(url, job_id, token, timeout_s=30.0, retry_for_s=900.0)
-            await client._http.aclose()
-            client._http = (
-                shared  # one pool for all: thousands of pools would measure this process, not the root
-            )
-            machines.append(SimulatedMachine(rank, client, args.procs, args.interval, stats))
+        # One client, copied per machine (each copy keeps its own replica index), over one pool: a thousand
+        # pools (and TLS contexts) would measure this process, not the root.
+        base = RootClient(url, job_id, token, timeout_s=30.0, retry_for_s=900.0)
+        await base._http.aclose()
+        base._http = shared
+        machines = [
+            SimulatedMachine(rank, copy.copy(base), args.procs, args.interval, stats)
+            for rank in range(args.machines)
+        ]
         tasks: list[asyncio.Task[Any]] = []
         try:
             # -- register all
