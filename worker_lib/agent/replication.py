@@ -19,6 +19,20 @@ Each peer gets `streams` sender threads (each its own connection) taking the rou
 whose order rotates every round, so no local rank is always served last. While a recovery collects the
 machines' inventories, `pause()` stops new rounds and keeps the pins, so the copies the planner picks from
 the inventory are still there when the plan is carried out.
+
+Across machines (`align()`, from the root's heartbeat responses): left alone, each machine's rounds pick their
+own iterations, and after a machine loss the survivors may no longer hold locally the iteration the lost
+machine's replicas are of. Aligned rounds therefore replicate only iterations every machine agreed on, in two
+phases through the root (services/root/domain/replication.py): each machine proposes a future iteration
+(its newest commit plus a lead), adopts the largest one proposed, pins it the moment all its ranks committed
+it, and starts the round only when the root says every machine is ready on it. The job's aligned iteration
+(the newest one every machine fully replicated and still keeps) stays pinned here and is the older replica
+slot on the holders: a machine whose newest fully replicated iteration is newer than it starts no round
+until the others catch up. Pins at any moment: the aligned iteration and one more (this machine's newest
+fully replicated, the agreed one pinned ahead, or the round in flight), as without alignment: the four
+local slots per rank (CASTOR_LOCAL_SLOTS) and two replica slots per rank suffice. Without alignment from the
+root (etcd heartbeats, jobs past the inline-counter size) and while flushing at the end of training, rounds
+run free as described above.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from worker_lib.agent.dataplane import DataPlaneError, PeerConnection
 from worker_lib.agent.holdings import Holdings, manifest_generation
@@ -46,6 +61,10 @@ STREAMS_ENV = "CASTOR_REPLICATION_STREAMS"
 STREAMS = 2  # per peer: one TCP stream often cannot fill a fast link with a long round trip
 # A store of fewer slots cannot keep a pin and still let its training process rotate: nothing is pinned.
 PIN_MIN_SLOTS = 3
+# Aligned rounds: a proposal is this many iterations past the newest commit, doubled each time the agreed
+# iteration was overwritten before every local rank's copy could be pinned (the root's answer came too late).
+LEAD = 2
+LEAD_MAX = 1 << 12
 
 
 def version(manifest: Manifest) -> Version:
@@ -193,6 +212,18 @@ class Replicator:
         self._pinned_version: Version | None = None
         self._given_up: Version | None = None  # the last round given up
         self._held: dict[tuple[int, int], Version] = {}  # (machine, rank) -> what the peer holds
+        # Alignment across machines (see the module's docstring); None/empty until the root first says.
+        self._aligning = False
+        self._flushing = 0
+        self._job_aligned: int | None = None  # the job's aligned iteration, as the root last said
+        self._floor: dict[int, SlotPin] = {}  # its pins while this machine's newest fully replicated is newer
+        self._next: int | None = None  # the iteration this machine proposed or adopted for the next round
+        self._next_pins: dict[int, SlotPin] = {}
+        # "" adopted, "pinned" (every rank), "running", "done" (this machine replicated it)
+        self._next_state = ""
+        self._go = False
+        self._lead = LEAD
+        self._generation = 1  # of the newest local commits: proposals are of this history
         self._coordinator = threading.Thread(target=self._coordinate, name="castor-replication", daemon=True)
         count = default_streams() if streams is None else max(1, streams)
         self._senders = [_Sender(self, machine, s) for machine in self.targets for s in range(count)]
@@ -214,6 +245,8 @@ class Replicator:
             if self._round is not None:
                 self._release(self._round.pins)
             self._release(self._pinned)
+            self._release(self._floor)
+            self._release(self._next_pins)
 
     # -- what the agent tells it -------------------------------------------------------------------------
 
@@ -221,6 +254,35 @@ class Replicator:
         with self.condition:
             self._ranks.add(rank)
             self._noticed += 1
+            if iteration == self._next and self._next_state == "" and rank not in self._next_pins:
+                # The agreed iteration: pinned at once, before the training process rotates past it.
+                self._pin_next(rank)
+            self.condition.notify_all()
+
+    def align(self, aligned: int | None, target: int | None, go: bool) -> None:
+        """The root's view of the job (services.root.domain.replication.replication_alignment): the aligned
+        iteration every machine fully replicated and keeps, the next iteration to replicate everywhere, and
+        whether every machine has pinned it."""
+        with self.condition:
+            self._aligning = True
+            self._job_aligned = aligned
+            if aligned is not None and self._floor:
+                floor = next(iter(self._floor.values())).manifest.iteration
+                if aligned != floor:
+                    self._release(self._floor)  # the job caught up: the older aligned iteration can go
+                    self._floor = {}
+            if self._next is not None and aligned is not None and aligned >= self._next:
+                self._drop_next()  # every machine replicated it
+            if (
+                target is not None
+                and target != self._next
+                and self._next_state in ("", "pinned")
+                and (self._next is None or target > self._next)
+            ):
+                self._drop_next()
+                self._next = target  # the largest proposal: adopted, pinned when committed
+            if go and target is not None and target == self._next:
+                self._go = True
             self.condition.notify_all()
 
     def pause(self) -> None:
@@ -235,10 +297,19 @@ class Replicator:
 
     def flush(self, ranks: list[int], timeout_s: float = 60.0) -> bool:
         """Block until every peer holds the newest committed checkpoint of each of `ranks` (False on
-        timeout): a machine whose training finished replicates its last checkpoint before it says so."""
-        deadline = time.monotonic() + timeout_s
+        timeout): a machine whose training finished replicates its last checkpoint before it says so
+        (rounds run free meanwhile: the last checkpoint is no agreed iteration)."""
         with self.condition:
             self._ranks.update(ranks)
+            self._flushing += 1
+        try:
+            return self._flush(ranks, timeout_s)
+        finally:
+            with self.condition:
+                self._flushing -= 1
+
+    def _flush(self, ranks: list[int], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             newest = {rank: m for rank in ranks if (m := self.holdings.newest("local", rank)) is not None}
             with self.condition:
@@ -273,7 +344,23 @@ class Replicator:
             ),
             "replication_rounds": stats.rounds,
             "replication_aborted": stats.aborted,
+            # For the root's alignment (see align()): what this machine fully replicated and keeps pinned,
+            # the iteration it proposes or adopted for the next round, and whether it holds that pinned.
+            **(self._alignment_summary() if self.targets else {}),
         }
+
+    def _alignment_summary(self) -> dict[str, Any]:
+        with self.condition:
+            kept = {p.manifest.iteration for p in (*self._floor.values(), *self._pinned.values())}
+            if self._pinned_version is not None and not self._pinned:  # a store too small to pin
+                kept.add(self._pinned_version[1])
+            return {
+                "replication_kept": sorted(kept),
+                "replication_generation": self._generation,
+                "replication_next": self._next,
+                "replication_ready": self._next is not None
+                and self._next_state in ("pinned", "running", "done"),
+            }
 
     # -- rounds ------------------------------------------------------------------------------------------
 
@@ -289,18 +376,19 @@ class Replicator:
     def _step(self) -> None:
         """With the condition held: finish, give up or start a round, and drop pins that a rollback broke."""
         current = self._round
-        for rank, pin in list(self._pinned.items()):
-            if not pin.intact():
-                pin.release()
-                del self._pinned[rank]
-            elif pin.store.writer_waiting() and (
-                current is None or not (held := current.pins.get(rank)) or not held.held
-            ):
-                # The training process still finds no slot with the round's pin gone: its store has fewer
-                # slots than the agent made (a Checkpointer opened before they existed). Training first.
-                log.warning("rank %d's training process needs the pinned slot: unpinned", rank)
-                pin.release()
-                del self._pinned[rank]
+        for kept in (self._pinned, self._floor):
+            for rank, pin in list(kept.items()):
+                if not pin.intact():
+                    pin.release()
+                    del kept[rank]
+                elif pin.store.writer_waiting() and (
+                    current is None or not (held := current.pins.get(rank)) or not held.held
+                ):
+                    # The training process still finds no slot with the round's pin gone: its store has fewer
+                    # slots than the agent made (a Checkpointer opened before they existed). Training first.
+                    log.warning("rank %d's training process needs the pinned slot: unpinned", rank)
+                    pin.release()
+                    del kept[rank]
         if (
             current is not None
             and current.aborted is None
@@ -318,12 +406,103 @@ class Replicator:
             self._release(current.pins)
             self._round = None
             self._given_up = current.version  # the next round takes a newer one
+            if current.iteration == self._next and self._next_state == "running":
+                # The agreed iteration: every machine must replicate it, so pinned again and retried while
+                # it is still here (if it is gone, aligned rounds stall, the aligned iteration kept).
+                self._next_state = ""
         elif current is not None and not current.left:
             self._complete(current)
+        aligned = self._aligning and not self._flushing
+        if aligned and self.targets:
+            self._align_step()
         if self._round is None and not self._paused and self.targets:
-            self._round = self._start()
+            self._round = self._start_aligned() if aligned else self._start()
             if self._round is not None:
                 self.condition.notify_all()
+
+    # -- alignment across machines -----------------------------------------------------------------------
+
+    def _local_ranks(self) -> list[int]:
+        return sorted(self._ranks | set(self.holdings.ranks("local")))
+
+    def _pin_next(self, rank: int) -> None:
+        assert self._next is not None
+        try:
+            pin = self.holdings.local_store(rank).pin(self._next)
+        except CheckpointError:
+            pin = None
+        if pin is None:
+            return
+        self._next_pins[rank] = pin
+        ranks = self._local_ranks()
+        if ranks and all(r in self._next_pins for r in ranks):
+            if len({version(p.manifest) for p in self._next_pins.values()}) == 1:
+                self._next_state = "pinned"
+                self._lead = max(LEAD, self._lead // 2)
+            else:  # ranks of different histories (a rollback under way): propose anew
+                self._drop_next()
+
+    def _drop_next(self) -> None:
+        self._release(self._next_pins)
+        self._next_pins, self._next, self._next_state, self._go = {}, None, "", False
+
+    def _align_step(self) -> None:
+        """Keep the agreed iteration pinned, notice one overwritten before it could be, and propose one."""
+        ranks = self._local_ranks()
+        newest = {r: m for r in ranks if (m := self.holdings.newest("local", r)) is not None}
+        generation = max((manifest_generation(m) for m in newest.values()), default=self._generation)
+        if generation != self._generation:
+            # A recovery rolled the job back: what was proposed belongs to the old history (the root only
+            # counts proposals of the newest generation).
+            self._generation = generation
+            if self._next_state in ("", "pinned"):
+                self._drop_next()
+        if self._next_pins and not all(p.intact() for p in self._next_pins.values()):
+            self._drop_next()  # a rollback replaced it
+        if self._next_state in ("", "pinned") and any(
+            p.store.writer_waiting() for p in self._next_pins.values()
+        ):
+            log.warning(
+                "a training process needs the slot pinned ahead for iteration %s: unpinned", self._next
+            )
+            self._drop_next()  # training first; the next proposal leads by more
+            self._lead = min(LEAD_MAX, self._lead * 2)
+        if self._next is not None and self._next_state == "":
+            for rank in ranks:
+                if self._next is not None and rank not in self._next_pins and rank in newest:
+                    self._pin_next(rank)
+            if self._next is not None and any(
+                r not in self._next_pins and r in newest and newest[r].iteration > self._next for r in ranks
+            ):
+                # The training process rotated past the agreed iteration before this machine could pin it:
+                # propose a later one (the others adopt the largest proposal), further ahead this time.
+                log.info(
+                    "iteration %d was overwritten before it could be pinned: proposing a later one",
+                    self._next,
+                )
+                self._drop_next()
+                self._lead = min(LEAD_MAX, self._lead * 2)
+        ahead = (
+            self._pinned_version is not None
+            and self._job_aligned is not None
+            and self._pinned_version[1] > self._job_aligned
+        )
+        if self._next is None and not ahead and newest and len(newest) == len(ranks):
+            self._next = min(m.iteration for m in newest.values()) + self._lead
+
+    def _start_aligned(self) -> _Round | None:
+        """The agreed iteration's round, once the root said every machine pinned it."""
+        if not self._go or self._next_state != "pinned":
+            return None
+        ranks = self._local_ranks()
+        if not ranks or any(r not in self._next_pins for r in ranks):
+            return None
+        if any(self.holdings.local_store(rank).writer_waiting() for rank in ranks):
+            return None
+        pins, self._next_pins, self._next_state = dict(self._next_pins), {}, "running"
+        chosen = version(next(iter(pins.values())).manifest)
+        self._rounds += 1
+        return self._new_round(chosen, pins, ranks, min(p.manifest.committed_at for p in pins.values()))
 
     def _start(self) -> _Round | None:
         ranks = sorted(self._ranks | set(self.holdings.ranks("local")))
@@ -355,6 +534,11 @@ class Replicator:
             pins[rank] = pin
             committed_at = min(committed_at, pin.manifest.committed_at)
         self._rounds += 1
+        return self._new_round(chosen, pins, ranks, committed_at)
+
+    def _new_round(
+        self, chosen: Version, pins: dict[int, SlotPin], ranks: list[int], committed_at: float
+    ) -> _Round:
         # Round-robin over the local ranks: each round starts one rank further, so under load no rank is
         # always the last to be sent.
         shift = self._rounds % len(ranks)
@@ -368,7 +552,20 @@ class Replicator:
 
     def _complete(self, current: _Round) -> None:
         previous = self._pinned_version
+        if (
+            self._aligning
+            and previous is not None
+            and previous[1] == self._job_aligned
+            and self._pinned
+            and current.iteration != self._job_aligned
+        ):
+            # The job's aligned iteration: kept (here, and as the holders' older replica slot) until every
+            # machine replicated a newer one.
+            self._release(self._floor)
+            self._floor, self._pinned = self._pinned, {}
         self._release(self._pinned)
+        if self._aligning and current.iteration == self._next and self._next_state == "running":
+            self._next_state = "done"
         self._pinned = {rank: pin for rank, pin in current.pins.items() if pin.store.slots >= PIN_MIN_SLOTS}
         self._release({r: p for r, p in current.pins.items() if r not in self._pinned})
         self._pinned_version = current.version

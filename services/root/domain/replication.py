@@ -60,3 +60,57 @@ def job_replication(summaries: Iterable[Mapping[str, Any]]) -> ReplicationProgre
         lag=max(lags),
         state=state,
     )
+
+
+# -- cross-machine alignment -----------------------------------------------------------------------------
+# Each machine's rounds complete at their own pace, so left alone two machines keep different iterations
+# pinned: after a machine loss the survivors would not hold locally the iteration the lost machine's
+# replicas are of. Aligned rounds go through the root in two phases, over heartbeats: every agent proposes a
+# future iteration (`replication_next`), adopts the largest one proposed, pins it as soon as all its ranks
+# committed it (`replication_ready`); once every machine is ready on the same iteration the root says go, and
+# the iteration every machine fully replicated and still keeps (`replication_kept`) becomes the job's aligned
+# one. A machine keeps the aligned iteration pinned (locally and, as its older replica slot, on its holders)
+# and starts no round past its own newest until the aligned one catches up with it.
+
+
+@dataclass(frozen=True)
+class ReplicationAlignment:
+    aligned_iteration: int | None  # the newest iteration every replicating machine fully replicated and keeps
+    target: int | None  # the next iteration to replicate everywhere (the largest proposed past the aligned)
+    go: bool  # every replicating machine has pinned `target` for all its ranks: start the round
+
+
+def _iterations(value: Any) -> set[int] | None:
+    if not isinstance(value, list):
+        return None
+    return {i for v in value if (i := _count(v)) is not None}
+
+
+def replication_alignment(summaries: Iterable[Mapping[str, Any]]) -> ReplicationAlignment | None:
+    """From the machines' summaries (those that replicate report `replication_kept`); None when no machine
+    does (an older agent, m = 1)."""
+    replicating = [s for s in summaries if _iterations(s.get("replication_kept")) is not None]
+    if not replicating:
+        return None
+    common: set[int] | None = None
+    for summary in replicating:
+        kept = _iterations(summary.get("replication_kept")) or set()
+        common = kept if common is None else common & kept
+    aligned = max(common) if common else None
+    # After a rollback a machine that has not yet seen the new history still proposes an iteration of the
+    # old one: only the newest generation's proposals count.
+    generations = [_count(s.get("replication_generation")) or 1 for s in replicating]
+    newest = max(generations)
+    proposed = [
+        n
+        for s, generation in zip(replicating, generations, strict=True)
+        if generation == newest
+        and (n := _count(s.get("replication_next"))) is not None
+        and (aligned is None or n > aligned)
+    ]
+    target = max(proposed) if proposed else None
+    go = target is not None and all(
+        _count(s.get("replication_next")) == target and s.get("replication_ready") is True
+        for s in replicating
+    )
+    return ReplicationAlignment(aligned, target, go)
