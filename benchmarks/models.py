@@ -250,6 +250,7 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
         "copy_s": round(statistics.median(copy_wall), 3),
         "copy_cpu_s": round(statistics.median(copy_cpu), 3),
         "iterations_s": {name: [round(t, 3) for t in values] for name, values in times.items()},
+        "iterations_cpu_s": {name: [round(t, 3) for t in values] for name, values in cpu.items()},
     }
 
 
@@ -393,7 +394,7 @@ class ThreadClock:
 
 def report(results: dict[str, object]) -> None:
     for key, value in results.items():
-        if key != "iterations_s":
+        if key not in ("iterations_s", "iterations_cpu_s"):
             print(f"{key:>22}: {value}")
     print(json.dumps(results))
 
