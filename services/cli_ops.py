@@ -32,6 +32,7 @@ import httpx
 from rich.console import Console
 
 from services import cli_render
+from worker_lib import rest
 
 DEFAULT_ROOT_URL = "http://127.0.0.1:8080"
 JOB_STATES = ("pending", "running", "recovering", "failed", "completed", "stopped")
@@ -116,9 +117,17 @@ def mask_token(token: str) -> str:
 class RootClient:
     """The public API with the admin token; raises CliError subclasses for every expected failure."""
 
-    def __init__(self, connection: Connection, *, timeout: float = 10.0, transport: Any = None):
+    def __init__(
+        self,
+        connection: Connection,
+        *,
+        timeout: float = 10.0,
+        transport: Any = None,
+        retry_for_s: float = 5.0,
+    ):
         self.connection = connection
         self.timeout = timeout
+        self.retry_for_s = retry_for_s
         try:
             self._http = httpx.Client(
                 base_url=connection.root_url,
@@ -139,8 +148,19 @@ class RootClient:
         self, method: str, path: str, *, params: dict[str, Any] | None = None, body: Any = None
     ) -> Any:
         url = self.connection.root_url
+        # Reads are retried (worker_lib.rest's tenacity policy, as the agent's calls are) when the answer
+        # failed on the way: a 5xx or a dropped connection, as while a root replica restarts. Writes are
+        # sent once: a POST that reached the root before its answer was lost must not run twice.
+        budget = self.retry_for_s if method == "GET" else 0.0
+        retrier = rest.retrying(budget, asynchronous=False, retry_on=rest.DROPPED, reraise=True)
         try:
-            response = self._http.request(method, path, params=params, json=body)
+            for attempt in retrier:
+                with attempt:
+                    response = rest.raise_for_server_error(
+                        self._http.request(method, path, params=params, json=body)
+                    )
+        except rest.ServerError as exc:
+            response = exc.response
         except httpx.TimeoutException:
             raise Unreachable(
                 f"the root service at {url} did not answer within {self.timeout:g} s; is it overloaded "
@@ -172,14 +192,7 @@ class RootClient:
 
     def _error(self, response: httpx.Response, path: str) -> ApiError:
         status = response.status_code
-        code, message = f"http_{status}", response.reason_phrase or f"HTTP {status}"
-        try:
-            error = response.json()["error"]
-            code, message = str(error["code"]), str(error["message"])
-        except (ValueError, KeyError, TypeError):
-            text = response.text.strip()
-            if text:
-                message = text[:300]
+        code, message = rest.api_error(response, limit=300)  # the error shape, read as the agent reads it
         conn = self.connection
         used = f"the admin token {mask_token(conn.token)} from {conn.token_source}"
         if status == 401:

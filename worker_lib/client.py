@@ -2,18 +2,20 @@
 
 Training must not stop because the root is briefly gone (restarting, or leadership moving to another
 replica), so transport errors and 5xx answers are retried with backoff, across every root URL given; a
-4xx is the root's considered answer and is raised at once as RootRejected with its error code.
+4xx is the root's considered answer and is raised at once as RootRejected with its error code. The retry
+policy (tenacity) and the error shape are `worker_lib.rest`'s, which the operator CLI uses too.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import random
 from collections.abc import Sequence
 from typing import Any
 
 import httpx
+import tenacity
+
+from worker_lib import rest
 
 log = logging.getLogger(__name__)
 
@@ -117,38 +119,40 @@ class RootClient:
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
         budget = self.retry_for_s if retry_for_s is None else retry_for_s
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget
-        delay = 0.1
-        attempt = 0
-        while True:
-            url = f"{self.urls[self._current]}/api/v1/worker/jobs/{self.job_id}{path}"
-            try:
-                timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
-                response = await self._http.request(method, url, json=json, params=params, timeout=timeout)
-                if response.status_code < 500:
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
+        problem = ""
+        try:
+            async for attempt in rest.retrying(budget, len(self.urls)):
+                with attempt:
+                    url = f"{self.urls[self._current]}/api/v1/worker/jobs/{self.job_id}{path}"
+                    try:
+                        response = await self._http.request(
+                            method, url, json=json, params=params, timeout=timeout
+                        )
+                        rest.raise_for_server_error(response)
+                    except rest.RETRYABLE as exc:
+                        problem = (
+                            str(exc)
+                            if isinstance(exc, rest.ServerError)
+                            else f"{type(exc).__name__} for {url}"
+                        )
+                        # The next replica gets the next attempt (at once; the policy backs off only
+                        # after all of them failed).
+                        self._current = (self._current + 1) % len(self.urls)
+                        raise
                     return _decode(response)
-                problem = f"{response.status_code} from {url}"
-            except httpx.TransportError as exc:
-                problem = f"{type(exc).__name__} for {url}"
-            attempt += 1
-            # Try the next replica right away; back off once all of them failed.
-            self._current = (self._current + 1) % len(self.urls)
-            if loop.time() >= deadline:
-                raise RootUnavailable(f"root unreachable after {attempt} attempts: {problem}")
-            if attempt % len(self.urls) == 0:
-                log.info("root not answering (%s); retrying in %.1fs", problem, delay)
-                await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
-                delay = min(delay * 2, 2.0) * (0.75 + random.random() / 2)
+        except tenacity.RetryError as exc:
+            attempts = exc.last_attempt.attempt_number
+            raise RootUnavailable(f"root unreachable after {attempts} attempts: {problem}") from None
+        raise AssertionError("unreachable: tenacity either returns an attempt's result or raises")
 
 
 def _decode(response: httpx.Response) -> dict[str, Any]:
     if response.status_code >= 400:
-        try:
-            error = response.json()["error"]
-            raise RootRejected(response.status_code, error["code"], error["message"])
-        except (ValueError, KeyError, TypeError):
-            raise RootRejected(response.status_code, "http_error", response.text[:500]) from None
+        code, message = rest.api_error(response)
+        raise RootRejected(
+            response.status_code, code if code != f"http_{response.status_code}" else "http_error", message
+        )
     if response.status_code == 204 or not response.content:
         return {}
     body: dict[str, Any] = response.json()

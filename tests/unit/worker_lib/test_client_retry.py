@@ -1,0 +1,151 @@
+"""The root's two API clients on worker_lib.rest's tenacity policy. The agent's RootClient: a dropped
+connection or a 5xx moves to the next root replica at once and is retried within the call's budget; a 4xx
+is the root's answer, raised at once as RootRejected with the API's error code; a spent budget is
+RootUnavailable. The operator CLI's: reads retried when their answer failed on the way, writes sent once.
+The root is an httpx.MockTransport: what is under test is the clients' policy, not a server."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from services import cli_ops
+from worker_lib import rest
+from worker_lib.client import RootClient, RootRejected, RootUnavailable
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+def _client(urls: list[str], handler: Handler, retry_for_s: float = 30.0) -> tuple[RootClient, list[str]]:
+    seen: list[str] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.url.host}:{request.url.port}")
+        return handler(request)
+
+    client = RootClient(urls, "job-1", "castor-job.x", retry_for_s=retry_for_s)
+    client._http = httpx.AsyncClient(transport=httpx.MockTransport(record))
+    return client, seen
+
+
+async def test_a_dead_replica_hands_the_call_to_the_next_one() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.port == 8001:
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(200, json={"rank": 3})
+
+    client, seen = _client(["http://a:8001", "http://b:8002"], handler)
+    async with client:
+        assert await client.register(instance_id="i-1") == {"rank": 3}
+        assert seen == ["a:8001", "b:8002"]
+        # The replica that answered is asked first next time.
+        assert await client.report_progress(3, {"event": "resumed"}) == {"rank": 3}
+        assert seen[-1] == "b:8002" and len(seen) == 3
+
+
+async def test_a_5xx_is_retried_and_a_4xx_is_not() -> None:
+    answers = [httpx.Response(503, text="overloaded"), httpx.Response(200, json={"ok": True})]
+    client, seen = _client(["http://a:8001"], lambda request: answers.pop(0))
+    async with client:
+        assert await client.report_inventory(0, {}) == {"ok": True}
+    assert len(seen) == 2
+
+    error = {"error": {"code": "machine_replaced", "message": "rank 0 is held by i-2", "details": {}}}
+    client, seen = _client(["http://a:8001"], lambda request: httpx.Response(409, json=error))
+    async with client:
+        with pytest.raises(RootRejected) as rejected:
+            await client.heartbeat(0, "i-1", {})
+    assert (rejected.value.status, rejected.value.code) == (409, "machine_replaced")
+    assert rejected.value.message == "rank 0 is held by i-2" and len(seen) == 1
+
+    client, _ = _client(["http://a:8001"], lambda request: httpx.Response(404, text="<html>nope</html>"))
+    async with client:
+        with pytest.raises(RootRejected) as not_json:
+            await client.report_persisted(0, {})
+    assert (not_json.value.code, not_json.value.message) == ("http_error", "<html>nope</html>")
+
+
+async def test_a_spent_budget_is_root_unavailable() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    client, seen = _client(["http://a:8001", "http://b:8002"], handler, retry_for_s=0.3)
+    async with client:
+        with pytest.raises(RootUnavailable, match=r"root unreachable after \d+ attempts: ConnectError for"):
+            await client.report_progress(0, {})
+    assert len(seen) >= 2 and {"a:8001", "b:8002"} <= set(seen), "every replica was tried"
+    # Strictly alternating: a failed replica hands over to the next, never to itself.
+    assert all(first != second for first, second in itertools.pairwise(seen))
+
+
+def test_backoff_waits_only_after_a_full_round_of_replicas() -> None:
+    wait = rest.backoff(replicas=3)
+
+    class State:
+        def __init__(self, attempt: int):
+            self.attempt_number = attempt
+
+    waits = [wait(State(n)) for n in range(1, 10)]  # type: ignore[arg-type]
+    assert waits[0] == waits[1] == 0.0 and waits[3] == waits[4] == 0.0
+    assert 0 < waits[2] <= rest.FIRST_BACKOFF_S * 1.25  # after the first round
+    assert waits[5] > 0 and waits[8] > 0
+    assert max(waits) <= rest.MOST_BACKOFF_S * 1.25
+
+
+def test_api_error_reads_the_error_shape_or_the_text() -> None:
+    shaped = httpx.Response(
+        422, json={"error": {"code": "validation_error", "message": "bad", "details": {}}}
+    )
+    assert rest.api_error(shaped) == ("validation_error", "bad")
+    assert rest.api_error(httpx.Response(502, text="  Bad gateway  ")) == ("http_502", "Bad gateway")
+    assert rest.api_error(httpx.Response(500)) == ("http_500", "Internal Server Error")
+
+
+# ---- the operator CLI's client on the same policy ---------------------------------------------------------
+
+
+def _cli(handler: Handler, retry_for_s: float = 30.0) -> tuple[cli_ops.RootClient, list[str]]:
+    seen: list[str] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        seen.append(request.method)
+        return handler(request)
+
+    connection = cli_ops.Connection("http://root:8080", "castor-admin.x", "--token")
+    client = cli_ops.RootClient(connection, transport=httpx.MockTransport(record), retry_for_s=retry_for_s)
+    return client, seen
+
+
+def test_the_cli_retries_a_read_whose_answer_failed_on_the_way() -> None:
+    answers: list[Callable[[httpx.Request], httpx.Response]] = [
+        lambda request: httpx.Response(503, text="restarting"),
+        lambda request: (_ for _ in ()).throw(httpx.RemoteProtocolError("peer closed", request=request)),
+        lambda request: httpx.Response(200, json={"items": [], "total": 0}),
+    ]
+    client, seen = _cli(lambda request: answers.pop(0)(request))
+    with client:
+        assert client.get("/api/v1/jobs") == {"items": [], "total": 0}
+    assert seen == ["GET", "GET", "GET"]
+
+
+def test_the_cli_sends_a_write_once_and_reports_a_refused_connection_at_once() -> None:
+    client, seen = _cli(lambda request: httpx.Response(503, text="restarting"))
+    with client, pytest.raises(cli_ops.ApiError, match=r"the root service failed \(HTTP 503\): restarting"):
+        client.request("POST", "/api/v1/jobs/x/stop")
+    assert seen == ["POST"], "a write that may have reached the root is never sent twice"
+
+    def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    client, seen = _cli(refused)
+    with client, pytest.raises(cli_ops.Unreachable, match="connection refused"):
+        client.get("/api/v1/jobs")
+    assert seen == ["GET"], "no root at the URL: said at once, not after a budget of retries"
+
+    client, seen = _cli(lambda request: httpx.Response(500, text="boom"), retry_for_s=0.3)
+    with client, pytest.raises(cli_ops.ApiError, match=r"HTTP 500"):
+        client.get("/api/v1/jobs")
+    assert len(seen) >= 2, "retried until the budget was spent, then the root's own answer"
