@@ -498,6 +498,21 @@ class CheckpointSummary(BaseModel):
         description="Replication rounds given up: a training process needed a slot back, a peer refused the "
         "checkpoint, or a rollback replaced it.",
     )
+    replication_kept: list[Count] | None = Field(
+        None,
+        max_length=16,
+        description="Iterations this machine fully replicated and keeps pinned, locally and on its peers "
+        "(null: it replicates to no peer). The job's aligned iteration is the newest every machine keeps.",
+    )
+    replication_next: Count | None = Field(
+        None, description="The iteration this machine proposed or adopted for the next aligned round."
+    )
+    replication_ready: bool = Field(
+        False, description="Whether every local rank's checkpoint of replication_next is pinned here."
+    )
+    replication_generation: Count | None = Field(
+        None, description="Plan generation of the newest local commits (proposals of an older one are stale)."
+    )
     uploaded: Count = Field(0, description="Checkpoints uploaded to the persistent tier.")
     warm_spares: Count | None = Field(
         None, description="Warm interpreters (torch imported) ready for the next restart."
@@ -520,11 +535,26 @@ class HeartbeatRequest(BaseModel):
     summary: CheckpointSummary = Field(default_factory=CheckpointSummary)
 
 
+class ReplicationAlignment(BaseModel):
+    """Replication rounds aligned across machines (see services.root.domain.replication)."""
+
+    aligned_iteration: int | None = Field(
+        description="The newest iteration every replicating machine fully replicated and keeps pinned."
+    )
+    target: int | None = Field(description="The next iteration to replicate everywhere (largest proposal).")
+    go: bool = Field(description="Every replicating machine pinned the target: start its round.")
+
+
 class HeartbeatResponse(BaseModel):
     state: str = Field(description="This machine's state as the root sees it.")
     job_state: str
     plan_generation: int | None
     peers: list[Peer]
+    replication: ReplicationAlignment | None = Field(
+        None,
+        description="Alignment of the replication rounds, from every live machine's last summary (null: no "
+        "machine replicates, or the job is past the size whose counters a heartbeat refreshes itself).",
+    )
 
 
 class ProcessError(BaseModel):

@@ -30,11 +30,16 @@ class Replaced(Exception):
 
 
 async def rest_heartbeats(
-    client: RootClient, rank: int, instance_id: str, interval_s: float, summary: Summary
+    client: RootClient,
+    rank: int,
+    instance_id: str,
+    interval_s: float,
+    summary: Summary,
+    on_response: Callable[[dict[str, Any]], None] = lambda response: None,
 ) -> None:
     while True:
         try:
-            await client.heartbeat(rank, instance_id, summary())
+            on_response(await client.heartbeat(rank, instance_id, summary()))
         except RootRejected as exc:
             if exc.code in REPLACED_CODES:
                 raise Replaced(exc.message) from exc

@@ -31,8 +31,9 @@ slot on the holders: a machine whose newest fully replicated iteration is newer 
 until the others catch up. Pins at any moment: the aligned iteration and one more (this machine's newest
 fully replicated, the agreed one pinned ahead, or the round in flight), as without alignment: the four
 local slots per rank (CASTOR_LOCAL_SLOTS) and two replica slots per rank suffice. Without alignment from the
-root (etcd heartbeats, jobs past the inline-counter size) and while flushing at the end of training, rounds
-run free as described above.
+root (etcd heartbeats, jobs past the inline-counter size), while flushing at the end of training, and until
+the job's first aligned iteration (between agreements; a free round is given up when an agreed iteration
+is pinned), rounds run free as described above.
 """
 
 from __future__ import annotations
@@ -416,7 +417,10 @@ class Replicator:
         if aligned and self.targets:
             self._align_step()
         if self._round is None and not self._paused and self.targets:
-            self._round = self._start_aligned() if aligned else self._start()
+            # Until the job has an aligned iteration (at its start, after a rollback) rounds also run free
+            # while no agreed iteration is pinned: a machine lost early still finds this machine's replicas.
+            free = not aligned or (self._job_aligned is None and self._next_state == "")
+            self._round = self._start() if free else self._start_aligned()
             if self._round is not None:
                 self.condition.notify_all()
 
@@ -433,12 +437,18 @@ class Replicator:
             pin = None
         if pin is None:
             return
+        current = self._round
+        if current is not None and current.iteration != self._next and current.aborted is None:
+            # A free round (before the job's first aligned iteration) would leave the training process one
+            # slot with this pin too: the agreed iteration comes first.
+            current.aborted = "an agreed iteration is pinned"
+            self._release(current.pins)  # the senders' own read locks go as their transfers unwind
         self._next_pins[rank] = pin
         ranks = self._local_ranks()
         if ranks and all(r in self._next_pins for r in ranks):
             if len({version(p.manifest) for p in self._next_pins.values()}) == 1:
                 self._next_state = "pinned"
-                self._lead = max(LEAD, self._lead // 2)
+                self._lead = max(LEAD, self._lead * 3 // 4)
             else:  # ranks of different histories (a rollback under way): propose anew
                 self._drop_next()
 

@@ -332,9 +332,18 @@ class MachineServices:
                     self.identity.instance_id,
                     config["interval_s"],
                     self.summary,
+                    self._heartbeat_answered,
                 )
         finally:
             peers.cancel()
+
+    def _heartbeat_answered(self, response: dict[str, Any]) -> None:
+        """The root's alignment of replication rounds across machines (REST heartbeats only)."""
+        alignment = response.get("replication")
+        if self.replicator is not None and isinstance(alignment, dict):
+            self.replicator.align(
+                alignment.get("aligned_iteration"), alignment.get("target"), bool(alignment.get("go"))
+            )
 
     async def _refresh_peers(self) -> None:
         while True:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from sqlalchemy import event as orm_event
@@ -28,7 +28,7 @@ from services.root.db.models import (
     utcnow,
 )
 from services.root.domain.placement import Placement
-from services.root.domain.replication import job_replication
+from services.root.domain.replication import job_replication, replication_alignment
 from services.root.errors import Conflict
 from services.root.flows.directives import make_ready
 from services.root.flows.jobs import placement_out, stored_placement
@@ -236,8 +236,11 @@ async def record_heartbeat(
         ]
         _refresh_job_counters(job, live)
         await session.flush()
+        # Replication rounds aligned across machines: the answer every agent acts on (domain.replication).
+        alignment = replication_alignment(m.summary for m in live)
     else:
         refresh_counters_soon(session, job.id)
+        alignment = None  # rounds run free (README, Limitations)
     state = await repo.touch_machine(session, job.id, rank, request.instance_id, at=utcnow(), summary=summary)
     if state is None:
         await live_machine_at(session, job, rank, request.instance_id)  # says why (409)
@@ -251,6 +254,7 @@ async def record_heartbeat(
         job_state=job.state,
         plan_generation=await repo.latest_generation(session, job.id),
         peers=_group_peers(rank, members, peers),
+        replication=None if alignment is None else schemas.ReplicationAlignment(**asdict(alignment)),
     )
 
 

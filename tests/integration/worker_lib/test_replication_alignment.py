@@ -20,11 +20,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
 from services.root.domain.recovery import MemoryCopy, plan_recovery
 from services.root.domain.replication import ReplicationAlignment, replication_alignment
+from tests.integration.web.scenario import running_job
 from worker_lib import Checkpointer
 from worker_lib.agent.dataplane import DataPlaneServer, PeerConnection, data_plane_key
 from worker_lib.agent.holdings import Holdings
@@ -167,17 +169,17 @@ def test_machines_at_different_paces_keep_one_iteration_for_every_rank_locally_a
                     replicators[machine].notice_commit(rank, iteration)
             alignment = heartbeats(replicators)
             pace.commit()
-            if any(r.stats.replicated_iteration is None for r in replicators):
-                continue  # not every machine has fully replicated anything yet
             aligned = alignment.aligned_iteration
+            if aligned is None:
+                continue  # until the first aligned round completed everywhere, rounds run free
             for lost in range(MACHINES):
                 common = common_after_losing(lost, holdings)
                 assert common, (
                     f"iteration {iteration}: losing machine {lost} leaves no iteration in memory for every "
                     f"rank (fully replicated: {[r.stats.replicated_iteration for r in replicators]})"
                 )
-                assert aligned is None or aligned in common, (aligned, sorted(common))
-            if aligned is not None and (not aligned_seen or aligned_seen[-1] != aligned):
+                assert aligned in common, (aligned, sorted(common))
+            if not aligned_seen or aligned_seen[-1] != aligned:
                 aligned_seen.append(aligned)
             if len(aligned_seen) >= 4:
                 break
@@ -220,3 +222,30 @@ def test_machines_at_different_paces_keep_one_iteration_for_every_rank_locally_a
             server.stop()
         for h in holdings:
             h.close()
+
+
+async def test_the_heartbeat_answers_with_the_jobs_alignment(client: httpx.AsyncClient) -> None:
+    """The root's side, through the heartbeat route: every live machine's last summary counts."""
+    job = await running_job(client, machines=2)
+
+    async def beat(rank: int, kept: list[int], proposed: int | None, ready: bool) -> Any:
+        summary = {
+            "local": {str(rank): 30},
+            "replication_kept": kept,
+            "replication_next": proposed,
+            "replication_ready": ready,
+            "replication_generation": 1,
+        }
+        body = {"instance_id": job.instances[rank], "summary": summary}
+        return (await job.post(f"/machines/{rank}/heartbeat", body, 200)).json()["replication"]
+
+    # Machine 1 has not reported replicating yet (a machine with no peer never does): machine 0 alone counts.
+    assert await beat(0, [10, 20], 24, True) == {"aligned_iteration": 20, "target": 24, "go": True}
+    assert await beat(1, [10], 26, False) == {"aligned_iteration": 10, "target": 26, "go": False}
+    assert await beat(0, [10, 20], 26, True) == {"aligned_iteration": 10, "target": 26, "go": False}
+    assert await beat(1, [10], 26, True) == {"aligned_iteration": 10, "target": 26, "go": True}
+    await job.post(
+        "/machines/0/heartbeat",
+        {"instance_id": job.instances[0], "summary": {"replication_kept": ["x"]}},
+        422,
+    )
