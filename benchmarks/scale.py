@@ -300,17 +300,21 @@ async def run(args: argparse.Namespace, server: harness.Postgres, database: str,
         try:
             # -- register all
             started = time.monotonic()
-            await asyncio.gather(*(m.register() for m in machines))
+
+            async def join(machine: SimulatedMachine) -> None:
+                await machine.register()
+                # As an agent: heartbeats and the directive from its registration on (a machine registered
+                # early and silent until the last one registered would be suspect at the start).
+                tasks.extend(
+                    asyncio.create_task(work)
+                    for work in (machine.heartbeats(), machine.directives(), machine.peer_refreshes())
+                )
+
+            await asyncio.gather(*(join(m) for m in machines))
             register_all_s = time.monotonic() - started
             print(
                 f"registered {args.machines} machines in {register_all_s:.1f}s", file=sys.stderr, flush=True
             )
-            for machine in machines:
-                tasks += [
-                    asyncio.create_task(machine.heartbeats()),
-                    asyncio.create_task(machine.directives()),
-                    asyncio.create_task(machine.peer_refreshes()),
-                ]
             # Every machine resumed before the steady state counts.
             deadline = time.monotonic() + max(120.0, args.machines * 0.5)
             while time.monotonic() < deadline:
