@@ -20,19 +20,19 @@ whose order rotates every round, so no local rank is always served last. While a
 machines' inventories, `pause()` stops new rounds and keeps the pins, so the copies the planner picks from
 the inventory are still there when the plan is carried out.
 
-Across machines (`align()`, from the root's heartbeat responses): left alone, each machine's rounds pick their
-own iterations, and after a machine loss the survivors may no longer hold locally the iteration the lost
-machine's replicas are of. Aligned rounds therefore replicate only iterations every machine agreed on, in two
-phases through the root (services/root/domain/replication.py): each machine proposes a future iteration
-(its newest commit plus a lead), adopts the largest one proposed, pins it the moment all its ranks committed
-it, and starts the round only when the root says every machine is ready on it. The job's aligned iteration
-(the newest one every machine fully replicated and still keeps) stays pinned here and is the older replica
-slot on the holders: a machine whose newest fully replicated iteration is newer than it starts no round
-until the others catch up. Pins at any moment: the aligned iteration and one more (this machine's newest
-fully replicated, the agreed one pinned ahead, or the round in flight), as without alignment: the four
-local slots per rank (CASTOR_LOCAL_SLOTS) and two replica slots per rank suffice. Without alignment from the
-root (etcd heartbeats, jobs past the inline-counter size), while flushing at the end of training, and until
-the job's first aligned iteration (between agreements; a free round is given up when an agreed iteration
+Across machines (`align()`, from the root's heartbeat responses, with CASTOR_REPLICATION_ALIGN=1): left alone,
+each machine's rounds pick their own iterations, and after a machine loss the survivors may no longer hold
+locally the iteration the lost machine's replicas are of. Aligned rounds therefore replicate only iterations
+every machine agreed on, in two phases through the root (services/root/domain/replication.py): each machine
+proposes a future iteration (its newest commit plus a lead), adopts the largest one proposed, pins it the
+moment all its ranks committed it, and starts the round only when the root says every machine is ready on it.
+The job's aligned iteration (the newest one every machine fully replicated and still keeps) stays pinned here
+and is the older replica slot on the holders: a machine whose newest fully replicated iteration is newer than
+it starts no round until the others catch up. Pins at any moment: the aligned iteration and one more (this
+machine's newest fully replicated, the agreed one pinned ahead, or the round in flight), as without alignment:
+the four local slots per rank (CASTOR_LOCAL_SLOTS) and two replica slots per rank suffice. Without alignment
+from the root (etcd heartbeats, jobs past the inline-counter size), while flushing at the end of training, and
+until the job's first aligned iteration (between agreements; a free round is given up when an agreed iteration
 is pinned), rounds run free as described above.
 """
 
@@ -59,6 +59,9 @@ PeerAddress = tuple[str, int]
 REFUSALS = ("too_large", "manifest_unauthenticated")  # codes of a receiver that will refuse again
 Version = tuple[int, int]  # (plan generation, iteration): after a rollback an iteration number recurs
 STREAMS_ENV = "CASTOR_REPLICATION_STREAMS"
+# Opt-in: aligned rounds lag free ones by a few heartbeat round trips, so with a frequent persistent tier a
+# newer persisted checkpoint can win a recovery that free rounds would have served from a peer (README).
+ALIGN_ENV = "CASTOR_REPLICATION_ALIGN"
 STREAMS = 2  # per peer: one TCP stream often cannot fill a fast link with a long round trip
 # A store of fewer slots cannot keep a pin and still let its training process rotate: nothing is pinned.
 PIN_MIN_SLOTS = 3
@@ -70,6 +73,11 @@ LEAD_MAX = 1 << 12
 
 def version(manifest: Manifest) -> Version:
     return manifest_generation(manifest), manifest.iteration
+
+
+def aligned_rounds() -> bool:
+    """Whether the agent follows the root's alignment of rounds across machines: $CASTOR_REPLICATION_ALIGN."""
+    return os.environ.get(ALIGN_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def default_streams() -> int:

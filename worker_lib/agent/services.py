@@ -21,7 +21,7 @@ from typing import Any
 from worker_lib.agent.dataplane import REPLICA_BYTES_MAX_ENV, DataPlaneServer, data_plane_key
 from worker_lib.agent.heartbeat import etcd_heartbeats, rest_heartbeats
 from worker_lib.agent.holdings import SLOTS, Holdings, local_slots, manifest_generation, rank_capacity
-from worker_lib.agent.replication import Replicator
+from worker_lib.agent.replication import Replicator, aligned_rounds
 from worker_lib.client import RootClient, RootRejected, RootUnavailable
 from worker_lib.errors import CheckpointNotFoundError
 from worker_lib.persistent import ObjectStore, object_store, shard_key
@@ -340,7 +340,7 @@ class MachineServices:
     def _heartbeat_answered(self, response: dict[str, Any]) -> None:
         """The root's alignment of replication rounds across machines (REST heartbeats only)."""
         alignment = response.get("replication")
-        if self.replicator is not None and isinstance(alignment, dict):
+        if self.replicator is not None and isinstance(alignment, dict) and aligned_rounds():
             self.replicator.align(
                 alignment.get("aligned_iteration"), alignment.get("target"), bool(alignment.get("go"))
             )
