@@ -275,10 +275,12 @@ class Replicator:
         with self.condition:
             self._aligning = True
             self._job_aligned = aligned
-            if aligned is not None and self._floor:
+            # The job caught up (a newer aligned iteration), or no longer has one (a machine joined with
+            # nothing replicated): the older aligned iteration can go, except while a recovery collects.
+            if self._floor and not self._paused:
                 floor = next(iter(self._floor.values())).manifest.iteration
                 if aligned != floor:
-                    self._release(self._floor)  # the job caught up: the older aligned iteration can go
+                    self._release(self._floor)
                     self._floor = {}
             if self._next is not None and aligned is not None and aligned >= self._next:
                 self._drop_next()  # every machine replicated it
