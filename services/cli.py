@@ -216,6 +216,19 @@ def _add_ops_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
     )
     create.add_argument("--placement", choices=("auto", "group", "mixed", "ring"), default="auto")
     create.add_argument(
+        "--replication-policy",
+        choices=("interleaved", "eager"),
+        default="interleaved",
+        help="interleaved: replica traffic only in the idle spans of training's communication (default); "
+        "eager: as fast as the link allows",
+    )
+    create.add_argument(
+        "--replication-bandwidth-gbps",
+        type=float,
+        metavar="GBPS",
+        help="cap on each agent's replication traffic in Gbit/s (default: none)",
+    )
+    create.add_argument(
         "--launch",
         action="store_true",
         help="the root's local cloud operator starts the machines: give the training command after --",

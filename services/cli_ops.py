@@ -386,7 +386,10 @@ def jobs_create(client: RootClient, args: argparse.Namespace) -> int:
         "keep_persisted": args.keep_persisted,
         "checkpoint_bytes_max": args.checkpoint_bytes_max,
         "placement": args.placement,
+        "replication_policy": args.replication_policy,
     }
+    if args.replication_bandwidth_gbps is not None:
+        body["replication_bandwidth_gbps"] = args.replication_bandwidth_gbps
     if args.launch:
         launch: dict[str, Any] = {"command": command, "cwd": str(Path(args.cwd or os.getcwd()).resolve())}
         if args.env:

@@ -180,6 +180,20 @@ class JobCreate(BaseModel):
     placement: Literal["auto", "group", "mixed", "ring"] = Field(
         "auto", description="auto: group when m divides N, mixed otherwise (the paper's choice)."
     )
+    replication_policy: Literal["interleaved", "eager"] = Field(
+        "interleaved",
+        description="interleaved: agents send checkpoint chunks to peers only inside the idle spans of "
+        "training's own communication, measured in the training processes (GEMINI's Algorithm 2), spreading "
+        "a checkpoint over several iterations when it does not fit in one; eager: as fast as the link "
+        "allows.",
+    )
+    replication_bandwidth_gbps: float | None = Field(
+        None,
+        gt=0,
+        le=10_000,
+        description="Optional cap on each agent's replication traffic, in Gbit/s (both policies); null: "
+        "none.",
+    )
     launch: LaunchSpec | None = Field(
         None,
         description="Local cloud operator only: start the job's machines as agent processes on the root's "
@@ -226,6 +240,10 @@ class JobOut(BaseModel):
     keep_persisted: int
     checkpoint_bytes_max: int | None
     placement_strategy: str
+    replication_policy: str = Field("interleaved", description="interleaved or eager (JobCreate).")
+    replication_bandwidth_gbps: float | None = Field(
+        None, description="Replication cap in Gbit/s; null: none."
+    )
     machines_healthy: int
     newest_iteration: int | None
     checkpoints_committed: int
@@ -444,6 +462,12 @@ class RegisterResponse(BaseModel):
     checkpoint_bytes_max: int | None = Field(
         description="The most bytes of one rank's checkpoint (null: the agent's equal share of its shared "
         "memory); a peer's larger checkpoint is refused."
+    )
+    replication_policy: str = Field(
+        "interleaved", description="How the agent schedules replica traffic (the job's replication_policy)."
+    )
+    replication_bandwidth_gbps: float | None = Field(
+        None, description="Cap on the agent's replication traffic in Gbit/s; null: none."
     )
     placement: PlacementOut
     peers: list[Peer] = Field(description="Members of this machine's placement group.")

@@ -121,6 +121,10 @@ class Job(Base):
     # None: each agent allows an equal share of its free shared memory.
     checkpoint_bytes_max: Mapped[int | None] = mapped_column(BigInteger, default=None)
     placement_strategy: Mapped[str] = mapped_column(String(8))
+    # How agents schedule replica traffic: "interleaved" (inside the idle spans of training's own
+    # communication) or "eager"; and an optional cap in Gbit/s on it (None: none).
+    replication_policy: Mapped[str] = mapped_column(String(16), default="interleaved")
+    replication_bandwidth_gbps: Mapped[float | None] = mapped_column(default=None)
     # How the local cloud operator starts this job's machines: {"command": [...], "cwd": ..., "env": {...}}.
     # None: machines are started outside Castor (an Auto Scaling Group's boot script, or by hand).
     launch: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)

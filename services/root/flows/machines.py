@@ -122,6 +122,8 @@ async def register_machine(
         procs_per_machine=job.procs_per_machine,
         persist_every=job.persist_every,
         checkpoint_bytes_max=job.checkpoint_bytes_max,
+        replication_policy=job.replication_policy,
+        replication_bandwidth_gbps=job.replication_bandwidth_gbps,
         placement=placement_out(job, placement),
         peers=_group_peers(machine.rank, members, peers),
         heartbeat=heartbeat_config(job, machine.rank, machine.instance_id, settings),
