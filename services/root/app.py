@@ -24,7 +24,7 @@ from services.root.db.migrate import upgrade_async
 from services.root.errors import install_error_handlers
 from services.root.logs import escape_control_characters
 from services.root.middleware import BodyLimitMiddleware, HeadMiddleware
-from services.root.orchestrator import Orchestrator
+from services.root.orchestration import Orchestrator
 from services.root.settings import Settings
 from services.root.web import routes as web_routes
 
@@ -88,6 +88,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await background
             if coordinator is not None:
                 await coordinator.close()
+            if isinstance(operator, AwsOperator):
+                await operator.close()  # its long-lived Auto Scaling client
             await database.dispose()
 
     app = FastAPI(

@@ -20,7 +20,7 @@ from services.root.clients.local import LocalOperator
 from services.root.db.database import Database
 from services.root.db.migrate import upgrade_async
 from services.root.db.models import LeaderEpoch
-from services.root.orchestrator import Deposed, Orchestrator
+from services.root.orchestration import Deposed, Orchestrator
 from services.root.settings import Settings
 from tests import harness
 
@@ -49,15 +49,15 @@ async def epoch_row(database: Database) -> LeaderEpoch:
 
 async def test_a_deposed_leaders_writes_are_refused(database: Database, tmp_path: Path) -> None:
     old, new = replica(database, tmp_path, "old"), replica(database, tmp_path, "new")
-    await old._claim_epoch(None)
-    async with old._session() as session:  # the leader's transactions go through
+    await old.leadership.claim_epoch(None)
+    async with old.leadership.session() as session:  # the leader's transactions go through
         (await session.execute(select(LeaderEpoch))).scalar_one().holder = "written by old"
 
     # The old leader is in the middle of a transaction when the new one is elected: the new epoch waits
     # for it (the old leader's write lands before the hand-over, never after).
-    in_flight = old._session()
+    in_flight = old.leadership.session()
     await in_flight.__aenter__()  # it holds the epoch row FOR SHARE until it commits
-    claim = asyncio.create_task(new._claim_epoch(None))
+    claim = asyncio.create_task(new.leadership.claim_epoch(None))
     await asyncio.sleep(0.5)
     assert not claim.done(), "the new epoch waits for the old leader's transaction in flight"
     await in_flight.__aexit__(None, None, None)
@@ -66,11 +66,11 @@ async def test_a_deposed_leaders_writes_are_refused(database: Database, tmp_path
 
     # From now on every transaction of the old leader is refused, and it steps down.
     with pytest.raises(Deposed):
-        async with old._session() as session:
+        async with old.leadership.session() as session:
             (await session.execute(select(LeaderEpoch))).scalar_one().holder = "written by the deposed"
-    assert old._deposed.is_set()
+    assert old.leadership.deposed.is_set()
     assert (await epoch_row(database)).holder == "new"
-    async with new._session() as session:
+    async with new.leadership.session() as session:
         (await session.execute(select(LeaderEpoch))).scalar_one().holder = "written by new"
     assert (await epoch_row(database)).holder == "written by new"
 

@@ -17,7 +17,7 @@ from services.root.db import repository as repo
 from services.root.db.database import Database
 from services.root.db.models import Job
 from services.root.errors import Forbidden, NotFound, Unauthorized
-from services.root.orchestrator import Orchestrator
+from services.root.orchestration import Orchestrator
 from services.root.settings import Settings
 from services.root.tokens import parse_worker_token, same_token, secret_matches
 

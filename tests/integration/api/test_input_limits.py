@@ -392,7 +392,7 @@ async def test_control_characters_from_agents_are_escaped_in_log_lines(
     machines = (await client.get(f"/api/v1/jobs/{job['id']}/machines", headers=admin())).json()
     stored = machines[0]["instance_id"]
     assert stored == instance
-    logging.getLogger("services.root.orchestrator").info("replacing machine %d: %s", 0, f"started {stored}")
+    logging.getLogger("services.root.orchestration").info("replacing machine %d: %s", 0, f"started {stored}")
     logging.getLogger("services.root.clients.local").info(f"started local machine {stored}")
     logging.getLogger("services.root.flows.recovery").error(
         "job %(job)s: %(why)s", {"job": "j", "why": stored}

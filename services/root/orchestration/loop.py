@@ -1,0 +1,120 @@
+"""The leader's background work, one loop in the spirit of torch.distributed.elastic's `_invoke_run`:
+campaign (leadership) -> once elected, raise the fencing epoch -> run the workers of a leader (the recovery
+driver and the detectors) until the leadership is lost -> campaign again.
+
+The concerns live in their own modules: leadership (the campaign, the epoch, fenced transactions),
+detection (heartbeats, etcd leases, cloud health), recovery_driver (every open recovery, one step a pass,
+and the machine replacements it decides), per_job (one job's failure does not stop the others). The
+recovery's states and transitions are domain.recovery_states.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from services.root.clients import CloudOperator
+from services.root.clients.etcd import EtcdCoordinator
+from services.root.db.database import Database
+from services.root.orchestration.detection import Detectors
+from services.root.orchestration.leadership import Leadership
+from services.root.orchestration.per_job import PerJob
+from services.root.orchestration.recovery_driver import RecoveryDriver
+from services.root.settings import Settings
+
+log = logging.getLogger(__name__)
+
+CAMPAIGN_RETRY_S = 1.0
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        database: Database,
+        settings: Settings,
+        operator: CloudOperator,
+        coordinator: EtcdCoordinator | None,
+    ):
+        self.database = database
+        self.settings = settings
+        self.operator = operator
+        self.coordinator = coordinator
+        self.leadership = Leadership(database, settings, coordinator)
+        self.per_job = PerJob()
+        self.driver = RecoveryDriver(self.leadership, self.per_job, settings, operator)
+        self.detectors = Detectors(self.leadership, self.per_job, settings, operator, coordinator)
+
+    # What /metrics, /healthz and the tests read.
+    @property
+    def candidate(self) -> str:
+        return self.leadership.candidate
+
+    @candidate.setter
+    def candidate(self, value: str) -> None:
+        self.leadership.candidate = value
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leadership.is_leader
+
+    @property
+    def epoch(self) -> int | None:
+        return self.leadership.epoch
+
+    @property
+    def step_failures(self) -> int:
+        return self.per_job.step_failures
+
+    @property
+    def reinstated(self) -> int:
+        return self.detectors.reinstated
+
+    async def step(self, job_id: Any) -> None:
+        """One step of one job's recovery (recovery_driver)."""
+        await self.driver.step(job_id)
+
+    async def judge(self, job_id: Any) -> None:
+        """Suspicion for one job's machines (detection)."""
+        await self.detectors.judge(job_id)
+
+    async def run(self) -> None:
+        while True:
+            lost, elected = asyncio.Event(), asyncio.Event()
+            campaign = asyncio.create_task(self.leadership.campaign(elected, lost), name="campaign")
+            waiting = asyncio.create_task(elected.wait())
+            await asyncio.wait({campaign, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
+            if elected.is_set():
+                try:
+                    await self.leadership.claim_epoch(self.coordinator.epoch if self.coordinator else None)
+                except Exception as exc:  # the database is unreachable: nothing can be done as leader
+                    log.error("could not raise the leadership epoch (%s); campaigning again", exc)
+                    elected.clear()
+            if not elected.is_set():
+                campaign.cancel()
+                await asyncio.gather(campaign, return_exceptions=True)
+                await asyncio.sleep(CAMPAIGN_RETRY_S)  # etcd or the database unreachable, or another leads
+                continue
+            self.leadership.took_office(lost)
+            work = self._leader_work()
+            try:
+                await lost.wait()
+            finally:
+                self.leadership.left_office()
+                for task in [*work, campaign]:
+                    task.cancel()
+                await asyncio.gather(*work, campaign, return_exceptions=True)
+            log.warning("leadership lost; campaigning again")
+
+    def _leader_work(self) -> list[asyncio.Task[None]]:
+        """The leader's workers: the recovery driver and the detectors this deployment has."""
+        work = [
+            asyncio.create_task(self.driver.drive(), name="drive"),
+            asyncio.create_task(self.detectors.suspicion(), name="suspicion"),
+        ]
+        if self.coordinator is not None:
+            work.append(asyncio.create_task(self.detectors.watch_leases(), name="leases"))
+        if self.settings.cloud == "aws":
+            work.append(asyncio.create_task(self.detectors.cloud_health(), name="cloud"))
+        return work

@@ -1,0 +1,93 @@
+"""Driving every open recovery forward: each pass runs `flows.recovery.advance` for every active job (one
+transaction per job, its row locked) and executes the cloud actions it decided (machine replacements)
+outside the transaction, recording each outcome on its failure event. The recovery's states and their
+transitions are domain.recovery_states; a new leader picks a recovery up where the database says it is."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from services.root.clients import CloudOperator, CloudOperatorError
+from services.root.db import repository as repo
+from services.root.db.models import MachineState
+from services.root.flows import recovery
+from services.root.orchestration.leadership import Deposed, Leadership
+from services.root.orchestration.per_job import PerJob
+from services.root.settings import Settings
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.2
+
+
+class RecoveryDriver:
+    def __init__(self, leadership: Leadership, per_job: PerJob, settings: Settings, operator: CloudOperator):
+        self.leadership = leadership
+        self.per_job = per_job
+        self.settings = settings
+        self.operator = operator
+        self._replacing: set[int] = set()  # failure events whose replacement is under way here
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def drive(self) -> None:
+        while True:
+            try:
+                async with self.leadership.session() as session:
+                    job_ids = await repo.active_job_ids(session)
+                await self.per_job.each(job_ids, self.step)
+            except Deposed:
+                return
+            except Exception:
+                log.exception("orchestration pass failed; retrying")
+            await asyncio.sleep(TICK_S)
+
+    async def step(self, job_id: Any) -> None:
+        async with self.leadership.session() as session:
+            job = await repo.get_job(session, job_id, for_update=True)
+            if job is None:
+                return
+            actions = await recovery.advance(session, job, self.settings)
+        for action in actions:
+            if action.event_id not in self._replacing:
+                self._replacing.add(action.event_id)
+                task = asyncio.create_task(self._replace(action))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _replace(self, action: recovery.ReplaceMachine) -> None:
+        try:
+            async with self.leadership.session() as session:
+                machines = await repo.all_machines(session, action.job.id)
+                bound = {m.instance_id for m in machines}
+                failed = next((m for m in machines if m.instance_id == action.machine.instance_id), None)
+            if failed is not None and failed.state != MachineState.FAILED:
+                log.info("machine %d was reinstated: not replacing it", action.machine.rank)
+                self._replacing.discard(action.event_id)
+                return
+            replacement = await self.operator.replace(action.job, action.machine, bound)
+            outcome: dict[str, Any] = {
+                "instance_id": replacement.instance_id,
+                "detail": replacement.detail,
+                "error": None,
+            }
+            log.info("replacing machine %d: %s", action.machine.rank, replacement.detail)
+        except Deposed:
+            self._replacing.discard(action.event_id)
+            return
+        except Exception as exc:  # recorded and retried after a pause, whatever it was
+            expected = isinstance(exc, CloudOperatorError | OSError)
+            log.error(
+                "replacing machine %d failed: %s",
+                action.machine.rank,
+                exc,
+                exc_info=None if expected else exc,
+            )
+            outcome = {"instance_id": None, "detail": "", "error": str(exc) or type(exc).__name__}
+        finally:
+            self._replacing.discard(action.event_id)
+        with contextlib.suppress(Deposed):  # the new leader reconciles from the event's request
+            async with self.leadership.session() as session:
+                await recovery.record_replacement(session, action.event_id, **outcome)
