@@ -1,13 +1,16 @@
-"""Checkpointer: the synchronous checkpoint API that training code calls every iteration."""
+"""Checkpointer: the checkpoint API that training code calls every iteration.
+
+The API lives here; the fences that keep a background copy consistent with training (the optimizer-step
+wait, the buffer snapshot, a save waiting for a slot a reader holds) in `worker_lib.fences`, and what a
+training process and its worker agent say to each other (the environment contract and the notify
+datagrams) in `worker_lib.agent_ipc`. Their names stay importable from here.
+"""
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -17,10 +20,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from worker_lib.agent_ipc import (
+    GENERATION_ENV,
+    NOTIFY_ENV,
+    RESTORE_ITERATION_ENV,
+    SHM_DIR_ENV,
+    AgentNotifier,
+    Event,
+    default_directory,
+    manifest_meta,
+)
 from worker_lib.errors import CheckpointError, CheckpointNotFoundError
+from worker_lib.fences import BUSY_WAIT_LIMIT_S, BufferSnapshot, fence_optimizer_steps, open_when_free
 from worker_lib.restore import load_state, restore_state
 from worker_lib.store.copy import CopyEngine
 from worker_lib.store.cuda import PinnedStager
@@ -29,10 +41,19 @@ from worker_lib.store.manifest import JsonValue, Manifest, Stripe, content_diges
 from worker_lib.store.slots import OnBusy, SlotStore, SlotWriter
 from worker_lib.store.tree import flatten
 
-SHM_DIR_ENV = "CASTOR_SHM_DIR"
-NOTIFY_ENV = "CASTOR_AGENT_NOTIFY"
-RESTORE_ITERATION_ENV = "CASTOR_RESTORE_ITERATION"
-GENERATION_ENV = "CASTOR_GENERATION"
+__all__ = [
+    "BUSY_WAIT_LIMIT_S",
+    "GENERATION_ENV",
+    "NOTIFY_ENV",
+    "NOT_DISTRIBUTED",
+    "RESTORE_ITERATION_ENV",
+    "SHM_DIR_ENV",
+    "Checkpointer",
+    "CheckpointerStats",
+    "Restored",
+    "default_directory",
+    "newest_common_iteration",
+]
 
 
 @dataclass(frozen=True)
@@ -93,25 +114,16 @@ class Checkpointer:
         self._blocking = blocking
         self._on_busy: OnBusy = on_busy
         self._rank = int(os.environ.get("RANK", "0"))
-        self._meta: dict[str, JsonValue] = {"rank": self._rank}
-        if "WORLD_SIZE" in os.environ:
-            self._meta["world_size"] = int(os.environ["WORLD_SIZE"])
-        # The recovery-plan generation this training runs in (set by the agent): checkpoints made before a
-        # rollback to an older iteration belong to another history, and the planner must tell them apart.
-        if os.environ.get(GENERATION_ENV, "").isdigit():
-            self._meta["generation"] = int(os.environ[GENERATION_ENV])
-        self._notify_path = os.environ.get(NOTIFY_ENV)
-        self._notify_socket: socket.socket | None = None
+        self._meta = manifest_meta(self._rank)  # rank, world size, recovery-plan generation
+        self._notifier = AgentNotifier.from_environment(self._rank, self.directory)
         self._layout: tuple[Signature, Layout] | None = None  # the last layout and what it was planned for
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="castor-save")
         self._pending: Future[None] | None = None
         self._give_up: threading.Event | None = None  # set: the pending save stops waiting for its slot
         self._stats = CheckpointerStats()
         self._stats_lock = threading.Lock()
-        # Hooks hold only a weak reference, so a forgotten Checkpointer does not keep itself alive.
-        this = weakref.ref(self)
-        self._step_hook = register_optimizer_step_pre_hook(partial(_wait_before_step, this))
-        self._buffers = _BufferSnapshot()
+        self._step_hook = fence_optimizer_steps(self)
+        self._buffers = BufferSnapshot()
         self._closed = False
 
     @property
@@ -287,8 +299,7 @@ class Checkpointer:
             self._background.shutdown()
             self._engine.close()
             self._store.close()
-            if self._notify_socket is not None:
-                self._notify_socket.close()
+            self._notifier.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -313,11 +324,10 @@ class Checkpointer:
     ) -> None:
         """Background: wait for a reader to let go of the slot, then write; skip when training needs the
         state back first (`give_up`) or the reader holds on for longer than BUSY_WAIT_LIMIT_S."""
-        deadline = time.monotonic() + BUSY_WAIT_LIMIT_S
-        while (writer := self._store.open_write(iteration, layout.data_bytes, "skip")) is None:
-            if give_up.wait(_BUSY_POLL_S) or time.monotonic() > deadline:
-                self._skipped(iteration)
-                return
+        writer = open_when_free(self._store, iteration, layout.data_bytes, give_up)
+        if writer is None:
+            self._skipped(iteration)
+            return
         self._write(writer, layout, tree, sources, ready)
 
     def _skipped(self, iteration: int) -> None:
@@ -365,32 +375,11 @@ class Checkpointer:
         )
         self._notify("commit", writer.iteration, writer.slot)
 
-    def _notify(self, event: str, iteration: int, slot: int | None) -> None:
+    def _notify(self, event: Event, iteration: int, slot: int | None) -> None:
         """Tell the worker agent, if there is one, that a checkpoint was committed (or a save skipped, or
-        this rank finished): one datagram, never blocking, and any failure ignored (the agent may be down;
-        training must not notice)."""
-        if not self._notify_path:
-            return
+        this rank finished); never blocks nor fails (see AgentNotifier)."""
         stats = self.stats
-        message = {
-            "event": event,
-            "rank": self._rank,
-            "iteration": iteration,
-            "slot": slot,
-            "dir": str(self.directory),
-            # The stall so far (cumulative, this process): the agent adds up its training processes' figures
-            # (a restarted process starts again from 0, told apart by its pid).
-            "pid": os.getpid(),
-            "stalled_s": stats.stalled_s,
-            "save_calls": stats.save_calls,
-        }
-        try:
-            if self._notify_socket is None:
-                self._notify_socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-                self._notify_socket.setblocking(False)
-            self._notify_socket.sendto(json.dumps(message).encode(), self._notify_path)
-        except OSError:
-            pass
+        self._notifier.notify(event, iteration, slot, stalled_s=stats.stalled_s, save_calls=stats.save_calls)
 
     def _update(self, **changes: Any) -> None:
         with self._stats_lock:
@@ -402,11 +391,6 @@ class Checkpointer:
 
 
 NOT_DISTRIBUTED = -1
-# How long a save whose slot is being read keeps trying when nothing in training needs the state back
-# (an explicit wait() or close()): a replication stream lets go within a stripe once it sees the store's
-# `want` marker (SlotStore.writer_waiting), which a save finding every slot held leaves.
-BUSY_WAIT_LIMIT_S = 10.0
-_BUSY_POLL_S = 0.002
 
 
 def newest_common_iteration(held: list[int]) -> int | None:
@@ -420,100 +404,3 @@ def newest_common_iteration(held: list[int]) -> int | None:
     dist.all_gather_object(gathered, held)
     common = set.intersection(*(set(ranks or []) for ranks in gathered))
     return max(common) if common else None
-
-
-def default_directory() -> Path:
-    """$CASTOR_SHM_DIR (set by the worker agent), else /dev/shm/castor-<uid>/<$CASTOR_JOB>/rank-<$RANK>."""
-    configured = os.environ.get(SHM_DIR_ENV)
-    if configured:
-        return Path(configured)
-    job = os.environ.get("CASTOR_JOB") or "default"
-    return Path("/dev/shm") / f"castor-{os.getuid()}" / job / f"rank-{os.environ.get('RANK') or 0}"
-
-
-def _wait_before_step(
-    checkpointer: weakref.ref[Checkpointer], optimizer: object, args: object, kwargs: object
-) -> None:
-    if (alive := checkpointer()) is not None:
-        alive._fence()
-
-
-class _BufferSnapshot:
-    """Copies of the saved modules' buffers taken inside save(), so that no forward waits for the copy.
-
-    A forward changes buffers in place (BatchNorm running statistics; DistributedDataParallel overwrites them
-    with rank 0's first, with `broadcast_buffers`), while parameters change only in the optimizer step,
-    which waits for the copy. Buffers are small (statistics, masks, RoPE tables): their storages are copied
-    into side buffers reused from save to save (the previous copy has finished reading them when save()
-    runs), and the background copy reads those. Each snapshot keeps the storage offsets, strides and sharing
-    of the originals, so the layout and the restored views are the same as without it. On a GPU the side
-    copy is queued on the current stream, ahead of any later forward.
-    """
-
-    def __init__(self) -> None:
-        self._side: list[torch.Tensor] = []
-
-    def capture(self, tensors: list[torch.Tensor], modules: Sequence[nn.Module]) -> list[torch.Tensor]:
-        """`tensors` with those that live in a buffer's storage replaced by views of a fresh copy."""
-        if not modules:
-            return tensors
-        owned = {
-            _storage_key(local)
-            for module in modules
-            for buffer in module.buffers()
-            # A sharded buffer's local tensor is what the state holds.
-            if type(local := getattr(buffer, "_local_tensor", buffer)) is torch.Tensor and local.numel()
-        }
-        if not owned:
-            return tensors
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, tensor in enumerate(tensors):
-            if tensor.numel() and (key := _storage_key(tensor)) in owned:
-                groups.setdefault(key, []).append(i)
-        captured = list(tensors)
-        side: list[torch.Tensor] = []
-        for n, members in enumerate(groups.values()):
-            extents = [_byte_extent(tensors[i]) for i in members]
-            start = min(lo for lo, _ in extents) // 16 * 16  # every itemsize divides it
-            nbytes = max(hi for _, hi in extents) - start
-            first = tensors[members[0]]
-            source = torch.empty(0, dtype=torch.uint8, device=first.device)
-            source.set_(first.untyped_storage(), start, (nbytes,), (1,))
-            copy = self._side[n] if n < len(self._side) else None
-            if copy is None or copy.numel() != nbytes or copy.device != first.device:
-                copy = torch.empty(nbytes, dtype=torch.uint8, device=first.device)
-            copy.copy_(source)
-            side.append(copy)
-            for i in members:
-                tensor = tensors[i]
-                itemsize = tensor.element_size()
-                view = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-                view.set_(
-                    copy.untyped_storage(),
-                    (tensor.storage_offset() * itemsize - start) // itemsize,
-                    tensor.shape,
-                    tensor.stride(),
-                )
-                if tensor.is_conj():
-                    view = view.conj()
-                if tensor.is_neg():
-                    view = torch._neg_view(view)
-                captured[i] = view
-        self._side = side
-        return captured
-
-    def release(self) -> None:
-        self._side = []
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
-    # get_device() is -1 on the CPU and the device index on CUDA.
-    return tensor.get_device(), tensor.untyped_storage().data_ptr()
-
-
-def _byte_extent(tensor: torch.Tensor) -> tuple[int, int]:
-    """[start, end) of the bytes of a non-empty tensor in its storage."""
-    itemsize = tensor.element_size()
-    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
-    start = int(tensor.storage_offset()) * itemsize
-    return start, start + (int(last) + 1) * itemsize

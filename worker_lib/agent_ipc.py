@@ -1,0 +1,91 @@
+"""What a training process and its machine's worker agent say to each other.
+
+The agent starts each rank with its contract in the environment (where the rank's slots live, where to
+announce commits, which iteration the recovery plan restores, which plan generation this run is); the
+training process answers with datagrams on the agent's notify socket (a commit, a skipped save, a clean
+finish). `worker_lib/agent/launcher.py` writes the environment, `worker_lib/agent/services.py` reads the
+datagrams.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Literal
+
+from worker_lib.store.manifest import JsonValue
+
+SHM_DIR_ENV = "CASTOR_SHM_DIR"
+NOTIFY_ENV = "CASTOR_AGENT_NOTIFY"
+RESTORE_ITERATION_ENV = "CASTOR_RESTORE_ITERATION"
+GENERATION_ENV = "CASTOR_GENERATION"
+
+Event = Literal["commit", "skip", "finished"]
+
+
+def default_directory() -> Path:
+    """$CASTOR_SHM_DIR (set by the worker agent), else /dev/shm/castor-<uid>/<$CASTOR_JOB>/rank-<$RANK>."""
+    configured = os.environ.get(SHM_DIR_ENV)
+    if configured:
+        return Path(configured)
+    job = os.environ.get("CASTOR_JOB") or "default"
+    return Path("/dev/shm") / f"castor-{os.getuid()}" / job / f"rank-{os.environ.get('RANK') or 0}"
+
+
+def manifest_meta(rank: int) -> dict[str, JsonValue]:
+    """What every manifest of this process records about where it was made: its rank, the world size and
+    the recovery-plan generation the agent started it in (checkpoints made before a rollback to an older
+    iteration belong to another history, and the planner must tell them apart)."""
+    meta: dict[str, JsonValue] = {"rank": rank}
+    if "WORLD_SIZE" in os.environ:
+        meta["world_size"] = int(os.environ["WORLD_SIZE"])
+    if os.environ.get(GENERATION_ENV, "").isdigit():
+        meta["generation"] = int(os.environ[GENERATION_ENV])
+    return meta
+
+
+class AgentNotifier:
+    """Announces checkpoint events to the worker agent, if there is one ($CASTOR_AGENT_NOTIFY): one
+    datagram each, never blocking, and any failure ignored (the agent may be down; training must not
+    notice)."""
+
+    def __init__(self, path: str | None, rank: int, directory: Path) -> None:
+        self._path = path
+        self._rank = rank
+        self._directory = directory
+        self._socket: socket.socket | None = None
+
+    @classmethod
+    def from_environment(cls, rank: int, directory: Path) -> AgentNotifier:
+        return cls(os.environ.get(NOTIFY_ENV), rank, directory)
+
+    def notify(
+        self, event: Event, iteration: int, slot: int | None, *, stalled_s: float, save_calls: int
+    ) -> None:
+        if not self._path:
+            return
+        message = {
+            "event": event,
+            "rank": self._rank,
+            "iteration": iteration,
+            "slot": slot,
+            "dir": str(self._directory),
+            # The stall so far (cumulative, this process): the agent adds up its training processes' figures
+            # (a restarted process starts again from 0, told apart by its pid).
+            "pid": os.getpid(),
+            "stalled_s": stalled_s,
+            "save_calls": save_calls,
+        }
+        try:
+            if self._socket is None:
+                self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                self._socket.setblocking(False)
+            self._socket.sendto(json.dumps(message).encode(), self._path)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()

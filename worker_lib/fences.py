@@ -1,0 +1,143 @@
+"""Fences: where training needs the saved tensors back while a background copy may still read them.
+
+An asynchronous save copies the state in background threads (checkpointer.py). Parameters and optimizer
+states change in place only in the optimizer step, so a pre-hook on every optimizer step waits for the
+copy (`fence_optimizer_steps`); the next save, restore, wait() and close() wait too. Module buffers change
+in forward, so save() snapshots them instead of making forward wait (`BufferSnapshot`). A save whose slot
+a reader (a replication stream) holds keeps trying in the background until a fence needs the state back
+(`open_when_free`), and is skipped then.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from functools import partial
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from worker_lib.store.slots import SlotStore, SlotWriter
+
+# How long a save whose slot is being read keeps trying when nothing in training needs the state back
+# (an explicit wait() or close()): a replication stream lets go within a stripe once it sees the store's
+# `want` marker (SlotStore.writer_waiting), which a save finding every slot held leaves.
+BUSY_WAIT_LIMIT_S = 10.0
+_BUSY_POLL_S = 0.002
+
+
+class Fenced(Protocol):
+    def _fence(self) -> None:
+        """Training needs the saved state back: finish (or give up) the pending copy."""
+
+
+def fence_optimizer_steps(owner: Fenced) -> RemovableHandle:
+    """Make every optimizer step (of any optimizer) call `owner._fence()` first. The hook holds only a weak
+    reference, so a forgotten owner does not keep itself alive."""
+    return register_optimizer_step_pre_hook(partial(_wait_before_step, weakref.ref(owner)))
+
+
+def _wait_before_step(
+    checkpointer: weakref.ref[Fenced], optimizer: object, args: object, kwargs: object
+) -> None:
+    if (alive := checkpointer()) is not None:
+        alive._fence()
+
+
+def open_when_free(
+    store: SlotStore, iteration: int, nbytes: int, give_up: threading.Event
+) -> SlotWriter | None:
+    """Background: wait for a reader to let go of a slot and take it for writing; None (skip the save) when
+    training needs the state back first (`give_up`) or the reader holds on for longer than
+    BUSY_WAIT_LIMIT_S."""
+    deadline = time.monotonic() + BUSY_WAIT_LIMIT_S
+    while (writer := store.open_write(iteration, nbytes, "skip")) is None:
+        if give_up.wait(_BUSY_POLL_S) or time.monotonic() > deadline:
+            return None
+    return writer
+
+
+class BufferSnapshot:
+    """Copies of the saved modules' buffers taken inside save(), so that no forward waits for the copy.
+
+    A forward changes buffers in place (BatchNorm running statistics; DistributedDataParallel overwrites them
+    with rank 0's first, with `broadcast_buffers`), while parameters change only in the optimizer step,
+    which waits for the copy. Buffers are small (statistics, masks, RoPE tables): their storages are copied
+    into side buffers reused from save to save (the previous copy has finished reading them when save()
+    runs), and the background copy reads those. Each snapshot keeps the storage offsets, strides and sharing
+    of the originals, so the layout and the restored views are the same as without it. On a GPU the side
+    copy is queued on the current stream, ahead of any later forward.
+    """
+
+    def __init__(self) -> None:
+        self._side: list[torch.Tensor] = []
+
+    def capture(self, tensors: list[torch.Tensor], modules: Sequence[nn.Module]) -> list[torch.Tensor]:
+        """`tensors` with those that live in a buffer's storage replaced by views of a fresh copy."""
+        if not modules:
+            return tensors
+        owned = {
+            _storage_key(local)
+            for module in modules
+            for buffer in module.buffers()
+            # A sharded buffer's local tensor is what the state holds.
+            if type(local := getattr(buffer, "_local_tensor", buffer)) is torch.Tensor and local.numel()
+        }
+        if not owned:
+            return tensors
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, tensor in enumerate(tensors):
+            if tensor.numel() and (key := _storage_key(tensor)) in owned:
+                groups.setdefault(key, []).append(i)
+        captured = list(tensors)
+        side: list[torch.Tensor] = []
+        for n, members in enumerate(groups.values()):
+            extents = [_byte_extent(tensors[i]) for i in members]
+            start = min(lo for lo, _ in extents) // 16 * 16  # every itemsize divides it
+            nbytes = max(hi for _, hi in extents) - start
+            first = tensors[members[0]]
+            source = torch.empty(0, dtype=torch.uint8, device=first.device)
+            source.set_(first.untyped_storage(), start, (nbytes,), (1,))
+            copy = self._side[n] if n < len(self._side) else None
+            if copy is None or copy.numel() != nbytes or copy.device != first.device:
+                copy = torch.empty(nbytes, dtype=torch.uint8, device=first.device)
+            copy.copy_(source)
+            side.append(copy)
+            for i in members:
+                tensor = tensors[i]
+                itemsize = tensor.element_size()
+                view = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+                view.set_(
+                    copy.untyped_storage(),
+                    (tensor.storage_offset() * itemsize - start) // itemsize,
+                    tensor.shape,
+                    tensor.stride(),
+                )
+                if tensor.is_conj():
+                    view = view.conj()
+                if tensor.is_neg():
+                    view = torch._neg_view(view)
+                captured[i] = view
+        self._side = side
+        return captured
+
+    def release(self) -> None:
+        self._side = []
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    # get_device() is -1 on the CPU and the device index on CUDA.
+    return tensor.get_device(), tensor.untyped_storage().data_ptr()
+
+
+def _byte_extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """[start, end) of the bytes of a non-empty tensor in its storage."""
+    itemsize = tensor.element_size()
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    start = int(tensor.storage_offset()) * itemsize
+    return start, start + (int(last) + 1) * itemsize
