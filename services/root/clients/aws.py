@@ -2,37 +2,39 @@
 
 Replacement: mark the instance Unhealthy, terminate it without decrementing the desired capacity, and wait
 until the group has a new InService instance; or, with standby instances, move one into service (seconds
-instead of the minutes a new p4d takes) and terminate the failed one with a decrement. AWS errors and
-throttling are retried with exponential backoff and jitter; what still fails becomes a CloudOperatorError
-that the recovery records and retries, never a crash of the root.
+instead of the minutes a new p4d takes) and terminate the failed one with a decrement.
+
+At scale (a lost placement group is several replacements at once, and AWS throttles the Auto Scaling API
+per account) the operator keeps one long-lived client whose retries are botocore's `adaptive` mode
+(exponential backoff with jitter plus a client-side rate limiter that slows down when AWS throttles), and
+one poller of the group serves every replacement waiting for a new instance: N concurrent replacements
+cost one DescribeAutoScalingGroups call per poll, not N. What still fails after botocore's retries becomes
+a CloudOperatorError that the recovery records and retries, never a crash of the root.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import random
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any
 
 import aioboto3
+from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from services.root.clients import CloudOperatorError, JobInfo, MachineInfo, Replacement
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
-RETRYABLE = {
-    "Throttling",
-    "ThrottlingException",
-    "RequestLimitExceeded",
-    "ServiceUnavailable",
-    "InternalFailure",
-    "RequestTimeout",
-    "ScalingActivityInProgress",
-    "ResourceContention",
-}
+
+@dataclass(eq=False)
+class _Waiter:
+    """A replacement waiting for a new InService instance it has not seen before."""
+
+    known: set[str]
+    chosen: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class AwsOperator:
@@ -54,8 +56,15 @@ class AwsOperator:
         self.use_standby = use_standby
         self.poll_s = poll_s
         self.timeout_s = timeout_s
-        self.attempts = attempts
+        self.config = Config(
+            retries={"mode": "adaptive", "total_max_attempts": attempts}, connect_timeout=10, read_timeout=30
+        )
         self._session = aioboto3.Session(region_name=region)
+        self._client: Any = None
+        self._client_stack = contextlib.AsyncExitStack()
+        self._client_lock = asyncio.Lock()
+        self._waiters: list[_Waiter] = []
+        self._poller: asyncio.Task[None] | None = None
         # Instances never to hand out: those already handed out as replacements and those being replaced.
         # Replacements run concurrently (a lost group is two at once) and an instance is bound in the
         # database only when its agent registers, so without this two ranks could be promised the same
@@ -68,13 +77,40 @@ class AwsOperator:
     async def release(self, job: JobInfo) -> None:
         return None
 
+    async def close(self) -> None:
+        """Stop the poller and close the long-lived client (the root's shutdown)."""
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        await self._client_stack.aclose()
+        self._client = None
+
+    async def _autoscaling(self) -> Any:
+        """The one Auto Scaling client, opened on first use: a client per call would pay a TLS handshake
+        each time and reset the adaptive rate limiter's view of how hard AWS is throttling us."""
+        async with self._client_lock:
+            if self._client is None:
+                self._client = await self._client_stack.enter_async_context(
+                    self._session.client("autoscaling", endpoint_url=self.endpoint_url, config=self.config)
+                )
+            return self._client
+
+    async def _call(self, what: str, operation: str, **params: Any) -> Any:
+        client = await self._autoscaling()
+        try:
+            return await getattr(client, operation)(**params)
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            raise CloudOperatorError(f"AWS refused to {what}: {code}: {exc}") from exc
+        except (BotoCoreError, OSError) as exc:
+            raise CloudOperatorError(f"could not {what}: {type(exc).__name__}: {exc}") from exc
+
     async def instances(self) -> list[dict[str, Any]]:
         """The group's instances: InstanceId, LifecycleState, HealthStatus."""
-        async with self._session.client("autoscaling", endpoint_url=self.endpoint_url) as autoscaling:
-            groups = await self._retry(
-                "describe the group",
-                lambda: autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[self.asg_name]),
-            )
+        groups = await self._call(
+            "describe the group", "describe_auto_scaling_groups", AutoScalingGroupNames=[self.asg_name]
+        )
         if not groups["AutoScalingGroups"]:
             raise CloudOperatorError(f"Auto Scaling Group {self.asg_name!r} does not exist")
         instances: list[dict[str, Any]] = groups["AutoScalingGroups"][0]["Instances"]
@@ -82,62 +118,87 @@ class AwsOperator:
 
     async def replace(self, job: JobInfo, failed: MachineInfo, bound_instances: set[str]) -> Replacement:
         self._claimed.add(failed.instance_id)
-        async with self._session.client("autoscaling", endpoint_url=self.endpoint_url) as autoscaling:
-            current = await self.instances()
-            in_group = {i["InstanceId"] for i in current}
-            standby = [
-                i["InstanceId"]
-                for i in current
-                if i["LifecycleState"] == "Standby" and i["InstanceId"] not in bound_instances
-            ]
-            chosen = self._claim_first(standby) if self.use_standby else None
-            if chosen is not None:
-                try:
-                    await self._retry(
-                        "move a standby instance into service",
-                        lambda: autoscaling.exit_standby(
-                            AutoScalingGroupName=self.asg_name, InstanceIds=[chosen]
-                        ),
-                    )
-                except BaseException:
-                    self._claimed.discard(chosen)
-                    raise
-                await self._terminate(autoscaling, failed.instance_id, in_group, decrement=True)
-                return Replacement(chosen, f"standby instance {chosen} moved into service", {"standby": True})
-            await self._terminate(autoscaling, failed.instance_id, in_group, decrement=False)
+        current = await self.instances()
+        in_group = {i["InstanceId"] for i in current}
+        standby = [
+            i["InstanceId"]
+            for i in current
+            if i["LifecycleState"] == "Standby" and i["InstanceId"] not in bound_instances
+        ]
+        chosen = self._claim_first(standby) if self.use_standby else None
+        if chosen is not None:
+            try:
+                await self._call(
+                    "move a standby instance into service",
+                    "exit_standby",
+                    AutoScalingGroupName=self.asg_name,
+                    InstanceIds=[chosen],
+                )
+            except BaseException:
+                self._claimed.discard(chosen)
+                raise
+            await self._terminate(failed.instance_id, in_group, decrement=True)
+            return Replacement(chosen, f"standby instance {chosen} moved into service", {"standby": True})
+        await self._terminate(failed.instance_id, in_group, decrement=False)
         replacement = await self._wait_for_new_instance(bound_instances | {failed.instance_id})
         return Replacement(replacement, f"Auto Scaling Group launched {replacement}", {"standby": False})
 
-    async def _terminate(
-        self, autoscaling: Any, instance_id: str, in_group: set[str], *, decrement: bool
-    ) -> None:
+    async def _terminate(self, instance_id: str, in_group: set[str], *, decrement: bool) -> None:
         if instance_id not in in_group:
             log.info("instance %s already left the group", instance_id)
             return
-        await self._retry(
+        await self._call(
             "mark the instance unhealthy",
-            lambda: autoscaling.set_instance_health(InstanceId=instance_id, HealthStatus="Unhealthy"),
+            "set_instance_health",
+            InstanceId=instance_id,
+            HealthStatus="Unhealthy",
         )
-        await self._retry(
+        await self._call(
             "terminate the failed instance",
-            lambda: autoscaling.terminate_instance_in_auto_scaling_group(
-                InstanceId=instance_id, ShouldDecrementDesiredCapacity=decrement
-            ),
+            "terminate_instance_in_auto_scaling_group",
+            InstanceId=instance_id,
+            ShouldDecrementDesiredCapacity=decrement,
         )
 
     async def _wait_for_new_instance(self, known: set[str]) -> str:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout_s
-        while loop.time() < deadline:
-            fresh = [
-                i["InstanceId"]
-                for i in await self.instances()
-                if i["InstanceId"] not in known and i["LifecycleState"] == "InService"
-            ]
-            if (chosen := self._claim_first(fresh)) is not None:
-                return chosen
-            await asyncio.sleep(self.poll_s)
-        raise CloudOperatorError(f"no replacement instance in {self.asg_name!r} after {self.timeout_s:.0f}s")
+        waiter = _Waiter(set(known))
+        self._waiters.append(waiter)
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.create_task(self._poll_group(), name=f"asg-poller-{self.asg_name}")
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.chosen), self.timeout_s)
+        except TimeoutError:
+            raise CloudOperatorError(
+                f"no replacement instance in {self.asg_name!r} after {self.timeout_s:.0f}s"
+            ) from None
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    async def _poll_group(self) -> None:
+        """The one poller: each round describes the group once and hands each waiting replacement, oldest
+        first, a new InService instance it has not seen. Runs while anyone waits."""
+        while self._waiters:
+            try:
+                current = await self.instances()
+            except CloudOperatorError as exc:
+                # botocore already retried; the recoveries waiting record the failure and try again.
+                for waiter in self._waiters:
+                    if not waiter.chosen.done():
+                        waiter.chosen.set_exception(exc)
+                self._waiters.clear()
+                return
+            in_service = [i["InstanceId"] for i in current if i["LifecycleState"] == "InService"]
+            for waiter in list(self._waiters):
+                if waiter.chosen.done():  # timed out or cancelled meanwhile
+                    self._waiters.remove(waiter)
+                    continue
+                chosen = self._claim_first([i for i in in_service if i not in waiter.known])
+                if chosen is not None:
+                    waiter.chosen.set_result(chosen)
+                    self._waiters.remove(waiter)
+            if self._waiters:
+                await asyncio.sleep(self.poll_s)
 
     def _claim_first(self, candidates: list[str]) -> str | None:
         """The first candidate no other replacement took, now claimed. No await between the check and
@@ -147,23 +208,3 @@ class AwsOperator:
                 self._claimed.add(instance_id)
                 return instance_id
         return None
-
-    async def _retry(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        delay = 0.5
-        for attempt in range(1, self.attempts + 1):
-            try:
-                return await call()
-            except ClientError as exc:
-                code = exc.response.get("Error", {}).get("Code", "")
-                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-                if code not in RETRYABLE and status < 500:
-                    raise CloudOperatorError(f"AWS refused to {what}: {code}: {exc}") from exc
-                problem = f"{code or status}"
-            except (BotoCoreError, OSError) as exc:
-                problem = type(exc).__name__
-            if attempt == self.attempts:
-                raise CloudOperatorError(f"could not {what} after {attempt} attempts ({problem})")
-            log.warning("AWS: %s failed (%s), attempt %d; retrying in %.1fs", what, problem, attempt, delay)
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 20.0)
-        raise AssertionError("unreachable")
