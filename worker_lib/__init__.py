@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from worker_lib.checkpointer import Checkpointer, Restored
+    from worker_lib.comm_timing import time_communication
     from worker_lib.dcp import CastorReader, CastorWriter
     from worker_lib.embedded import attach
     from worker_lib.errors import (
@@ -49,6 +50,7 @@ __all__ = [
     "load_state",
     "restore_rng_state",
     "rng_state",
+    "time_communication",
 ]
 
 _HOMES = {
@@ -57,6 +59,7 @@ _HOMES = {
     "export_dcp": "worker_lib.export",
     "Checkpointer": "worker_lib.checkpointer",
     "Restored": "worker_lib.checkpointer",
+    "time_communication": "worker_lib.comm_timing",
     "attach": "worker_lib.embedded",
     "load_state": "worker_lib.restore",
     "rng_state": "worker_lib.rng",

@@ -261,12 +261,15 @@ class PeerConnection:
         manifest: Manifest,
         data: memoryview,
         superseded: Callable[[], bool] = lambda: False,
+        pace: Callable[[int], int] | None = None,
     ) -> Literal["sent", "stale", "superseded"]:
         """The part of a put that reads `data`: the request, then every stripe. "stale": the peer already
         holds this checkpoint or a newer one. "superseded": `superseded()` turned true between stripes, or
         while the peer stalled, and the transfer was abandoned; the caller must close the connection (the
         peer then drops the partial replica and keeps its previous one). After "sent", `finish_put()` waits
-        for the peer's verdict while the caller's slot is already free again."""
+        for the peer's verdict while the caller's slot is already free again. `pace(n)`, when given, is asked
+        before each piece with the bytes left of the stripe and answers how many to send now (0: ask again;
+        worker_lib/agent/pacing.py: the job's replication policy)."""
         signed = _signed_manifest(self.key, self.session, "put", rank, manifest)
         send_message(self.sock, {"op": "put", "rank": rank, **signed})
         try:
@@ -276,8 +279,16 @@ class PeerConnection:
                 return "stale"
             raise
         for stripe in manifest.stripes:
-            if superseded() or not self._send_unless(superseded, data[stripe.start : stripe.end]):
-                return "superseded"
+            view = data[stripe.start : stripe.end]
+            while len(view):
+                if superseded():
+                    return "superseded"
+                size = len(view) if pace is None else min(len(view), pace(len(view)))
+                if size <= 0:
+                    continue
+                if not self._send_unless(superseded, view[:size]):
+                    return "superseded"
+                view = view[size:]
         return "sent"
 
     def _send_unless(self, superseded: Callable[[], bool], view: memoryview) -> bool:

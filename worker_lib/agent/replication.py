@@ -45,10 +45,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from worker_lib.agent.dataplane import DataPlaneError, PeerConnection
 from worker_lib.agent.holdings import Holdings, manifest_generation
+from worker_lib.agent.pacing import Pacer, unsent_bytes
+from worker_lib.comm_timing import BOARD_FILE
 from worker_lib.errors import CheckpointError, CheckpointNotFoundError
 from worker_lib.store.manifest import Manifest
 from worker_lib.store.slots import SlotPin
@@ -173,9 +176,18 @@ class _Sender:
                 raise CheckpointNotFoundError(f"iteration {current.iteration} of rank {rank} was replaced")
             if self.connection is None:
                 self.connection = PeerConnection(*address, replicator.key, replicator.job_id)
-            outcome = self.connection.send_put(
-                rank, manifest, data, superseded=lambda: replicator._must_let_go(current, rank)
-            )
+            connection, pacer = self.connection, replicator.pacer
+            try:
+                # The job's policy decides when each piece goes on the wire (worker_lib/agent/pacing.py).
+                outcome = connection.send_put(
+                    rank,
+                    manifest,
+                    data,
+                    superseded=lambda: replicator._must_let_go(current, rank),
+                    pace=lambda wanted: pacer.grant(wanted, lambda: unsent_bytes(connection.sock)),
+                )
+            finally:
+                pacer.finished()
         if outcome == "superseded":
             self._disconnect()  # the peer drops the partial replica and keeps its previous one
             return False
@@ -202,8 +214,11 @@ class Replicator:
         targets: list[int],
         peer_address: Callable[[int], PeerAddress | None],
         streams: int | None = None,
+        pacer: Pacer | None = None,
     ):
         self.holdings = holdings
+        # Interleaved by default: training's communication comes first (the boards of the local ranks).
+        self.pacer = pacer if pacer is not None else Pacer(boards=self.boards)
         self.key = key
         self.job_id = job_id
         self.peer_address = peer_address
@@ -237,6 +252,11 @@ class Replicator:
         count = default_streams() if streams is None else max(1, streams)
         self._senders = [_Sender(self, machine, s) for machine in self.targets for s in range(count)]
 
+    def boards(self) -> list[Path]:
+        """The communication boards the local training processes publish (worker_lib.comm_timing)."""
+        ranks = self._ranks | set(self.holdings.ranks("local"))
+        return [self.holdings.directory("local", rank) / BOARD_FILE for rank in sorted(ranks)]
+
     def start(self) -> Replicator:
         self._coordinator.start()
         for sender in self._senders:
@@ -256,6 +276,7 @@ class Replicator:
             self._release(self._pinned)
             self._release(self._floor)
             self._release(self._next_pins)
+        self.pacer.close()
 
     # -- what the agent tells it -------------------------------------------------------------------------
 

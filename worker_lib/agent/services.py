@@ -21,6 +21,7 @@ from typing import Any
 from worker_lib.agent.dataplane import REPLICA_BYTES_MAX_ENV, DataPlaneServer, data_plane_key
 from worker_lib.agent.heartbeat import etcd_heartbeats, rest_heartbeats
 from worker_lib.agent.holdings import SLOTS, Holdings, local_slots, manifest_generation, rank_capacity
+from worker_lib.agent.pacing import replication_pacer
 from worker_lib.agent.replication import Replicator, aligned_rounds
 from worker_lib.client import RootClient, RootRejected, RootUnavailable
 from worker_lib.errors import CheckpointNotFoundError
@@ -97,7 +98,10 @@ class MachineServices:
             self.holdings.prepare_local(self.local_ranks(), self.local_slots)
         self.replicator = Replicator(
             self.holdings, self.key, self.job_id, self.sends_to(), self.addresses.get
-        ).start()
+        )
+        # The job's replication policy (interleaved or eager) and cap, as the root handed them over.
+        self.replicator.pacer = replication_pacer(self.registration, self.replicator.boards)
+        self.replicator.start()
         self._notices = await self._listen_for_commits()
 
     async def close(self) -> None:

@@ -1,0 +1,183 @@
+"""Interleaving (GEMINI's Algorithm 2): the idle spans of an iteration from training's busy spans, the
+profile of a window of iterations, the sender's decisions, the partition of a checkpoint over idle spans,
+and the communication board between a training process and its agent."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from worker_lib.agent.pacing import Pacer, replication_pacer
+from worker_lib.comm_timing import CommBoard, CommTimer
+from worker_lib.interleave import (
+    CommProfile,
+    IterationComm,
+    chunk_size,
+    idle_left,
+    idle_spans,
+    interval_bound,
+    merge,
+    next_grant,
+    partition,
+    profile,
+)
+
+MB = 1 << 20
+
+
+def test_merge_joins_overlapping_spans_and_drops_empty_ones() -> None:
+    assert merge([(0.5, 0.6), (0.1, 0.3), (0.2, 0.4), (0.7, 0.7)]) == [(0.1, 0.4), (0.5, 0.6)]
+
+
+def test_idle_spans_are_the_gaps_and_the_tail_runs_into_the_next_iteration() -> None:
+    # Forward 0-0.3 idle, backward's buckets 0.3-0.5 and 0.55-0.8, optimizer 0.8-1.0 idle.
+    assert idle_spans([(0.3, 0.5), (0.55, 0.8)], 1.0) == [
+        pytest.approx((0.5, 0.55)),
+        pytest.approx((0.8, 1.3)),
+    ]
+    assert idle_spans([], 1.0) == [(0.0, 1.0)]  # no communication: all idle
+    assert idle_spans([(0.0, 1.0)], 1.0) == []  # always communicating: nothing
+
+
+def test_a_profile_takes_the_median_period_and_every_iterations_busy_time() -> None:
+    iterations = [
+        IterationComm(1.0, ((0.3, 0.5),)),
+        IterationComm(1.2, ((0.35, 0.6),)),
+        IterationComm(0.9, ((0.28, 0.5),)),
+    ]
+    found = profile(iterations)
+    assert found is not None
+    assert found.period == 1.0
+    assert found.busy == ((0.28, 0.6),)  # an idle span is idle in every profiled iteration
+    assert found.idle() == [pytest.approx((0.6, 1.28))]
+    assert found.idle_fraction == pytest.approx(0.68)
+    assert profile([]) is None
+
+
+def test_idle_left_counts_from_the_phase_and_wraps_the_head_of_the_iteration() -> None:
+    found = CommProfile(1.0, ((0.3, 0.5),))
+    assert idle_left(found, 0.6) == pytest.approx(0.7)  # 0.6 -> 1.3
+    assert idle_left(found, 0.1) == pytest.approx(0.2)  # before the first bucket: 0.1 -> 0.3
+    assert idle_left(found, 0.4) == 0.0  # training communicates
+    assert idle_left(found, 1.4) == 0.0  # late: the next iteration's communication is due
+
+
+def test_chunks_are_sized_to_drain_inside_the_span() -> None:
+    # 0.5 s idle at 100 MB/s: mu 0.8 of it less 2 ms startup is 39.8 MB, capped at R/p (32 MiB).
+    assert chunk_size(0.5, 100e6) == 32 * MB
+    assert chunk_size(0.1, 100e6) == int((0.08 - 0.002) * 100e6)
+    assert chunk_size(0.001, 100e6) == 0  # less than the startup time
+    assert chunk_size(0.5, 100e6, chunk_max=MB) == MB
+
+
+def test_the_sender_sends_only_in_idle_spans_and_waits_for_the_next_one() -> None:
+    found = CommProfile(1.0, ((0.3, 0.5),))
+    bandwidth = 100e6
+    # In the optimizer/forward span: a chunk that fits what is left of it.
+    grant = next_grant(found, 0.9, 0, 100 * MB, bandwidth, chunk_max=100 * MB)
+    assert grant.size == int((0.8 * 0.4 - 0.002) * bandwidth)
+    # Never more than asked for.
+    assert next_grant(found, 0.9, 0, 1000, bandwidth).size == 1000
+    # In a busy span: wait until it ends.
+    grant = next_grant(found, 0.35, 0, 100 * MB, bandwidth)
+    assert grant.size == 0 and grant.wait_s == pytest.approx(0.15)
+    # Training is on the wire now, whatever the profile says: hold back.
+    grant = next_grant(found, 0.9, 1, 100 * MB, bandwidth)
+    assert grant.size == 0 and grant.wait_s > 0
+    # Without a profile nothing is known to protect.
+    assert next_grant(None, 0.35, 0, 100 * MB, bandwidth).size == 32 * MB
+
+
+def test_algorithm_2_partitions_a_checkpoint_over_the_spans_and_spills_into_the_last() -> None:
+    bandwidth = 100e6
+    # Spans of 0.5 s and 0.25 s: 0.4 s and 0.2 s usable (mu 0.8); 100 MB and 2 copies = 200 MB.
+    parts = partition([0.5, 0.25, 0.5], 100 * 10**6, 2, bandwidth, chunk_max=32 * 10**6)
+    assert sum(map(sum, parts)) == 200 * 10**6  # every byte of both copies
+    first, second, last = parts
+    assert sum(first) <= 0.4 * bandwidth and sum(second) <= 0.2 * bandwidth
+    assert max(max(p) for p in parts if p) <= 32 * 10**6
+    assert sum(last) == 200 * 10**6 - sum(first) - sum(second)  # the leftover: the last span is infinite
+    # Enough idle time: the last span is not needed.
+    parts = partition([10.0, 10.0], 10**6, 1, bandwidth)
+    assert parts == [[10**6]]
+
+
+def test_the_interval_bound_rounds_up() -> None:
+    # 100 MB over 0.25 of a 1 s iteration at 100 MB/s: 4 iterations; a little more: 5.
+    assert interval_bound(100 * 10**6, 0.25, 100e6, 1.0) == 4
+    assert interval_bound(100 * 10**6 + 1, 0.25, 100e6, 1.0) == 5
+
+
+def test_the_board_carries_the_profile_the_start_and_the_collectives_in_flight(tmp_path: Path) -> None:
+    board = CommBoard(tmp_path / "comm-timing", create=True)
+    reader = CommBoard.open(tmp_path / "comm-timing")
+    assert reader is not None and CommBoard.open(tmp_path / "missing") is None
+    timer = CommTimer(board, warmup=1, window=3, every=2)
+    # Drive the timer as the hooks would, with real time.monotonic() stamps: the shape matters, not values.
+    for _ in range(6):
+        timer.iteration_start()
+        started = timer.comm_started()
+        state = reader.read()
+        assert state is not None and state.in_flight == 1
+        timer.comm_finished(started)
+    state = reader.read()
+    assert state is not None
+    assert state.in_flight == 0 and state.iterations == 6 and state.iteration_start > 0
+    assert state.profile is not None and timer.profile is not None
+    assert state.profile.period == pytest.approx(timer.profile.period)
+    assert state.profile.busy == timer.profile.busy  # doubles, as written
+    board.close()
+    reader.close()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_interleaved_pacer_grants_nothing_while_training_communicates(tmp_path: Path) -> None:
+    path = tmp_path / "comm-timing"
+    board = CommBoard(path, create=True)
+    clock = FakeClock()
+    board.publish(CommProfile(1.0, ((0.3, 0.5),)), clock.now)
+    pacer = Pacer("interleaved", boards=lambda: [path], clock=clock)
+    pacer.bandwidth = 100e6
+    # Iteration started 0.9 s ago: in the idle span, a chunk that fits.
+    board.iteration_started(clock.now - 0.9, 10)
+    assert 0 < pacer.grant(100 * MB, lambda: 0) <= 0.4 * 100e6
+    pacer.finished()  # the put is over: the wire is free
+    assert len(pacer.windows) == 1
+    # A collective in flight: nothing, once the grant's patience is spent (the clock moved on meanwhile).
+    board.set_in_flight(1)
+    done = threading.Event()
+    result: list[int] = []
+
+    def ask() -> None:
+        result.append(pacer.grant(MB, lambda: 0))
+        done.set()
+
+    thread = threading.Thread(target=ask)
+    clock_mover = threading.Timer(0.05, lambda: setattr(clock, "now", clock.now + 1.0))
+    clock_mover.start()
+    thread.start()
+    assert done.wait(5)
+    assert result == [0]
+    pacer.finished()
+    pacer.close()
+    board.close()
+
+
+def test_the_policy_and_cap_come_from_the_registration(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CASTOR_REPLICATION_POLICY", raising=False)
+    pacer = replication_pacer({"replication_policy": "eager", "replication_bandwidth_gbps": 0.8}, list)
+    assert pacer.policy == "eager" and pacer.cap == pytest.approx(1e8)
+    assert replication_pacer({}, list).policy == "interleaved"
+    monkeypatch.setenv("CASTOR_REPLICATION_POLICY", "eager")
+    assert replication_pacer({"replication_policy": "interleaved"}, list).policy == "eager"
+    with pytest.raises(ValueError):
+        Pacer("lazy")

@@ -1,0 +1,202 @@
+"""When the replication senders may put checkpoint bytes on the wire: the job's replication policy.
+
+* `eager`: as fast as the link allows (the senders' streams in parallel).
+* `interleaved` (the default): one chunk on the wire at a time, sent only inside an idle span of training's
+  own communication, sized to drain before the span ends (worker_lib.interleave.next_grant, GEMINI's
+  Algorithm 2 applied online). The spans come from the boards the local training processes publish
+  (worker_lib.comm_timing: the profile, the latest iteration's start, the collectives in flight now). The
+  link's bandwidth is measured here: a chunk's bytes over the time its socket took to drain (TIOCOUTQ, the
+  bytes the kernel has not had acknowledged). Until a training process published a profile (the first
+  iterations, or a model not timed) chunks go out as under `eager`, one at a time.
+* A cap (the job's `replication_bandwidth_gbps`), under either policy: a token bucket over all senders.
+
+Senders call `grant(wanted, unsent)` before each piece of a stripe (the data plane's `pace`), and
+`finished()` after their put: under `interleaved` a put holds the wire from its first grant to its end, so
+two streams never interleave their chunks on the one NIC. Every granted chunk is logged (`windows`: start,
+drain, bytes), which the tests and the benchmark compare with the comm spans training recorded.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import socket
+import struct
+import termios
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from worker_lib.comm_timing import BoardState, CommBoard
+from worker_lib.interleave import CHUNK_MAX, Grant, next_grant
+
+log = logging.getLogger(__name__)
+
+Policy = Literal["interleaved", "eager"]
+POLICIES = ("interleaved", "eager")
+DEFAULT_BANDWIDTH = 125e6  # bytes/s (1 Gbit/s) until the first chunk measured the link
+DRAINED = 4096  # bytes still unacknowledged that count as drained (the last segment's ACK in flight)
+WAIT_MAX_S = 0.1  # a grant waits at most this long before letting the sender check for a given-up round
+
+
+def unsent_bytes(sock: socket.socket) -> int:
+    """Bytes written to `sock` that the peer has not acknowledged yet (Linux TIOCOUTQ); 0 if unknown."""
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, struct.pack("i", 0))
+        return int(struct.unpack("i", raw)[0])
+    except (OSError, ValueError):
+        return 0
+
+
+class Pacer:
+    def __init__(
+        self,
+        policy: str = "interleaved",
+        bandwidth_cap: float | None = None,
+        boards: Callable[[], list[Path]] = list,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`bandwidth_cap` in bytes/s; `boards`: the local training processes' board files."""
+        if policy not in POLICIES:
+            raise ValueError(f"unknown replication policy {policy!r}: one of {', '.join(POLICIES)}")
+        self.policy = policy
+        self.cap = bandwidth_cap if bandwidth_cap and bandwidth_cap > 0 else None
+        self._board_paths = boards
+        self._boards: dict[Path, CommBoard] = {}
+        self._clock = clock
+        self.bandwidth: float | None = None  # measured, bytes/s
+        self.windows: deque[tuple[float, float, int]] = deque(maxlen=100_000)  # (start, drained, bytes)
+        self._wire = threading.Lock()  # held by the put on the wire (interleaved)
+        self._holder: int | None = None
+        self._last: tuple[float, int, Callable[[], int]] | None = None  # the chunk on the wire
+        self._bucket_at = 0.0  # the cap's token bucket: the earliest time of the next byte
+        self._lock = threading.Lock()
+
+    # -- what the training processes publish ------------------------------------------------------------
+
+    def states(self) -> list[BoardState]:
+        states = []
+        for path in self._board_paths():
+            board = self._boards.get(path)
+            if board is None:
+                board = CommBoard.open(path)
+                if board is None:
+                    continue
+                self._boards[path] = board
+            state = board.read()
+            if state is not None:
+                states.append(state)
+        return states
+
+    def close(self) -> None:
+        for board in self._boards.values():
+            board.close()
+        self._boards.clear()
+
+    # -- the senders ---------------------------------------------------------------------------------------
+
+    def grant(self, wanted: int, unsent: Callable[[], int]) -> int:
+        """Bytes the calling sender may send now (> 0), after waiting for its chance; 0 after about
+        WAIT_MAX_S without one (the sender checks whether its round was given up, and asks again)."""
+        if wanted <= 0:
+            return 0
+        deadline = self._clock() + WAIT_MAX_S
+        if self.policy == "eager":
+            return self._capped(min(wanted, CHUNK_MAX), deadline)
+        me = threading.get_ident()
+        if self._holder != me and not any(s.profile is not None for s in self.states()):
+            # Nothing published yet (the first iterations, a model not timed): nothing to protect.
+            return self._capped(min(wanted, CHUNK_MAX), deadline)
+        if self._holder != me:
+            if not self._wire.acquire(timeout=WAIT_MAX_S):
+                return 0
+            self._holder = me
+        self._drain(deadline)
+        while True:
+            now = self._clock()
+            states = self.states()
+            timed = [s for s in states if s.profile is not None]
+            in_flight = sum(s.in_flight for s in states)
+            start = max((s.iteration_start for s in states), default=0.0)
+            decided: Grant = next_grant(
+                timed[0].profile if timed else None,
+                now - start,
+                in_flight,
+                wanted,
+                self.bandwidth or self.cap or DEFAULT_BANDWIDTH,
+            )
+            if decided.size > 0:
+                size = self._capped(decided.size, deadline)
+                if size > 0:
+                    self._last = (self._clock(), size, unsent)
+                return size
+            if now + decided.wait_s > deadline:
+                return 0
+            time.sleep(min(decided.wait_s, 0.02))
+
+    def finished(self) -> None:
+        """The calling sender's put is over (sent, given up or failed): the wire is free for another."""
+        if self._holder == threading.get_ident():
+            self._drain(self._clock() + 5.0)
+            self._holder = None
+            self._wire.release()
+
+    def _drain(self, deadline: float) -> None:
+        """Wait until the last chunk left the socket (acknowledged), and learn the bandwidth from it."""
+        last, self._last = self._last, None
+        if last is None:
+            return
+        started, size, unsent = last
+        observed = False
+        while (left := unsent()) > DRAINED and self._clock() < deadline + 5.0:
+            observed = True
+            rate = self.bandwidth or DEFAULT_BANDWIDTH
+            time.sleep(min(0.02, max(0.0005, left / rate / 2)))
+        end = self._clock()
+        self.windows.append((started, end, size))
+        sample = size / max(end - started, 1e-6)
+        if observed and size >= 1 << 20:
+            # Drained while watched: the link's rate (a chunk that drained before anyone looked only says
+            # the link is at least that fast).
+            self.bandwidth = sample if self.bandwidth is None else 0.7 * self.bandwidth + 0.3 * sample
+        elif self.bandwidth is not None and sample > self.bandwidth:
+            self.bandwidth = sample
+
+    def _capped(self, size: int, deadline: float) -> int:
+        if self.cap is None:
+            if self.policy == "eager":
+                self.windows.append((self._clock(), self._clock(), size))
+            return size
+        size = max(1, min(size, int(self.cap * 0.05)))  # at most 50 ms of the cap at once
+        with self._lock:
+            now = self._clock()
+            at = max(now, self._bucket_at)
+            if at > deadline:
+                return 0
+            self._bucket_at = at + size / self.cap
+        if at > now:
+            time.sleep(at - now)
+        if self.policy == "eager":
+            self.windows.append((at, at + size / self.cap, size))
+        return size
+
+
+POLICY_ENV = "CASTOR_REPLICATION_POLICY"
+
+
+def replication_pacer(registration: Any, boards: Callable[[], list[Path]]) -> Pacer:
+    """The pacer of the job's policy and cap, as the registration answer carries them (a dict or the
+    agent's RegisterResponse); $CASTOR_REPLICATION_POLICY overrides the policy on this machine (an
+    operator's escape hatch, and the benchmark's switch). An unknown policy falls back to interleaved."""
+    policy = os.environ.get(POLICY_ENV) or registration.get("replication_policy") or "interleaved"
+    if policy not in POLICIES:
+        log.warning("unknown replication policy %r: interleaved", policy)
+        policy = "interleaved"
+    gbps = registration.get("replication_bandwidth_gbps")
+    cap = float(gbps) * 1e9 / 8 if gbps else None
+    log.info("replication policy %s%s", policy, f", capped at {gbps} Gbit/s" if cap else "")
+    return Pacer(policy, cap, boards)
