@@ -38,8 +38,9 @@ from services.root.db.models import (
     RecoveryPlan,
     utcnow,
 )
-from services.root.domain import persisted
+from services.root.domain import persisted, recovery_states
 from services.root.domain.recovery import MemoryCopy, PersistedShard, plan_recovery
+from services.root.domain.recovery_states import RecoveryState
 from services.root.flows.directives import directive_changed
 from services.root.flows.failures import machine_lost
 from services.root.flows.machines import live_machine_at
@@ -62,39 +63,43 @@ class ReplaceMachine:
 
 
 async def advance(session: AsyncSession, job: Job, settings: Settings) -> list[ReplaceMachine]:
-    """One step of the job's recovery state machine."""
+    """One step of the job's recovery: derive its state (domain.recovery_states) from the database, do
+    what that state calls for, and check that the state it leaves the recovery in is one the protocol's
+    transition table allows from there."""
     if job.state not in (JobState.RUNNING, JobState.RECOVERING):
         return []
     now = utcnow()
     plan = await repo.latest_plan(session, job.id)
     assert plan is not None, "every job has a plan from its creation"
     events = list(await repo.open_failures(session, job.id))
-    fresh = [e for e in events if e.state == FailureState.DETECTED]
     live = list(await repo.live_machines(session, job.id))
     if any(m.embedded for m in live):
         return []  # torchrun restarts embedded-mode training; failures are recorded, not orchestrated
+    state = _state_of(job, plan, events, live)
+    lost: list[FailureEvent | None] = []  # failures this step records (machines late to report)
 
-    if fresh:
+    if state == RecoveryState.DETECTED:
+        fresh = [e for e in events if e.state == FailureState.DETECTED]
         if job.state == JobState.RECOVERING and plan.status == PlanStatus.READY:
             # A failure before every rank resumed: this recovery failed. In a row, that is a crash loop
             # (or a source that cannot deliver), which restarting again will not fix.
             job.failed_recoveries += 1
             if job.failed_recoveries >= settings.max_failed_recoveries:
                 _give_up(session, job, events, now)
+                _moved(job, state, _state_of(job, plan, events, live))
                 return []
         if job.state == JobState.RUNNING or plan.status != PlanStatus.COLLECTING:
             plan = await _open_recovery(session, job, plan, fresh)
         for event in events:  # new failures join; those of a superseded restore move along
             event.state, event.plan_id = FailureState.RECOVERING, plan.id
         await session.flush()
+        _moved(job, state, _state_of(job, plan, events, live))
         return _replacements(job, live, events, now, settings)
 
-    if job.state != JobState.RECOVERING:
-        return []
-    if plan.status == PlanStatus.COLLECTING:
-        actions = _replacements(job, live, events, now, settings)
-        if any(m.state == MachineState.FAILED for m in live):
-            return actions  # waiting for replacements to register
+    if state == RecoveryState.REPLACING:
+        return _replacements(job, live, events, now, settings)  # waiting for replacements to register
+
+    if state == RecoveryState.COLLECTING:
         missing = [m for m in live if m.inventory_generation != plan.generation]
         if not missing:
             await _decide(session, job, plan, live, events, now, settings)
@@ -105,10 +110,9 @@ async def advance(session: AsyncSession, job: Job, settings: Settings) -> list[R
             if now - max(plan.created_at, m.registered_at) > timedelta(seconds=settings.inventory_timeout_s)
         ]
         for machine in late:
-            await machine_lost(session, job, machine, "did not report its inventory in time")
-        return actions
+            lost.append(await machine_lost(session, job, machine, "did not report its inventory in time"))
 
-    if plan.status == PlanStatus.READY:
+    elif state in (RecoveryState.PLANNED, RecoveryState.RESUMING):
         if all(m.restored_generation == plan.generation for m in live):
             restored = _last_report(events, RESTORED_AT, now)
             for event in events:
@@ -118,8 +122,35 @@ async def advance(session: AsyncSession, job: Job, settings: Settings) -> list[R
         elif plan.ready_at and now - plan.ready_at > timedelta(seconds=settings.restore_timeout_s):
             for machine in live:
                 if machine.resumed_generation != plan.generation:
-                    await machine_lost(session, job, machine, "did not resume training in time")
+                    lost.append(await machine_lost(session, job, machine, "did not resume training in time"))
+    _moved(job, state, _state_of(job, plan, [*events, *(e for e in lost if e is not None)], live))
     return []
+
+
+def _state_of(
+    job: Job, plan: RecoveryPlan, events: list[FailureEvent], live: list[Machine]
+) -> RecoveryState | None:
+    return recovery_states.derive(
+        job.state,
+        plan.status,
+        fresh_failures=any(e.state == FailureState.DETECTED for e in events),
+        machine_failed=any(m.state == MachineState.FAILED for m in live),
+        all_restored=all(m.restored_generation == plan.generation for m in live),
+    )
+
+
+def _moved(job: Job, source: RecoveryState | None, target: RecoveryState | None) -> None:
+    """A step moved the recovery from `source` to `target`: checked against the protocol's table. A
+    transition it lacks is a bug, logged loudly; the step's decisions stand (refusing them would leave the
+    job's recovery stuck on every pass)."""
+    if source is None or target is None or source == target:
+        return
+    try:
+        recovery_states.check(source, target)
+    except recovery_states.IllegalTransition as exc:
+        log.error("job %s: %s (a bug: the recovery protocol has no such transition)", job.name, exc)
+        return
+    log.debug("job %s: recovery %s -> %s", job.name, source, target)
 
 
 async def _open_recovery(
