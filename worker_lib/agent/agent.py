@@ -1,7 +1,12 @@
 """The worker agent (`castor agent`): one per machine. On top of the machine services (registration,
 data plane, replication, heartbeats) it runs the training processes as the root's directives say: train
 from an iteration, stop, exit. A crashed process is reported to the root at once, while its checkpoints
-stay in the agent's shared memory."""
+stay in the agent's shared memory.
+
+Its states and their transition table are explicit (`worker_lib/agent/states.py`): monitors turn the
+root's directives, process exits, commits, heartbeat losses and signals into facts; a pure `decide` returns
+the next state and the actions; `Agent._invoke_run` performs them (torch.distributed.elastic's
+`_invoke_run` shape)."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import socket
 import time
 import uuid
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +29,39 @@ from worker_lib.agent.holdings import Holdings
 from worker_lib.agent.launcher import LaunchSpec, ProcessExit, WorkerGroup
 from worker_lib.agent.services import MachineIdentity, MachineServices, free_port
 from worker_lib.agent.stale import kill_stale
+from worker_lib.agent.states import (
+    Action,
+    AgentState,
+    AgentStatus,
+    Committed,
+    DirectiveSeen,
+    Exit,
+    ExitAfterWorkers,
+    Fact,
+    ForwardSignal,
+    HeartbeatReplaced,
+    JobDeleted,
+    PauseReplication,
+    Prewarm,
+    ProcessExited,
+    Registered,
+    ReportExit,
+    ReportFinished,
+    ReportInventory,
+    ReportProgress,
+    Restore,
+    RestoreDone,
+    RestoreFailed,
+    ResumeReplication,
+    Signalled,
+    StartDone,
+    StartFailed,
+    StartWorkers,
+    StopWorkers,
+    UpdateAddresses,
+    check_transition,
+    decide,
+)
 from worker_lib.client import RootClient, RootRejected, RootUnavailable
 from worker_lib.errors import CheckpointNotFoundError
 from worker_lib.persistent import object_store
@@ -92,11 +130,10 @@ class Agent:
         self.workers = WorkerGroup(
             self.exits, warm=config.warm_start, pid_dir=self.machine.holdings.root / "pids"
         )
-        self.generation = 0  # the plan generation whose training runs here
-        self.collected = 0  # the last recovery generation this machine reported its inventory for
-        self.resuming: tuple[int, int | None, set[int]] | None = (
-            None  # generation, iteration, ranks to commit
-        )
+        # The agent's state machine (states.py): its state, plan generation, the last generation it
+        # collected for, the ranks yet to commit after a restore. Only _decide and _finish change it.
+        self.status = AgentStatus()
+        self._facts: asyncio.Queue[Fact] = asyncio.Queue()  # what the monitors saw, for _invoke_run
         self.machine.on_commit = self._on_commit
         self.machine.extra_summary = lambda: {"warm_spares": self.workers.warm_spares}
         self.job_over = False  # completed or stopped: nothing will ever restore from this memory again
@@ -119,11 +156,13 @@ class Agent:
                     "per machine"
                 )
             await self.workers.prewarm(self.machine.procs)
+            self._decide(Registered(frozenset(self.machine.local_ranks())))
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, self._on_signal, signum)
             tasks = [
+                asyncio.create_task(self._invoke_run(), name="decisions"),
                 asyncio.create_task(self._heartbeats(), name="heartbeats"),
-                asyncio.create_task(self._follow_directives(), name="directives"),
+                asyncio.create_task(self._watch_directives(), name="directives"),
                 asyncio.create_task(self._watch_exits(), name="exits"),
             ]
             try:
@@ -162,14 +201,117 @@ class Agent:
             self._finish(1)
 
     def _finish(self, code: int) -> None:
+        """The agent stops (STOPPED) with this exit code: run() returns it."""
+        if self.status.state is not AgentState.STOPPED:
+            self._enter(replace(self.status, state=check_transition(self.status.state, AgentState.STOPPED)))
         if self.done is not None and not self.done.done():
             self.done.set_result(code)
 
+    # -- the loop: monitor -> decide -> act ---------------------------------------------------------------
+
+    async def _invoke_run(self) -> None:
+        """Decide on each fact the monitors saw, in order, and perform the actions. An action's outcome (a
+        restore's, a start's) is decided on at once, before any other fact, as one step of the plan."""
+        while True:
+            fact: Fact | None = await self._facts.get()
+            try:
+                while fact is not None:
+                    actions, fact = self._decide(fact), None
+                    for action in actions:
+                        if (fact := await self._act(action)) is not None:
+                            break
+            finally:
+                self._facts.task_done()
+
+    def _decide(self, fact: Fact) -> tuple[Action, ...]:
+        decision = decide(self.status, fact)
+        self._enter(decision.status)
+        return decision.actions
+
+    def _enter(self, status: AgentStatus) -> None:
+        if status.state is not self.status.state:
+            log.info("agent: %s -> %s", self.status.state.name, status.state.name)
+        self.status = status
+
+    def _decide_now(self, fact: Fact) -> None:
+        """Decide on a fact that cannot wait for the loop's current action (a signal, this machine replaced,
+        the job deleted): its actions are immediate ones."""
+        for action in self._decide(fact):
+            self._act_now(action)
+
+    def _act_now(self, action: Action) -> bool:
+        """Perform an action that takes no waiting; False: it is not one."""
+        match action:
+            case Exit(code=code, reason=reason, job_over=job_over):
+                if code != 0 and not job_over:
+                    log.error("%s; stopping", reason)
+                self.job_over = self.job_over or job_over
+                self._finish(code)
+            case ForwardSignal(signum=signum):
+                log.info("received %s: stopping training", signal.Signals(signum).name)
+                self.workers.signal(signum)
+            case ExitAfterWorkers():
+                self._in_background(self._exit_after_workers())
+            case UpdateAddresses(machines=machines):
+                self.machine.update_addresses(machines)
+            case PauseReplication():
+                if self.machine.replicator is not None:
+                    self.machine.replicator.pause()
+            case ResumeReplication():
+                if self.machine.replicator is not None:
+                    self.machine.replicator.resume()
+            case ReportExit(exit=ended, global_rank=rank, exit_code=code):
+                log.log(
+                    logging.INFO if code == 0 else logging.WARNING,
+                    "training process rank %d exited with %d",
+                    rank,
+                    code,
+                )
+                self._in_background(self._report_exit(ended))
+            case ReportFinished(generation=generation):
+                self._in_background(self._report_finished(generation))
+            case ReportProgress(generation=generation, event=event, details=details, background=True):
+                self._in_background(self._progress(generation, event, details))
+            case Prewarm():
+                self._in_background(self.workers.prewarm(self.machine.procs))
+            case _:
+                return False
+        return True
+
+    async def _act(self, action: Action) -> Fact | None:
+        """Perform an action; a restore or a start returns its outcome, for the next decision."""
+        if self._act_now(action):
+            return None
+        match action:
+            case StopWorkers():
+                await self.workers.stop(self.config.stop_grace_s)
+            case ReportInventory(generation=generation):
+                await self._report_inventory(generation)
+            case ReportProgress(generation=generation, event=event, details=details):
+                await self._progress(generation, event, details)
+            case Restore(generation=generation, directive=directive):
+                try:
+                    restored = await self._restore(directive)
+                except Exception as exc:
+                    log.error("restoring generation %d failed: %s", generation, exc)
+                    return RestoreFailed(generation, str(exc))
+                return RestoreDone(generation, directive["iteration"], restored, directive)
+            case StartWorkers(generation=generation, directive=directive, restored=restored):
+                try:
+                    await self.workers.start(self._launch_spec(directive))
+                except Exception as exc:  # e.g. the training command does not exist
+                    log.error("starting the training processes of generation %d failed: %s", generation, exc)
+                    return StartFailed(generation, str(exc))
+                return StartDone(generation, restored)
+            case _:
+                raise TypeError(f"not an action: {action!r}")
+        return None
+
+    # -- monitors ------------------------------------------------------------------------------------------
+
     def _on_signal(self, signum: int) -> None:
         """Forward SIGINT/SIGTERM to the training processes; the agent exits with their exit status."""
-        log.info("received %s: stopping training", signal.Signals(signum).name)
-        self.workers.signal(signum)
-        self._in_background(self._exit_after_workers())
+        self._decide_now(Signalled(signum))
 
     async def _exit_after_workers(self) -> None:
         try:
@@ -183,12 +325,11 @@ class Agent:
         try:
             await self.machine.heartbeats()
         except Replaced as exc:
-            log.error("this machine was replaced (%s); stopping", exc)
-            self._finish(1)
+            self._decide_now(HeartbeatReplaced(str(exc)))
 
-    # -- directives ----------------------------------------------------------------------------------------
-
-    async def _follow_directives(self) -> None:
+    async def _watch_directives(self) -> None:
+        """Each new revision of the root's directive, as a fact; the next is polled for once the loop acted
+        on it (a directive that changed meanwhile is seen at its newest)."""
         revision = -1
         while True:
             try:
@@ -198,64 +339,32 @@ class Agent:
                 continue
             except RootRejected as exc:
                 if exc.code == "job_not_found":
-                    log.error("the job was deleted; stopping")
-                    self._finish(1)
+                    self._decide_now(JobDeleted())
                     return
                 raise
             if directive["revision"] <= revision:
                 continue
             revision = directive["revision"]
             holder = next((m for m in directive["machines"] if m["rank"] == self.machine.machine_rank), None)
+            replaced_by = None
             if holder is not None and holder.get("instance_id") not in (None, self.config.instance_id):
-                # Declared failed and replaced (a false alarm, or etcd unreachable from here for a while):
-                # training on as this rank would collide with the machine that holds it now.
-                log.error(
-                    "machine %d is now %s: this machine was replaced; stopping",
-                    self.machine.machine_rank,
-                    holder["instance_id"],
-                )
-                self._finish(1)
+                replaced_by = f"{holder['instance_id']} (machine {self.machine.machine_rank})"
+            fact = DirectiveSeen(
+                status=directive["status"],
+                generation=directive["generation"],
+                iteration=directive["iteration"],
+                job_state=directive["job_state"],
+                replaced_by=replaced_by,
+                machines=directive["machines"],
+                directive=directive,
+            )
+            if replaced_by is not None:
+                self._decide_now(fact)
                 return
-            self.machine.update_addresses(directive["machines"])
-            await self._act_on(directive)
+            self._facts.put_nowait(fact)
+            await self._facts.join()
 
-    async def _act_on(self, directive: dict[str, Any]) -> None:
-        status, generation = directive["status"], directive["generation"]
-        if status == "finished":
-            await self.workers.stop(self.config.stop_grace_s)
-            self.job_over = directive["job_state"] in ("completed", "stopped")
-            self._finish(0 if directive["job_state"] == "completed" else 1)
-        elif status == "collecting" and generation != self.collected:
-            # A recovery: stop training (the survivors too: every rank rolls back together), then say
-            # what this machine holds, every checksum verified.
-            self.resuming = None
-            # No replication round while the plan is built from these inventories (resumed on ready).
-            if self.machine.replicator is not None:
-                self.machine.replicator.pause()
-            await self.workers.stop(self.config.stop_grace_s)
-            await self._report_inventory(generation)
-            self.collected = generation
-        elif status == "ready" and generation != self.generation:
-            await self.workers.stop(self.config.stop_grace_s)
-            try:
-                restored = await self._restore(directive)
-            except Exception as exc:
-                log.error("restoring generation %d failed: %s", generation, exc)
-                await self._progress(generation, "restore_failed", {"error": str(exc)[:1000]})
-                return
-            self.generation = generation
-            self.resuming = (generation, directive["iteration"], set(self.machine.local_ranks()))
-            if self.machine.replicator is not None:
-                self.machine.replicator.resume()
-            try:
-                await self.workers.start(self._launch_spec(directive))
-            except Exception as exc:  # e.g. the training command does not exist
-                log.error("starting the training processes of generation %d failed: %s", generation, exc)
-                await self._progress(
-                    generation, "restore_failed", {"error": f"cannot start training: {exc}"[:1000]}
-                )
-                return
-            await self._progress(generation, "restored", restored)
+    # -- the actions' work ---------------------------------------------------------------------------------
 
     async def _report_inventory(self, generation: int) -> None:
         holdings = await asyncio.to_thread(self.machine.holdings.inventory, True)
@@ -318,17 +427,8 @@ class Agent:
             )
 
     def _on_commit(self, rank: int, iteration: int) -> None:
-        """The first iteration after a restore completed on every local rank: training resumed."""
-        if self.resuming is None:
-            return
-        generation, restored, waiting = self.resuming
-        if restored is None or iteration > restored:
-            waiting.discard(rank)
-        if not waiting:
-            self.resuming = None
-            self._in_background(self._progress(generation, "resumed", {"iteration": iteration}))
-            # Training runs again: now warm up the spares for the next restart.
-            self._in_background(self.workers.prewarm(self.machine.procs))
+        """A local rank committed a checkpoint (the machine services' notify socket)."""
+        self._facts.put_nowait(Committed(rank, iteration))
 
     async def _progress(self, generation: int, event: str, details: dict[str, Any]) -> None:
         try:
@@ -355,25 +455,19 @@ class Agent:
             extra_env=self.config.extra_env,
         )
 
-    # -- process exits -------------------------------------------------------------------------------------
-
     async def _watch_exits(self) -> None:
-        clean: set[int] = set()
         while True:
             ended = await self.exits.get()
-            if ended.expected or ended.generation != self.generation:
-                continue
-            log.log(
-                logging.INFO if ended.exit_code == 0 else logging.WARNING,
-                "training process rank %d exited with %d",
-                ended.global_rank,
-                ended.exit_code,
+            self._facts.put_nowait(
+                ProcessExited(
+                    generation=ended.generation,
+                    global_rank=ended.global_rank,
+                    exit_code=ended.exit_code,
+                    expected=ended.expected,
+                    running=self.status.generation,  # as the exit was seen, not once the loop gets to it
+                    exit=ended,
+                )
             )
-            self._in_background(self._report_exit(ended))
-            if ended.exit_code == 0:
-                clean.add(ended.global_rank)
-                if clean >= set(self.machine.local_ranks()):
-                    await self._report_finished(ended.generation)
 
     async def _report_exit(self, ended: ProcessExit) -> None:
         try:
