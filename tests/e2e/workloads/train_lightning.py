@@ -1,0 +1,104 @@
+"""A tiny randomly initialised model trained by PyTorch Lightning with Castor's callback (the README's
+"PyTorch Lightning and Hugging Face Trainer" example, with a way to die): dropout draws from torch's
+global generator, AdamW with a per-step LR schedule, epochs of 6 batches, so a resumed run is bit-exact
+only if the model, optimizer, scheduler, loop progress and generators all come back.
+
+Standalone (the Checkpointer's directory is --shm). --die-at N kills this process with SIGKILL right
+after step N's save() returned (its copy may still be in flight). At the end it writes the model's,
+optimizer's and scheduler's states and the step count to --out, and the step it resumed from (or None)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from worker_lib import Checkpointer
+from worker_lib.integrations.lightning import CastorCallback
+
+BATCHES_PER_EPOCH = 6
+
+
+class Regression(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(64, 16)
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        # The data is a function of the step: where the batches come from is the dataloader's business
+        # (README), not the callback's.
+        generator = torch.Generator().manual_seed(int(self.global_step))
+        x = torch.randn(8, 16, generator=generator)
+        return F.mse_loss(self.net(x), x.flip(1))
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader[int]:
+        return DataLoader(range(BATCHES_PER_EPOCH), batch_size=1)
+
+
+class DieAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shm", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--die-at", type=int, default=None)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = Regression()
+    with Checkpointer(args.shm) as checkpointer:
+        castor = CastorCallback(checkpointer)
+        callbacks: list[pl.Callback] = [castor]
+        if args.die_at is not None:
+            callbacks.append(DieAt(args.die_at))  # after Castor's: step N's save() has returned
+        trainer = pl.Trainer(
+            max_steps=args.steps,
+            callbacks=callbacks,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        torch.manual_seed(1)  # the generators training starts from
+        trainer.fit(model)
+    optimizer = trainer.optimizers[0]
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+            "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "restored_step": castor.restored_step,
+        },
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""PyTorch Lightning: checkpoint into Castor every N optimizer steps and resume from its newest checkpoint.
+
+    from worker_lib.integrations.lightning import CastorCallback
+
+    trainer = lightning.pytorch.Trainer(max_steps=1000, callbacks=[CastorCallback()])
+    trainer.fit(model, datamodule)   # resumes by itself when Castor holds a checkpoint of this rank
+
+Each save stores what Lightning's own `ModelCheckpoint` writes to a file (the checkpoint dictionary that
+`trainer.fit(ckpt_path=...)` restores: model, optimizers, LR schedulers, loop progress, callback and
+datamodule states, precision plugin), plus the random number generators (the state of this callback), and
+the restore hands that dictionary to Lightning's own resume path, so a resumed fit goes on as one resumed
+from a file would. Works with `lightning` (`lightning.pytorch`) or `pytorch_lightning`, whichever is
+installed (the first one if both are: pass the callback to a Trainer of the same package).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import TYPE_CHECKING, Any
+
+from worker_lib.checkpointer import Checkpointer
+from worker_lib.integrations._state import decode, encode
+from worker_lib.rng import restore_rng_state, rng_state
+
+
+def _lightning() -> Any:
+    try:
+        return importlib.import_module("lightning.pytorch")
+    except ImportError:  # the older package name
+        return importlib.import_module("pytorch_lightning")
+
+
+pl = _lightning()
+if TYPE_CHECKING:
+    from lightning.pytorch import Callback
+else:
+    Callback = pl.Callback
+
+__all__ = ["CastorCallback"]
+
+
+class CastorCallback(Callback):
+    """Saves Lightning's checkpoint dictionary into Castor after every `every_n_steps`-th optimizer step
+    (in `on_train_batch_end`, where `ModelCheckpoint(every_n_train_steps=...)` saves), as Castor iteration
+    `trainer.global_step`; at the start of `fit`, restores the newest checkpoint Castor picks (the recovery
+    plan's iteration under the agent) through Lightning's own resume path.
+
+    `checkpointer`: a Checkpointer you own (and close); by default the callback opens one
+    (`Checkpointer(directory)`, the agent's or /dev/shm/castor-<uid>/... without one) in `setup` and closes
+    it in `teardown`. `resume=False` never restores. `restored_step` tells what a fit resumed from.
+    """
+
+    def __init__(
+        self,
+        checkpointer: Checkpointer | None = None,
+        *,
+        every_n_steps: int = 1,
+        directory: str | os.PathLike[str] | None = None,
+        resume: bool = True,
+    ) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be at least 1, not {every_n_steps}")
+        self._checkpointer = checkpointer
+        self._owned = checkpointer is None
+        self._directory = directory
+        self.every_n_steps = every_n_steps
+        self.resume = resume
+        self.restored_step: int | None = None
+        self._last_saved: int | None = None
+        self._rng_to_restore: dict[str, Any] | None = None
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        if self._checkpointer is None:
+            self._checkpointer = Checkpointer(self._directory)
+        return self._checkpointer
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit" or not self.resume:
+            return
+        restored = self.checkpointer.restore()
+        if restored is None:
+            return
+        connector = getattr(trainer, "_checkpoint_connector", None)
+        if connector is None or not hasattr(connector, "_loaded_checkpoint"):
+            raise RuntimeError(
+                f"CastorCallback cannot resume with Lightning {pl.__version__}: its Trainer has no "
+                "_checkpoint_connector._loaded_checkpoint (tested with Lightning 2.6)"
+            )
+        # Lightning restores the modules, callbacks, loops, optimizers and schedulers from this dictionary
+        # right after `setup` (`_restore_modules_and_callbacks`, then `restore_training_state`), exactly as
+        # for `fit(ckpt_path=...)`; with no ckpt_path, `resume_start` leaves it in place. An explicit
+        # ckpt_path replaces it: the file wins.
+        connector._loaded_checkpoint = decode(restored.state)
+        self.restored_step = restored.iteration
+        self._last_saved = restored.iteration
+
+    def state_dict(self) -> dict[str, Any]:
+        # Part of every checkpoint Lightning dumps (this one's and ModelCheckpoint's files): the generators
+        # as they stand after the step, which Lightning itself does not save.
+        return {"rng": rng_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._rng_to_restore = state_dict.get("rng")
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # As late as possible: after the sanity check and the train dataloader's iterator (which draws a
+        # seed from torch's generator) and right before the first batch, as in the uninterrupted run.
+        if self._rng_to_restore is not None:
+            restore_rng_state(self._rng_to_restore)
+            self._rng_to_restore = None
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = int(trainer.global_step)
+        # With gradient accumulation global_step moves on every accumulate_grad_batches batches only.
+        if step == self._last_saved or step % self.every_n_steps != 0:
+            return
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        if type(trainer.strategy) in (pl.strategies.SingleDeviceStrategy, pl.strategies.DDPStrategy):
+            # The module itself rather than its state_dict: save() then captures its buffers before it
+            # returns, so a forward that changes them in place (BatchNorm) never races the copy.
+            checkpoint["state_dict"] = trainer.lightning_module
+        self.checkpointer.save(step, encode(checkpoint))
+        self._last_saved = step
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self._owned and self._checkpointer is not None:
+            self._checkpointer.close(finished=False)
+            self._checkpointer = None
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit" and self._owned and self._checkpointer is not None:
+            self._checkpointer.close()
+            self._checkpointer = None
+        elif stage == "fit" and self._checkpointer is not None:
+            self._checkpointer.wait()
