@@ -149,3 +149,24 @@ def test_an_agent_that_was_replaced_while_unreachable_stops(
         os.kill(machines[1].process.pid, signal.SIGCONT)
     assert machines[1].process.wait(60) == 1
     assert "this machine was replaced" in machines[1].log_path.read_text()
+
+
+def test_a_signalled_agent_forwards_it_to_training_and_exits_with_its_status(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """SIGTERM to an agent (the agent's STOPPING state): its training processes get the signal, and the
+    agent exits with their status (a process killed by SIGTERM: 128 + 15, as a shell says it)."""
+    cluster.start_root(**QUIET_HEARTBEATS)
+    cluster.create_job(machines=1, replicas=1)
+    command = cluster.training_command(tmp_path / "logs", iterations=100_000, sleep=0.2)
+    machine = cluster.start_machine(0, command, rank=0)
+    events = wait_until(
+        lambda: (e := read_events(tmp_path / "logs")) and len(e.get(0, [])) >= 2 and e, 180, "training"
+    )
+    trainer = events[0][-1]["pid"]
+    os.kill(machine.process.pid, signal.SIGTERM)
+    assert machine.process.wait(60) == 128 + signal.SIGTERM, cluster.logs()
+    log = machine.log_path.read_text()
+    assert "received SIGTERM: stopping training" in log and "RUNNING -> STOPPING" in log, log
+    with pytest.raises(ProcessLookupError):
+        os.kill(trainer, 0)

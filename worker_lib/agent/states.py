@@ -7,7 +7,7 @@ training process's exit, a rank's commit, a lost heartbeat lease, a signal, the 
 the actions to take; the agent performs them in order. Nothing here does I/O, so every decision is a unit
 test away (tests/unit/worker_lib/test_agent_states.py).
 
-The states, as the root's directives drive them (see docs/architecture.md for the root's side):
+The states, as the root's directives drive them (the README's Recovery section has the root's side):
 
     REGISTERING -> IDLE                       registered, warm spares started; nothing trains yet
     IDLE/...    -> COLLECTING                 a recovery (directive `collecting`, a new generation): stop
