@@ -47,10 +47,11 @@ from services.root.db.models import (
     PersistedShard,
     Tier,
 )
+from services.root.domain import phases
 from services.root.domain.ettr import MeasuredEttr
 from services.root.flows import ettr as ettr_flows
 from services.root.middleware import KNOWN_METHODS
-from services.root.web import phases, queries
+from services.root.web import queries
 
 log = logging.getLogger(__name__)
 

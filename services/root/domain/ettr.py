@@ -6,7 +6,7 @@
     productive  wall - wasted
     ETTR        productive / wall
 
-Downtime by cause (the phases of `web/phases.py`): detection (detect + classify), replacement, restore,
+Downtime by cause (the phases of `domain/phases.py`): detection (detect + classify), replacement, restore,
 restart warm-up (the resume phase less its first iteration, which is kept work), and lost iterations. Failures
 whose recoveries overlap (one failure during another's recovery) are counted once: each second of downtime
 goes to the phase of the earliest failure under way at that second.

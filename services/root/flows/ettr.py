@@ -13,8 +13,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.root import schemas
 from services.root.db.models import FailureEvent, FailureState, Job, Machine
+from services.root.domain import phases
 from services.root.domain.ettr import FailureRecord, MeasuredEttr, PhaseSpan, checkpoint_stall, measure_ettr
-from services.root.web import phases
 
 FINISHED = (FailureState.RECOVERED, FailureState.UNRECOVERABLE)
 

@@ -39,6 +39,7 @@ from services.root.db.models import (
     utcnow,
 )
 from services.root.domain import persisted, recovery_states
+from services.root.domain.phases import parse_timestamp
 from services.root.domain.recovery import MemoryCopy, PersistedShard, plan_recovery
 from services.root.domain.recovery_states import RecoveryState
 from services.root.flows.directives import directive_changed
@@ -46,7 +47,6 @@ from services.root.flows.failures import machine_lost
 from services.root.flows.machines import live_machine_at
 from services.root.flows.persistence import tier_of
 from services.root.settings import Settings
-from services.root.web.phases import parse_timestamp
 
 log = logging.getLogger(__name__)
 

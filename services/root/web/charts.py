@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from services.root.web.phases import Phase
+from services.root.domain.phases import Phase
 
 BAR_WIDTH = 1000.0
 

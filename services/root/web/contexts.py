@@ -19,8 +19,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.root import schemas
 from services.root.db import repository as repo
 from services.root.db.models import FailureEvent, FailureState, Job, JobState, Machine, RecoveryPlan
+from services.root.domain import phases
 from services.root.flows import jobs as job_flows
-from services.root.web import charts, phases, queries
+from services.root.web import charts, queries
 from services.root.web.sampler import IterationHistory
 
 LIVE_JOB_STATES = frozenset({JobState.PENDING, JobState.RUNNING, JobState.RECOVERING})
