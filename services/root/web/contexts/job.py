@@ -1,0 +1,273 @@
+"""One job's page (/jobs/{id}): its machines and replication groups, checkpoints, recovery plans and
+the timeline of its failures."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.root import schemas
+from services.root.db import repository as repo
+from services.root.db.models import Job, Machine
+from services.root.flows import jobs as job_flows
+from services.root.web import charts
+from services.root.web.contexts.common import (
+    LIVE_JOB_STATES,
+    TIMELINE_LIMIT,
+    FailureRow,
+    as_number,
+    failure_row,
+    job_href,
+)
+from services.root.web.sampler import IterationHistory
+
+__all__ = [
+    "CheckpointRow",
+    "GroupView",
+    "JobPage",
+    "MachineBox",
+    "PlanRow",
+    "Probability",
+    "Timeline",
+    "job_page",
+    "machine_box",
+]
+
+
+@dataclass(frozen=True)
+class MachineBox:
+    rank: int
+    registered: bool  # False: no machine has taken this rank yet
+    state: str
+    instance_id: str
+    hostname: str
+    address: str
+    local_iteration: int | None  # the oldest of its ranks' newest committed iterations
+    local_detail: str
+    replica_iteration: int | None  # the oldest of the newest replicas it holds for its peers
+    replica_detail: str
+    warm_spares: int | None
+    replication_lag_s: float | None
+    last_heartbeat_at: datetime | None
+    sends_to: list[int]
+    replicas_skipped: int = 0  # commits no replication round sent; not saves skipped
+
+
+@dataclass(frozen=True)
+class GroupView:
+    index: int
+    kind: str
+    machines: list[MachineBox]
+    healthy: int
+
+
+@dataclass(frozen=True)
+class Probability:
+    k: int
+    value: float
+    width: float  # 0..1000
+
+
+@dataclass(frozen=True)
+class Timeline:
+    rows: list[FailureRow]
+    scale_s: float  # the full width of a bar
+    hidden: int  # older failures not drawn
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    iteration: int
+    location: str
+    created_at: datetime
+    shards: int
+    world_size: int
+    nbytes: int
+
+    @property
+    def complete(self) -> bool:
+        return self.shards == self.world_size
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    generation: int
+    status: str
+    iteration: int | None
+    reason: str
+    created_at: datetime
+    ready_at: datetime | None
+    tiers: str  # "local x3, peer x1"
+
+
+@dataclass(frozen=True)
+class JobPage:
+    job: schemas.JobOut
+    href: str
+    world_size: int
+    groups: list[GroupView]
+    replaced: list[MachineBox]
+    probabilities: list[Probability]
+    open_failure: FailureRow | None
+    last_failure: FailureRow | None
+    timeline: Timeline
+    chart: charts.IterationChart
+    checkpoints: list[CheckpointRow]
+    plans: list[PlanRow]
+    live: bool
+    sampling_since: datetime
+    now: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+    @property
+    def title(self) -> str:
+        return self.job.name
+
+    @property
+    def replicas_skipped(self) -> int:
+        """Commits the live machines' replication never sent (the job's saves skipped are counted apart)."""
+        return sum(m.replicas_skipped for group in self.groups for m in group.machines)
+
+
+def _iterations(values: dict[str, Any]) -> tuple[int | None, str]:
+    parsed = {}
+    for rank, iteration in values.items():
+        try:
+            parsed[int(rank)] = int(iteration)
+        except (TypeError, ValueError):
+            continue
+    if not parsed:
+        return None, ""
+    detail = ", ".join(f"rank {r}: {i}" for r, i in sorted(parsed.items()))
+    return min(parsed.values()), detail
+
+
+def machine_box(rank: int, machine: Machine | None, sends_to: list[int]) -> MachineBox:
+    if machine is None:
+        return MachineBox(
+            rank, False, "unregistered", "", "", "", None, "", None, "", None, None, None, sends_to
+        )
+    summary = machine.summary or {}
+    local, local_detail = _iterations(summary.get("local") or {})
+    replica, replica_detail = _iterations(summary.get("replicas") or {})
+    spares = as_number(summary.get("warm_spares"))
+    return MachineBox(
+        rank=rank,
+        registered=True,
+        state=machine.state,
+        instance_id=machine.instance_id,
+        hostname=machine.hostname,
+        address=f"{machine.address}:{machine.data_port}",
+        local_iteration=local,
+        local_detail=local_detail,
+        replica_iteration=replica,
+        replica_detail=replica_detail,
+        warm_spares=int(spares) if spares is not None else None,
+        replication_lag_s=as_number(summary.get("replication_lag_s")),
+        last_heartbeat_at=machine.last_heartbeat_at,
+        sends_to=sends_to,
+        replicas_skipped=int(as_number(summary.get("replicas_skipped")) or 0),
+    )
+
+
+def _tier_summary(sources: Sequence[dict[str, Any]]) -> str:
+    counts: dict[str, int] = {}
+    for source in sources:
+        counts[str(source.get("tier"))] = counts.get(str(source.get("tier")), 0) + 1
+    order = ["local", "peer", "persistent"]
+    return ", ".join(f"{t} x{counts[t]}" for t in sorted(counts, key=lambda t: [*order, t].index(t)))
+
+
+async def job_page(
+    session: AsyncSession, job: Job, history: IterationHistory, now: datetime | None = None
+) -> JobPage:
+
+    now = now or datetime.now(UTC)
+    job_out = await job_flows.job_out(session, job)
+    placement = await job_flows.job_placement(session, job)
+    machines = await repo.all_machines(session, job.id)
+    live_by_rank = {m.rank: m for m in machines if m.state != "replaced"}
+    sends = {r.rank: r.sends_to for r in placement.ranks}
+    groups = []
+    for group in placement.groups:
+        boxes = [machine_box(r, live_by_rank.get(r), list(sends.get(r, []))) for r in group.members]
+        groups.append(
+            GroupView(group.index, group.kind, boxes, sum(1 for b in boxes if b.state == "healthy"))
+        )
+    replaced = [machine_box(m.rank, m, []) for m in machines if m.state == "replaced"]
+    probabilities = [
+        Probability(int(k), float(p), round(1000 * float(p), 1))
+        for k, p in sorted(placement.recovery_probability.items(), key=lambda kv: int(kv[0]))
+    ]
+
+    events = list(await repo.list_failures(session, job.id))  # newest first
+    shown = events[:TIMELINE_LIMIT]
+    numbers = await repo.failure_numbers(session, job.id)
+    rows = [failure_row(job.id, e, now, numbers.get(e.id)) for e in shown]
+    scale = max([r.elapsed_s for r in rows] + [1.0])  # the longest recovery fills the width
+    rows = [replace(r, segments=charts.phase_segments(r.phases, scale)) for r in rows]
+    timeline = Timeline(rows, scale, len(events) - len(shown))
+    open_failure = next((r for r in reversed(rows) if r.open), None)  # the oldest open one drives
+    last_failure = next((r for r in rows if not r.open), None)
+
+    plans = list(await repo.list_plans(session, job.id))
+    live = job.state in LIVE_JOB_STATES
+    chart = charts.iteration_chart(
+        [(s.at, s.iteration) for s in history.samples(job.id)],
+        [
+            charts.ChartFailure(
+                r.id,
+                r.kind,
+                r.failed_at,
+                r.phases[-1].end if r.recovery_s is not None else None,
+                r.href,
+                r.number,
+            )
+            for r in rows
+        ],
+        [
+            charts.ChartResume(p.ready_at, p.iteration, p.generation)
+            for p in plans
+            if p.ready_at is not None and p.iteration is not None and p.generation > 1
+        ],
+        now=now,
+        live=live,
+    )
+    world_size = job.num_machines * job.procs_per_machine
+    checkpoints = [
+        CheckpointRow(
+            iteration=c.iteration,
+            location=c.location,
+            created_at=c.created_at,
+            shards=len(c.shards),
+            world_size=world_size,
+            nbytes=sum(s.nbytes for s in c.shards),
+        )
+        for c in await repo.list_persisted(session, job.id)
+    ]
+    plan_rows = [
+        PlanRow(
+            p.generation, p.status, p.iteration, p.reason, p.created_at, p.ready_at, _tier_summary(p.sources)
+        )
+        for p in plans
+    ]
+    return JobPage(
+        job=job_out,
+        href=job_href(job.id),
+        world_size=world_size,
+        groups=groups,
+        replaced=replaced,
+        probabilities=probabilities,
+        open_failure=open_failure,
+        last_failure=last_failure,
+        timeline=timeline,
+        chart=chart,
+        checkpoints=checkpoints,
+        plans=plan_rows,
+        live=live,
+        sampling_since=history.started_at,
+        now=now,
+    )
