@@ -289,13 +289,13 @@ class Agent:
                 await self._report_inventory(generation)
             case ReportProgress(generation=generation, event=event, details=details):
                 await self._progress(generation, event, details)
-            case Restore(generation=generation, directive=directive):
+            case Restore(generation=generation, iteration=iteration, directive=directive):
                 try:
                     restored = await self._restore(directive)
                 except Exception as exc:
                     log.error("restoring generation %d failed: %s", generation, exc)
                     return RestoreFailed(generation, str(exc))
-                return RestoreDone(generation, directive["iteration"], restored, directive)
+                return RestoreDone(generation, iteration, restored, directive)
             case StartWorkers(generation=generation, directive=directive, restored=restored):
                 try:
                     await self.workers.start(self._launch_spec(directive))

@@ -234,6 +234,7 @@ class Restore:
     """Bring the plan's iteration into each local rank's store; the outcome is RestoreDone/RestoreFailed."""
 
     generation: int
+    iteration: int | None
     directive: Any
 
 
@@ -379,7 +380,8 @@ def _on_directive(status: AgentStatus, fact: DirectiveSeen) -> Decision:
         )
     if fact.status == "ready" and fact.generation != status.generation:
         return Decision(
-            _to(status, S.RESTORING), (addresses, StopWorkers(), Restore(fact.generation, fact.directive))
+            _to(status, S.RESTORING),
+            (addresses, StopWorkers(), Restore(fact.generation, fact.iteration, fact.directive)),
         )
     return Decision(status, (addresses,))  # pending, or a generation already acted on
 

@@ -166,7 +166,11 @@ def test_decide_never_leaves_the_table_from_a_state_it_can_be_in(state: AgentSta
 def test_a_plan_is_restored_started_and_resumed_once_every_local_rank_committed_past_it() -> None:
     status, actions = step(registered(), directive("ready", 1))
     assert status.state is S.RESTORING and status.generation == 0
-    assert actions == (UpdateAddresses(MACHINES), StopWorkers(), Restore(1, directive("ready", 1).directive))
+    assert actions == (
+        UpdateAddresses(MACHINES),
+        StopWorkers(),
+        Restore(1, 7, directive("ready", 1).directive),
+    )
 
     status, actions = step(status, RestoreDone(1, 7, {"2": {"tier": "local"}}, "the directive"))
     assert status.state is S.RESTORING and status.generation == 1
@@ -209,7 +213,7 @@ def test_a_recovery_stops_training_pauses_replication_and_reports_the_inventory_
     assert step(status, directive("collecting", 2)) == (status, (UpdateAddresses(MACHINES),))
     # Its plan: the processes stop (already stopped) and the plan's iteration comes in.
     status, actions = step(status, directive("ready", 2))
-    assert status.state is S.RESTORING and Restore(2, directive("ready", 2).directive) in actions
+    assert status.state is S.RESTORING and Restore(2, 7, directive("ready", 2).directive) in actions
 
 
 def test_a_failed_restore_is_reported_and_the_same_generation_can_be_tried_again() -> None:
