@@ -1,35 +1,85 @@
-"""Async client of the root service's worker API, used by the agent.
+"""The one client of the root service's REST API: the agent's (worker surface, a job's worker token) and
+the operator CLI's (public surface, the admin token), returning the API's own pydantic models
+(`worker_lib.api`, the models the root validates and documents with).
 
-Training must not stop because the root is briefly gone (restarting, or leadership moving to another
-replica), so transport errors and 5xx answers are retried with backoff, across every root URL given; a
-4xx is the root's considered answer and is raised at once as RootRejected with its error code. The retry
-policy (tenacity) and the error shape are `worker_lib.rest`'s, which the operator CLI uses too.
+It is asynchronous (the agent runs on asyncio); the CLI drives it from one event loop per command
+(`services.cli.client`). Retries are `worker_lib.rest`'s tenacity policy, across every root URL given:
+by default (the agent's) transport errors and 5xx answers are retried with backoff within a time budget,
+because training must not stop while the root restarts or leadership moves to another replica; the CLI
+narrows what is retried and sends writes once (`retry_on`, `retry_writes`). A 4xx is the root's
+considered answer and is raised at once as RootRejected with its error code.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 import httpx
+import pydantic
 import tenacity
 
 from worker_lib import rest
+from worker_lib.api.public import (
+    FailureOut,
+    JobCreated,
+    JobOut,
+    JobPage,
+    MachineOut,
+    PersistedCheckpointOut,
+    RecoveryPlanOut,
+)
+from worker_lib.api.shared import PlacementOut
+from worker_lib.api.worker import (
+    CheckpointSummary,
+    DirectiveOut,
+    ExitAck,
+    HeartbeatResponse,
+    InventoryReport,
+    PersistedReport,
+    ProcessError,
+    ProgressReport,
+    RegisterRequest,
+    RegisterResponse,
+)
 
 log = logging.getLogger(__name__)
 
+API = "/api/v1"
+T = TypeVar("T")
+# A request body: the API's model, or the same document as a mapping (sent as is; the root validates it).
+Body = pydantic.BaseModel | Mapping[str, Any]
 
-class RootUnavailable(Exception):
-    """No root replica answered within the retry budget."""
+
+class RootError(Exception):
+    """Every problem this client raises."""
 
 
-class RootRejected(Exception):
+class RootUnavailable(RootError):
+    """No root replica answered within the retry budget; `cause` is the last attempt's problem (a transport
+    error, or rest.ServerError with the 5xx response)."""
+
+    def __init__(self, message: str, cause: BaseException | None = None):
+        super().__init__(message)
+        self.cause = cause
+
+
+class RootRejected(RootError):
     """The root answered with a 4xx: `status`, `code` (stable, machine-readable) and its message."""
 
-    def __init__(self, status: int, code: str, message: str):
+    def __init__(self, status: int, code: str, message: str, url: str = ""):
         super().__init__(f"{status} {code}: {message}")
-        self.status, self.code, self.message = status, code, message
+        self.status, self.code, self.message, self.url = status, code, message, url
+
+
+class UnexpectedAnswer(RootError):
+    """A 2xx answer that is not the API's: not JSON (a proxy's page, a URL that is not a root service) or
+    not the model the route documents."""
+
+    def __init__(self, message: str, status: int, url: str):
+        super().__init__(message)
+        self.status, self.url = status, url
 
 
 class RootClient:
@@ -41,16 +91,29 @@ class RootClient:
         *,
         timeout_s: float = 10.0,
         retry_for_s: float = 60.0,
+        retry_on: tuple[type[BaseException], ...] = rest.RETRYABLE,
+        retry_writes: bool = True,
+        transport: httpx.AsyncBaseTransport | None = None,
+        user_agent: str | None = None,
     ):
+        """`job_id`: the job whose worker surface this client calls ("": the public surface only).
+        `retry_writes`: whether POSTs and DELETEs are retried like reads (the agent's writes are idempotent
+        reports; an operator's write that reached the root before its answer was lost must not run twice)."""
         urls = root_urls.split(",") if isinstance(root_urls, str) else list(root_urls)
         self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
         if not self.urls:
             raise ValueError("at least one root URL is needed")
         self.job_id = job_id
+        self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s
+        self.retry_on = retry_on
+        self.retry_writes = retry_writes
         self._current = 0  # index of the replica that answered last
+        headers = {"Authorization": f"Bearer {token}"}
+        if user_agent:
+            headers["User-Agent"] = user_agent
         self._http = httpx.AsyncClient(
-            headers={"Authorization": f"Bearer {token}"}, timeout=httpx.Timeout(timeout_s, connect=3.0)
+            headers=headers, timeout=httpx.Timeout(timeout_s, connect=3.0), transport=transport
         )
 
     async def close(self) -> None:
@@ -62,15 +125,19 @@ class RootClient:
     async def __aexit__(self, *_: object) -> None:
         await self.close()
 
-    # -- worker API --------------------------------------------------------------------------------------
+    # -- worker surface (the agent) ----------------------------------------------------------------------
 
-    async def register(self, **body: Any) -> dict[str, Any]:
-        return await self._call("POST", "/machines", json=body)
+    async def register(self, body: RegisterRequest | None = None, **fields: Any) -> RegisterResponse:
+        return await self.call(RegisterResponse, "POST", self._worker("/machines"), json=body or fields)
 
-    async def heartbeat(self, rank: int, instance_id: str, summary: dict[str, Any]) -> dict[str, Any]:
-        # A heartbeat is worth nothing once the next one is due: retry briefly only.
+    async def heartbeat(
+        self, rank: int, instance_id: str, summary: CheckpointSummary | Mapping[str, Any]
+    ) -> HeartbeatResponse:
         body = {"instance_id": instance_id, "summary": summary}
-        return await self._call("POST", f"/machines/{rank}/heartbeat", json=body, retry_for_s=2.0)
+        # A heartbeat is worth nothing once the next one is due: retry briefly only.
+        return await self.call(
+            HeartbeatResponse, "POST", self._worker(f"/machines/{rank}/heartbeat"), json=body, retry_for_s=2.0
+        )
 
     async def report_exit(
         self,
@@ -80,8 +147,8 @@ class RootClient:
         local_rank: int,
         global_rank: int,
         exit_code: int,
-        error: dict[str, str] | None = None,
-    ) -> dict[str, Any]:
+        error: ProcessError | Mapping[str, str] | None = None,
+    ) -> ExitAck:
         body: dict[str, Any] = {
             "instance_id": instance_id,
             "local_rank": local_rank,
@@ -90,48 +157,128 @@ class RootClient:
         }
         if error is not None:  # the exception from the process's torchelastic error file
             body["error"] = error
-        return await self._call("POST", f"/machines/{rank}/exits", json=body)
+        return await self.call(ExitAck, "POST", self._worker(f"/machines/{rank}/exits"), json=body)
 
-    async def directive(self, after: int, wait_s: float = 10.0) -> dict[str, Any]:
+    async def directive(self, after: int, wait_s: float = 10.0) -> DirectiveOut:
         """The job's current directive, once its generation is newer than `after` (long poll)."""
         params = {"after": after, "wait": wait_s}
-        return await self._call("GET", "/directive", params=params, timeout_s=wait_s + 10)
+        return await self.call(
+            DirectiveOut, "GET", self._worker("/directive"), params=params, timeout_s=wait_s + 10
+        )
 
-    async def report_inventory(self, rank: int, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call("POST", f"/machines/{rank}/inventory", json=body)
+    async def report_inventory(self, rank: int, body: InventoryReport | Mapping[str, Any]) -> None:
+        await self.request("POST", self._worker(f"/machines/{rank}/inventory"), json=body)
 
-    async def report_progress(self, rank: int, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call("POST", f"/machines/{rank}/progress", json=body)
+    async def report_progress(self, rank: int, body: ProgressReport | Mapping[str, Any]) -> None:
+        await self.request("POST", self._worker(f"/machines/{rank}/progress"), json=body)
 
-    async def report_persisted(self, rank: int, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call("POST", f"/machines/{rank}/persisted", json=body)
+    async def report_persisted(self, rank: int, body: PersistedReport | Mapping[str, Any]) -> None:
+        await self.request("POST", self._worker(f"/machines/{rank}/persisted"), json=body)
+
+    # -- public surface (operators: the CLI) -------------------------------------------------------------
+
+    async def create_job(self, body: Body) -> JobCreated:
+        return await self.call(JobCreated, "POST", "/jobs", json=body)
+
+    async def jobs(
+        self, *, state: str | None = None, limit: int | None = None, offset: int | None = None
+    ) -> JobPage:
+        return await self.call(
+            JobPage, "GET", "/jobs", params=_params(state=state, limit=limit, offset=offset)
+        )
+
+    async def job(self, job_id: str) -> JobOut:
+        return await self.call(JobOut, "GET", f"/jobs/{job_id}")
+
+    async def stop_job(self, job_id: str) -> JobOut:
+        return await self.call(JobOut, "POST", f"/jobs/{job_id}/stop")
+
+    async def delete_job(self, job_id: str) -> None:
+        await self.request("DELETE", f"/jobs/{job_id}")
+
+    async def machines(self, job_id: str, *, history: bool = False) -> list[MachineOut]:
+        params = {"history": "true"} if history else None
+        return await self.call(list[MachineOut], "GET", f"/jobs/{job_id}/machines", params=params)
+
+    async def placement(self, job_id: str) -> PlacementOut:
+        return await self.call(PlacementOut, "GET", f"/jobs/{job_id}/placement")
+
+    async def failures(self, job_id: str) -> list[FailureOut]:
+        return await self.call(list[FailureOut], "GET", f"/jobs/{job_id}/failures")
+
+    async def failure(self, job_id: str, failure_id: int) -> FailureOut:
+        return await self.call(FailureOut, "GET", f"/jobs/{job_id}/failures/{failure_id}")
+
+    async def recovery_plans(self, job_id: str) -> list[RecoveryPlanOut]:
+        return await self.call(list[RecoveryPlanOut], "GET", f"/jobs/{job_id}/recovery-plans")
+
+    async def checkpoints(self, job_id: str) -> list[PersistedCheckpointOut]:
+        return await self.call(list[PersistedCheckpointOut], "GET", f"/jobs/{job_id}/checkpoints")
 
     # -- transport ---------------------------------------------------------------------------------------
 
-    async def _call(
+    def _worker(self, path: str) -> str:
+        if not self.job_id:
+            raise ValueError("the worker surface needs the client's job_id")
+        return f"/worker/jobs/{self.job_id}{path}"
+
+    async def call(
+        self,
+        model: type[T],
+        method: str,
+        path: str,
+        *,
+        json: Body | None = None,
+        params: Mapping[str, Any] | None = None,
+        retry_for_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> T:
+        """`method` `path` (under /api/v1) and its answer as `model`: a pydantic model, or a type such as
+        list[Model]."""
+        document = await self.request(
+            method, path, json=json, params=params, retry_for_s=retry_for_s, timeout_s=timeout_s
+        )
+        try:
+            return pydantic.TypeAdapter(model).validate_python(document)
+        except pydantic.ValidationError as exc:
+            url = f"{self.urls[self._current]}{API}{path}"
+            raise UnexpectedAnswer(
+                f"{url} answered with something other than the API's {model}: {exc}", 200, url
+            ) from None
+
+    async def request(
         self,
         method: str,
         path: str,
         *,
-        json: Any = None,
-        params: dict[str, Any] | None = None,
+        json: Body | None = None,
+        params: Mapping[str, Any] | None = None,
         retry_for_s: float | None = None,
         timeout_s: float | None = None,
-    ) -> dict[str, Any]:
-        budget = self.retry_for_s if retry_for_s is None else retry_for_s
+    ) -> Any:
+        """`method` `path` (under /api/v1) and its answer's JSON document (None for an empty answer)."""
+        if retry_for_s is not None:
+            budget = retry_for_s
+        elif method in ("GET", "HEAD") or self.retry_writes:
+            budget = self.retry_for_s
+        else:
+            budget = 0.0  # one attempt
         timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
-        problem = ""
+        document = _document(json)
+        problem: BaseException | None = None
+        problem_text = ""
         try:
-            async for attempt in rest.retrying(budget, len(self.urls)):
+            async for attempt in rest.retrying(budget, len(self.urls), retry_on=self.retry_on):
                 with attempt:
-                    url = f"{self.urls[self._current]}/api/v1/worker/jobs/{self.job_id}{path}"
+                    url = f"{self.urls[self._current]}{API}{path}"
                     try:
                         response = await self._http.request(
-                            method, url, json=json, params=params, timeout=timeout
+                            method, url, json=document, params=params, timeout=timeout
                         )
                         rest.raise_for_server_error(response)
-                    except rest.RETRYABLE as exc:
-                        problem = (
+                    except self.retry_on as exc:
+                        problem = exc
+                        problem_text = (
                             str(exc)
                             if isinstance(exc, rest.ServerError)
                             else f"{type(exc).__name__} for {url}"
@@ -143,17 +290,42 @@ class RootClient:
                     return _decode(response)
         except tenacity.RetryError as exc:
             attempts = exc.last_attempt.attempt_number
-            raise RootUnavailable(f"root unreachable after {attempts} attempts: {problem}") from None
+            raise RootUnavailable(
+                f"root unreachable after {attempts} attempts: {problem_text}", problem
+            ) from None
         raise AssertionError("unreachable: tenacity either returns an attempt's result or raises")
 
 
-def _decode(response: httpx.Response) -> dict[str, Any]:
+def _document(body: Any) -> Any:
+    """A request body as JSON: a model as its fields the caller set (the root fills in the defaults), a
+    model nested in a mapping likewise."""
+    if isinstance(body, pydantic.BaseModel):
+        return body.model_dump(mode="json", exclude_unset=True)
+    if isinstance(body, Mapping):
+        return {key: _document(value) for key, value in body.items()}
+    if isinstance(body, list | tuple):
+        return [_document(value) for value in body]
+    return body
+
+
+def _params(**values: Any) -> dict[str, Any] | None:
+    return {key: value for key, value in values.items() if value is not None} or None
+
+
+def _decode(response: httpx.Response) -> Any:
+    url = str(response.request.url)
     if response.status_code >= 400:
         code, message = rest.api_error(response)
-        raise RootRejected(
-            response.status_code, code if code != f"http_{response.status_code}" else "http_error", message
-        )
+        if code == f"http_{response.status_code}":  # not the API's error shape
+            code = "http_error"
+        raise RootRejected(response.status_code, code, message, url)
     if response.status_code == 204 or not response.content:
-        return {}
-    body: dict[str, Any] = response.json()
-    return body
+        return None
+    try:
+        return response.json()
+    except ValueError:
+        raise UnexpectedAnswer(
+            f"{url} answered HTTP {response.status_code} with something other than JSON",
+            response.status_code,
+            url,
+        ) from None

@@ -1,5 +1,5 @@
-"""What every client of the root's REST API shares: the agent's (`worker_lib.client`, async, worker token)
-and the operator CLI's (`services.cli_ops`, sync, admin token).
+"""The transport policy of the root's REST API client (`worker_lib.client.RootClient`), which the agent
+(worker token) and the operator CLI (`services.cli.client`, admin token) share:
 
 - `api_error`: the API's one error shape, {"error": {"code", "message", "details"}}, read from a response
   (a proxy's or a wrong URL's HTML answer becomes code http_<status> and the start of its text).

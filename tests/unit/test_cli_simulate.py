@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from services.cli import main
-from services.cli_simulate import records_from_failures
+from services.cli.simulate import records_from_failures
 
 FAST = ["--seeds", "4", "--days", "10"]
 SVG = "{http://www.w3.org/2000/svg}"
@@ -117,7 +117,7 @@ def test_recorded_failures_become_phase_records() -> None:
 
 
 def test_jobs_show_ettr_line() -> None:
-    from services.cli_ops import ettr_text
+    from services.cli.jobs import ettr_text
 
     ettr = {
         "ettr": 0.94,

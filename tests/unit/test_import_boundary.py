@@ -62,7 +62,7 @@ def test_the_root_service_never_imports_torch(tmp_path: Path) -> None:
         # what `castor serve` builds.
         from services.cli import build_parser
         build_parser(agent_arguments=False).parse_args(["serve"])
-        import services.cli_ops, services.cli_simulate
+        import services.cli.ops, services.cli.simulate
         from services.root.app import create_app
         from services.root.settings import Settings
         create_app(Settings(etcd_endpoints=[], cloud="local", s3_bucket=None))

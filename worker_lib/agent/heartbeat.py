@@ -15,6 +15,7 @@ from typing import Any
 
 import aetcd
 
+from worker_lib.api.worker import HeartbeatResponse
 from worker_lib.client import RootClient, RootRejected, RootUnavailable
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ async def rest_heartbeats(
     instance_id: str,
     interval_s: float,
     summary: Summary,
-    on_response: Callable[[dict[str, Any]], None] = lambda response: None,
+    on_response: Callable[[HeartbeatResponse], None] = lambda response: None,
 ) -> None:
     while True:
         try:

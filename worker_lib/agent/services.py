@@ -23,6 +23,7 @@ from worker_lib.agent.heartbeat import etcd_heartbeats, rest_heartbeats
 from worker_lib.agent.holdings import SLOTS, Holdings, local_slots, manifest_generation, rank_capacity
 from worker_lib.agent.pacing import replication_pacer
 from worker_lib.agent.replication import Replicator, aligned_rounds
+from worker_lib.api.worker import HeartbeatResponse, RegisterResponse
 from worker_lib.client import RootClient, RootRejected, RootUnavailable
 from worker_lib.errors import CheckpointNotFoundError
 from worker_lib.persistent import ObjectStore, object_store, shard_key
@@ -54,7 +55,7 @@ class MachineServices:
         self.key = data_plane_key(token)
         self.holdings = Holdings(shm_root, replica_bytes_max=lambda rank: self.capacity)
         self.capacity: int | None = None  # bytes of one rank's checkpoint, set at registration
-        self.registration: dict[str, Any] = {}
+        self.registration: RegisterResponse | dict[str, Any] = {}  # the root's answer; {} until then
         self.addresses: dict[int, tuple[str, int]] = {}
         self.server: DataPlaneServer | None = None
         self.replicator: Replicator | None = None
@@ -117,9 +118,9 @@ class MachineServices:
 
     # -- registration and placement ----------------------------------------------------------------------
 
-    async def register(self) -> dict[str, Any]:
+    async def register(self) -> RegisterResponse:
         assert self.server is not None
-        self.registration = await self.client.register(
+        self.registration = registration = await self.client.register(
             instance_id=self.identity.instance_id,
             address=self.identity.address,
             data_port=self.server.port,
@@ -136,7 +137,7 @@ class MachineServices:
             self.job_id,
             self.capacity,
         )
-        return self.registration
+        return registration
 
     def _rank_capacity(self) -> int:
         """What a peer may store here per rank: the job's figure (or $CASTOR_REPLICA_BYTES_MAX), checked
@@ -341,13 +342,11 @@ class MachineServices:
         finally:
             peers.cancel()
 
-    def _heartbeat_answered(self, response: dict[str, Any]) -> None:
+    def _heartbeat_answered(self, response: HeartbeatResponse) -> None:
         """The root's alignment of replication rounds across machines (REST heartbeats only)."""
-        alignment = response.get("replication")
-        if self.replicator is not None and isinstance(alignment, dict) and aligned_rounds():
-            self.replicator.align(
-                alignment.get("aligned_iteration"), alignment.get("target"), bool(alignment.get("go"))
-            )
+        alignment = response.replication
+        if self.replicator is not None and alignment is not None and aligned_rounds():
+            self.replicator.align(alignment.aligned_iteration, alignment.target, alignment.go)
 
     async def _refresh_peers(self) -> None:
         while True:

@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from services import cli_ops
-from services.cli import _split_launch_command, build_parser
+from services.cli import _split_launch_command, build_parser, client, failures, render
 from tests.integration.cli.conftest import Root, castor, castor_on_tty, create_job, unique
 
 
@@ -31,23 +30,23 @@ from tests.integration.cli.conftest import Root, castor, castor_on_tty, create_j
     ],
 )
 def test_format_duration(seconds: float | None, text: str) -> None:
-    assert cli_ops.format_duration(seconds) == text
+    assert render.format_duration(seconds) == text
 
 
 def test_relative_and_absolute_times() -> None:
     now = datetime(2026, 1, 2, 12, 0, 0, tzinfo=UTC)
-    assert cli_ops.format_ago((now - timedelta(seconds=12)).isoformat(), now) == "12 s ago"
-    assert cli_ops.format_ago("2026-01-02T11:57:00Z", now) == "3 min ago"
-    assert cli_ops.format_ago(now - timedelta(hours=5, minutes=3), now) == "5 h ago"
-    assert cli_ops.format_ago(now, now) == "just now"
-    assert cli_ops.format_ago(now + timedelta(seconds=30), now) == "in 30 s"
-    assert cli_ops.format_ago(None, now) == "-"
-    shown = cli_ops.format_time("2026-01-02T11:59:50Z", now)
+    assert render.format_ago((now - timedelta(seconds=12)).isoformat(), now) == "12 s ago"
+    assert render.format_ago("2026-01-02T11:57:00Z", now) == "3 min ago"
+    assert render.format_ago(now - timedelta(hours=5, minutes=3), now) == "5 h ago"
+    assert render.format_ago(now, now) == "just now"
+    assert render.format_ago(now + timedelta(seconds=30), now) == "in 30 s"
+    assert render.format_ago(None, now) == "-"
+    shown = render.format_time("2026-01-02T11:59:50Z", now)
     assert shown.endswith("(10 s ago)") and shown[:4] == "2026"
 
 
 def test_render_table_aligns_and_right_aligns_numbers() -> None:
-    table = cli_ops.render_table(
+    table = render.render_table(
         ("NAME", "ITER", "STATE"), [("a", 5, "running"), ("longer-name", 12345, None), ("b", None, "x")]
     )
     assert table.splitlines() == [
@@ -66,7 +65,7 @@ def test_phase_rows_skipped_and_pending() -> None:
         "restored_at": "2026-01-02T12:00:03.250Z",
         "resumed_at": None,
     }
-    rows = {name: took for name, _, took in cli_ops.phase_rows(failure)}
+    rows = {name: took for name, _, took in failures.phase_rows(failure)}
     assert rows == {
         "detect": "",
         "classify": "250 ms",
@@ -77,14 +76,14 @@ def test_phase_rows_skipped_and_pending() -> None:
     }
     failure["resumed_at"] = "2026-01-02T12:03:12Z"
     failure["recovery_s"] = 192.0  # the API's recovery time: detection to training resumed
-    rows = {name: took for name, _, took in cli_ops.phase_rows(failure)}
+    rows = {name: took for name, _, took in failures.phase_rows(failure)}
     assert rows["resume"] == "3 min 9 s" and rows["recovery time"] == "3 min 12 s"
 
 
 def test_mask_token() -> None:
-    assert cli_ops.mask_token("castor-admin.abcdefghijklmnop") == "castor-admin.abcd..."
-    assert cli_ops.mask_token("wrong") == "w... (5 characters)"
-    assert "secret-value" not in cli_ops.mask_token("secret-value-that-is-long")
+    assert client.mask_token("castor-admin.abcdefghijklmnop") == "castor-admin.abcd..."
+    assert client.mask_token("wrong") == "w... (5 characters)"
+    assert "secret-value" not in client.mask_token("secret-value-that-is-long")
 
 
 def test_connection_precedence(tmp_path: Path) -> None:
@@ -99,22 +98,22 @@ def test_connection_precedence(tmp_path: Path) -> None:
         "CASTOR_STATE_DIR": str(state),
     }
 
-    flag = cli_ops.resolve_connection("10.0.0.1:8080", "from-flag", env, tmp_path)
+    flag = client.resolve_connection("10.0.0.1:8080", "from-flag", env, tmp_path)
     assert (flag.root_url, flag.token, flag.token_source) == ("http://10.0.0.1:8080", "from-flag", "--token")
-    from_env = cli_ops.resolve_connection(None, None, env, tmp_path)
+    from_env = client.resolve_connection(None, None, env, tmp_path)
     assert (from_env.root_url, from_env.token, from_env.token_source) == (
         "http://root:9000",
         "from-env",
         "CASTOR_ADMIN_TOKEN",
     )
     del env["CASTOR_ADMIN_TOKEN"]
-    assert cli_ops.resolve_connection(None, None, env, tmp_path).token == "from-state-dir"
+    assert client.resolve_connection(None, None, env, tmp_path).token == "from-state-dir"
     del env["CASTOR_STATE_DIR"]
-    dot = cli_ops.resolve_connection(None, None, env, tmp_path)
+    dot = client.resolve_connection(None, None, env, tmp_path)
     assert (dot.token, dot.token_source) == ("from-dot-castor", "the file .castor/admin-token")
-    assert cli_ops.resolve_connection(None, None, {}, tmp_path).root_url == cli_ops.DEFAULT_ROOT_URL
-    with pytest.raises(cli_ops.CliError, match="no admin token"):
-        cli_ops.resolve_connection(None, None, {}, tmp_path / "state")
+    assert client.resolve_connection(None, None, {}, tmp_path).root_url == client.DEFAULT_ROOT_URL
+    with pytest.raises(client.CliError, match="no admin token"):
+        client.resolve_connection(None, None, {}, tmp_path / "state")
 
 
 def test_launch_command_is_cut_at_the_first_double_dash() -> None:

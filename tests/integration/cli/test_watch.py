@@ -11,7 +11,7 @@ import threading
 from datetime import UTC, datetime
 from typing import Any
 
-from services import cli_ops
+from services.cli import render, watch
 from tests.integration.cli.conftest import ADMIN_TOKEN, Root, base_env, castor_on_tty, create_job, unique
 
 
@@ -167,8 +167,8 @@ def test_watch_view_shows_replication_and_the_recovery_in_progress() -> None:
         "restored_at": None,
         "resumed_at": None,
     }
-    snapshot = cli_ops.Snapshot(job, [machine], [failure])
-    text = cli_ops.to_text(cli_ops.watch_view(snapshot, now))
+    snapshot = watch.Snapshot(job, [machine], [failure])
+    text = render.to_text(watch.watch_view(snapshot, now))
     assert "Job gpt  recovering  iteration 120  machines 1/2 healthy  failures 1" in text
     assert "Replication: ok, iteration 118, every 2 iterations, lag 2" in text
     assert "Recovery of failure #1 (software, rank 1): restoring  rank 1 exited with code 1" in text
@@ -177,7 +177,7 @@ def test_watch_view_shows_replication_and_the_recovery_in_progress() -> None:
     assert phases["replace"] == "pending"  # nothing later happened yet: not skipped
     machine_row = next(line for line in text.splitlines() if "i-0" in line).split()
     assert machine_row == ["0", "healthy", "i-0", "h0", "1", "s", "ago", "120", "118"]
-    stalled = cli_ops.to_text(
-        cli_ops.watch_view(cli_ops.Snapshot({**job, "replication_state": "stalled"}, [], []))
+    stalled = render.to_text(
+        watch.watch_view(watch.Snapshot({**job, "replication_state": "stalled"}, [], []))
     )
     assert "Replication: stalled, iteration 118" in stalled and "Failures: none" in stalled

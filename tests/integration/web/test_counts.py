@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 from fastapi import FastAPI
 
-from services import cli_ops
+from services.cli import failures, jobs
 from services.root.db import repository as repo
 from services.root.db.models import FailureEvent, FailureKind, FailureState, utcnow
 from services.root.web.formatting import duration
@@ -110,7 +110,7 @@ async def test_saves_skipped_and_replicas_skipped_are_counted_apart(signed_in: h
     page = text_of((await signed_in.get(f"/jobs/{job.id}")).text)
     assert "4 saves skipped · 20 replicas skipped" in page
     machines = await job.api("/machines")
-    fields = dict(cli_ops._job_fields(state, datetime.now(UTC), machines))
+    fields = dict(jobs._job_fields(state, datetime.now(UTC), machines))
     assert fields["checkpoints"] == "124 committed, 4 saves skipped, 20 replicas skipped, 120.0/min"
 
 
@@ -144,5 +144,5 @@ async def test_failures_are_numbered_within_their_job(
     page = text_of((await signed_in.get(f"/jobs/{second.id}")).text)
     assert "#1 software recovered" in page and "#2 software recovered" in page, page
     assert f"#{ids[1]} " not in page
-    rows = cli_ops._failure_rows(events, datetime.now(UTC))
+    rows = failures._failure_rows(events, datetime.now(UTC))
     assert [(row[0], row[1]) for row in rows] == [("#2", ids[1]), ("#1", ids[0])]

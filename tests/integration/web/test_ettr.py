@@ -89,7 +89,7 @@ async def test_metrics_show_the_ettr_of_a_running_job_after_a_recovery(client: h
 
 async def test_simulate_from_job_takes_the_recorded_phases(client: httpx.AsyncClient) -> None:
     """`castor simulate --from-job`'s costs from a real recovered failure, as the API returns it."""
-    from services.cli_simulate import job_costs
+    from services.cli.simulate import job_costs
     from services.root.domain.simulate import Setting, castor_inputs
 
     job = await running_job(client)

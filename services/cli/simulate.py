@@ -241,12 +241,12 @@ def records_from_failures(failures: list[dict[str, Any]]) -> list[sim.PhaseRecor
 def _job_costs(
     args: argparse.Namespace, fallback: sim.RecoveryCosts
 ) -> tuple[sim.RecoveryCosts, dict[str, Any]]:
-    from services import cli_ops
+    from services.cli.client import CliClient, resolve_connection, resolve_job
 
-    connection = cli_ops.resolve_connection(args.root, args.token)
-    with cli_ops.RootClient(connection, timeout=args.request_timeout) as client:
-        job = cli_ops.resolve_job(client, args.from_job)
-        failures = client.get(f"{cli_ops.API}/jobs/{job['id']}/failures")
+    connection = resolve_connection(args.root, args.token)
+    with CliClient(connection, timeout=args.request_timeout) as client:
+        job = resolve_job(client, args.from_job)
+        failures = client.document(client.api.failures(job["id"]))
     return job_costs(job, failures, fallback)
 
 
@@ -450,10 +450,10 @@ def run(args: argparse.Namespace) -> int:
     except SimulateError as exc:
         print(f"castor simulate: error: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:  # the --from-job client's errors (cli_ops.CliError) and the like
-        from services import cli_ops
+    except Exception as exc:  # the --from-job client's errors (CliError) and the like
+        from services.cli.client import CliError
 
-        if isinstance(exc, cli_ops.CliError):
+        if isinstance(exc, CliError):
             print(f"castor: error: {exc}", file=sys.stderr)
             return exc.exit_code
         raise

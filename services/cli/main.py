@@ -1,4 +1,6 @@
-"""The `castor` command line."""
+"""The `castor` command line: the parser of every command and the handlers of the server-side ones
+(serve, demo, db); the operator commands are in services.cli.ops, `castor simulate` in
+services.cli.simulate, the agent in worker_lib.agent.cli."""
 
 from __future__ import annotations
 
@@ -127,9 +129,9 @@ def _db(args: argparse.Namespace) -> int:
 
 
 def _ops(args: argparse.Namespace) -> int:
-    from services import cli_ops
+    from services.cli import ops
 
-    return cli_ops.run(args)
+    return ops.run(args)
 
 
 JOB_STATES = ("pending", "running", "recovering", "failed", "completed", "stopped")
@@ -387,9 +389,9 @@ def build_parser(*, agent_arguments: bool = True) -> argparse.ArgumentParser:
 
     _add_ops_commands(commands)
 
-    from services import cli_simulate  # the command's code lives there (no torch, no network)
+    from services.cli import simulate  # the command's code lives there (no torch, no network)
 
-    cli_simulate.add_parser(commands)
+    simulate.add_parser(commands)
 
     db = commands.add_parser("db", help="database migrations (database from CASTOR_DATABASE_URL)")
     db_commands = db.add_subparsers(dest="db_command", required=True)
@@ -415,7 +417,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.launch_command = launch_command
     handler: Callable[[argparse.Namespace], int] = args.handler
     return handler(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The public surface (/api/v1/jobs...): what operators, the CLI and the pages send and read. Defined in
+worker_lib.api.public, which the CLI's client returns; the service adds what only it computes: a
+failure's recovery time, from the phases its pages show."""
+
+from __future__ import annotations
+
+from pydantic import model_validator
+
+from services.root.web.phases import recovery_seconds
+from worker_lib.api import public
+from worker_lib.api.public import (
+    JOB_NAME_PATTERN,
+    MAX_MACHINES,
+    MAX_PROCS_PER_MACHINE,
+    EttrOut,
+    JobCreate,
+    JobCreated,
+    JobOut,
+    JobPage,
+    LaunchSpec,
+    MachineOut,
+    PersistedCheckpointOut,
+    PersistedShardOut,
+    RecoveryPlanOut,
+)
+
+
+class FailureOut(public.FailureOut):
+    # The service computes recovery_s (the client model only reads it), with the same phases as the pages.
+    @model_validator(mode="after")
+    def _recovery_time(self) -> FailureOut:
+        self.recovery_s = recovery_seconds(self)
+        return self
+
+
+__all__ = [
+    "JOB_NAME_PATTERN",
+    "MAX_MACHINES",
+    "MAX_PROCS_PER_MACHINE",
+    "EttrOut",
+    "FailureOut",
+    "JobCreate",
+    "JobCreated",
+    "JobOut",
+    "JobPage",
+    "LaunchSpec",
+    "MachineOut",
+    "PersistedCheckpointOut",
+    "PersistedShardOut",
+    "RecoveryPlanOut",
+]
