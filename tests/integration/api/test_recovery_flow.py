@@ -8,6 +8,8 @@ these jobs."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,6 +22,8 @@ from fastapi import FastAPI
 from services.root.app import create_app
 from services.root.db import repository as repo
 from services.root.db.models import PersistedCheckpoint, PersistedShard
+from services.root.domain import recovery_states
+from services.root.domain.recovery_states import RecoveryState
 from services.root.flows.failures import machine_lost
 from services.root.settings import Settings
 from tests.integration.conftest import ADMIN_TOKEN, create_job, fresh_client
@@ -92,8 +96,9 @@ async def restore_without_resuming(scenario: Scenario, generation: int) -> None:
 
 
 async def test_a_crash_while_ranks_restore_starts_a_new_generation_and_a_crash_loop_fails_the_job(
-    client: httpx.AsyncClient,
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.DEBUG, logger="services.root.flows.recovery")
     scenario = await two_machines(client)
     await scenario.kill_process(1)
     await restore_without_resuming(scenario, generation=2)
@@ -114,6 +119,22 @@ async def test_a_crash_while_ranks_restore_starts_a_new_generation_and_a_crash_l
     assert (directive.json()["status"], directive.json()["job_state"]) == ("finished", "failed")
     newest = (await scenario.api("/recovery-plans"))[0]
     assert newest["generation"] == 3, "no attempt after the last one allowed"
+
+    # Each step checked the state it left the recovery in against the protocol's table
+    # (domain.recovery_states): the crash loop went through these transitions, all of them allowed.
+    mine = [r.getMessage() for r in caplog.records if f"job {scenario.job['name']}:" in r.getMessage()]
+    assert not [m for m in mine if "no such transition" in m], mine
+    moves = {
+        (RecoveryState(found[1]), RecoveryState(found[2]))
+        for found in (re.search(r"recovery (\w+) -> (\w+)$", m) for m in mine)
+        if found
+    }
+    assert moves == {
+        (RecoveryState.DETECTED, RecoveryState.COLLECTING),
+        (RecoveryState.COLLECTING, RecoveryState.PLANNED),
+        (RecoveryState.DETECTED, RecoveryState.FAILED),
+    }, mine
+    assert all(recovery_states.allowed(*move) for move in moves)
 
 
 async def test_a_recovery_that_resumes_resets_the_count(client: httpx.AsyncClient) -> None:
