@@ -147,6 +147,10 @@ class CommTimer:
         self._busy: list[tuple[float, float]] = []
         self._in_flight = 0
         self._since_publish = 0
+        # Absolute (time.monotonic()) busy spans and iteration starts, the newest kept: what a benchmark or
+        # a test compares with the agent's send windows.
+        self.spans: deque[tuple[float, float]] = deque(maxlen=100_000)
+        self.starts: deque[float] = deque(maxlen=100_000)
 
     # Called by the hooks ------------------------------------------------------------------------------
 
@@ -160,6 +164,7 @@ class CommTimer:
                     self._since_publish += 1
             self._busy = []
             self._start = now
+            self.starts.append(now)
             self.iterations += 1
             due = len(self.history) >= self.window and (
                 self.profile is None or self._since_publish >= self.every
@@ -186,6 +191,7 @@ class CommTimer:
             self._in_flight = max(0, self._in_flight - 1)
             count = self._in_flight
             self._busy.append((started, now))
+            self.spans.append((started, now))
         if self.board is not None:
             self.board.set_in_flight(count)
 
@@ -216,7 +222,8 @@ def time_communication(
     board = CommBoard(path, create=True) if path is not None else None
     timer = CommTimer(board, warmup=warmup, window=window, every=every)
 
-    def timed_allreduce(group: Any, bucket: Any) -> Any:
+    # No annotations: DDP checks them against its own types, and this module's are strings.
+    def timed_allreduce(group, bucket):  # type: ignore[no-untyped-def]
         started = timer.comm_started()
         future = allreduce_hook(group, bucket)
 

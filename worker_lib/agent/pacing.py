@@ -4,10 +4,11 @@
 * `interleaved` (the default): one chunk on the wire at a time, sent only inside an idle span of training's
   own communication, sized to drain before the span ends (worker_lib.interleave.next_grant, GEMINI's
   Algorithm 2 applied online). The spans come from the boards the local training processes publish
-  (worker_lib.comm_timing: the profile, the latest iteration's start, the collectives in flight now). The
-  link's bandwidth is measured here: a chunk's bytes over the time its socket took to drain (TIOCOUTQ, the
-  bytes the kernel has not had acknowledged). Until a training process published a profile (the first
-  iterations, or a model not timed) chunks go out as under `eager`, one at a time.
+  (worker_lib.comm_timing: the profile, the latest iteration's start, the collectives in flight now). A
+  chunk must fit in what is left of the span after the bytes already queued on the socket drain (TIOCOUTQ:
+  the bytes the kernel has not had acknowledged), so the queue stays full between chunks; the link's rate
+  is learnt from the bytes acknowledged between two looks. Until a training process published a profile
+  (the first iterations, or a model not timed) chunks go out as under `eager`.
 * A cap (the job's `replication_bandwidth_gbps`), under either policy: a token bucket over all senders.
 
 Senders call `grant(wanted, unsent)` before each piece of a stripe (the data plane's `pace`), and
@@ -40,6 +41,7 @@ Policy = Literal["interleaved", "eager"]
 POLICIES = ("interleaved", "eager")
 DEFAULT_BANDWIDTH = 125e6  # bytes/s (1 Gbit/s) until the first chunk measured the link
 DRAINED = 4096  # bytes still unacknowledged that count as drained (the last segment's ACK in flight)
+POLL_S = 0.005  # while training communicates, look again this often
 WAIT_MAX_S = 0.1  # a grant waits at most this long before letting the sender check for a given-up round
 
 
@@ -72,15 +74,21 @@ class Pacer:
         self.windows: deque[tuple[float, float, int]] = deque(maxlen=100_000)  # (start, drained, bytes)
         self._wire = threading.Lock()  # held by the put on the wire (interleaved)
         self._holder: int | None = None
-        self._last: tuple[float, int, Callable[[], int]] | None = None  # the chunk on the wire
+        self._granted = 0  # bytes granted to the put holding the wire
+        self._mark: tuple[float, int] | None = None  # (when, bytes acknowledged) at the last look
+        self._boards_at = -1.0
+        self._paths: list[Path] = []
         self._bucket_at = 0.0  # the cap's token bucket: the earliest time of the next byte
         self._lock = threading.Lock()
 
     # -- what the training processes publish ------------------------------------------------------------
 
     def states(self) -> list[BoardState]:
+        now = self._clock()
+        if now - self._boards_at > 2.0 or now < self._boards_at:  # the local ranks rarely change
+            self._paths, self._boards_at = self._board_paths(), now
         states = []
-        for path in self._board_paths():
+        for path in self._paths:
             board = self._boards.get(path)
             if board is None:
                 board = CommBoard.open(path)
@@ -114,57 +122,53 @@ class Pacer:
         if self._holder != me:
             if not self._wire.acquire(timeout=WAIT_MAX_S):
                 return 0
-            self._holder = me
-        self._drain(deadline)
+            self._holder, self._granted, self._mark = me, 0, None
         while True:
             now = self._clock()
+            # What this put already queued is on the wire ahead of a new chunk: the chunk must fit in what
+            # is left of the idle span after it drains (and the queue stays full between chunks).
+            backlog = unsent()
+            self._observe(now, backlog)
+            rate = self.bandwidth or self.cap or DEFAULT_BANDWIDTH
+            ahead = backlog / rate
             states = self.states()
             timed = [s for s in states if s.profile is not None]
-            in_flight = sum(s.in_flight for s in states)
             start = max((s.iteration_start for s in states), default=0.0)
             decided: Grant = next_grant(
                 timed[0].profile if timed else None,
-                now - start,
-                in_flight,
+                now + ahead - start,
+                sum(s.in_flight for s in states),
                 wanted,
-                self.bandwidth or self.cap or DEFAULT_BANDWIDTH,
+                rate,
             )
             if decided.size > 0:
                 size = self._capped(decided.size, deadline)
                 if size > 0:
-                    self._last = (self._clock(), size, unsent)
+                    self._granted += size
+                    self.windows.append((now + ahead, now + ahead + size / rate, size))
                 return size
             if now + decided.wait_s > deadline:
                 return 0
-            time.sleep(min(decided.wait_s, 0.02))
+            time.sleep(min(max(decided.wait_s, POLL_S), 0.05))
 
     def finished(self) -> None:
         """The calling sender's put is over (sent, given up or failed): the wire is free for another."""
         if self._holder == threading.get_ident():
-            self._drain(self._clock() + 5.0)
             self._holder = None
             self._wire.release()
 
-    def _drain(self, deadline: float) -> None:
-        """Wait until the last chunk left the socket (acknowledged), and learn the bandwidth from it."""
-        last, self._last = self._last, None
-        if last is None:
+    def _observe(self, now: float, backlog: int) -> None:
+        """Learn the link's rate from the bytes acknowledged between two looks that both found a queue (it
+        never emptied in between: only a grant adds to it, after its look)."""
+        acked = self._granted - backlog
+        mark = self._mark
+        self._mark = (now, acked) if backlog > DRAINED else None
+        if mark is None or backlog <= DRAINED:
             return
-        started, size, unsent = last
-        observed = False
-        while (left := unsent()) > DRAINED and self._clock() < deadline + 5.0:
-            observed = True
-            rate = self.bandwidth or DEFAULT_BANDWIDTH
-            time.sleep(min(0.02, max(0.0005, left / rate / 2)))
-        end = self._clock()
-        self.windows.append((started, end, size))
-        sample = size / max(end - started, 1e-6)
-        if observed and size >= 1 << 20:
-            # Drained while watched: the link's rate (a chunk that drained before anyone looked only says
-            # the link is at least that fast).
-            self.bandwidth = sample if self.bandwidth is None else 0.7 * self.bandwidth + 0.3 * sample
-        elif self.bandwidth is not None and sample > self.bandwidth:
-            self.bandwidth = sample
+        seconds, count = now - mark[0], acked - mark[1]
+        if seconds >= 0.005 and count >= 256 << 10:
+            sample = count / seconds
+            self.bandwidth = sample if self.bandwidth is None else 0.8 * self.bandwidth + 0.2 * sample
 
     def _capped(self, size: int, deadline: float) -> int:
         if self.cap is None:
