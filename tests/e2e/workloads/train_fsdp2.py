@@ -7,12 +7,13 @@ Runs under `castor agent`, or standalone (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_
 by the caller). Batches depend only on (iteration, rank), so a resumed run computes exactly what an
 uninterrupted one computes. Each rank appends JSON events to --log-dir/rank-<r>.jsonl like train_ddp.py:
 "start" (the restored iteration and the digest of its shards right after the restore), "iteration" (the
-digest right after that iteration's optimizer step, before its save) and "done"."""
+digest right after that iteration's optimizer step, before its save) and "done". With --pause-at, every
+rank stops after those iterations' saves (event "paused") until --log-dir/go-<iteration> exists: a test
+strikes its fault there, however late a loaded host lets it act, and the state is not changed by it."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -20,11 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import xxhash
+from e2e_workload import EventLog, state_digest  # a sibling module (see its docstring)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from worker_lib import Checkpointer
 from worker_lib.examples.train_mlp import end_process
@@ -82,26 +82,17 @@ class Decoder(nn.Module):
         return self.head(self.norm(x))
 
 
-def local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
-def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """xxh3 over this rank's shards of every parameter and optimizer state, and the buffers."""
-    hasher = xxhash.xxh3_64()
-    for tensor in model.state_dict().values():
-        hasher.update(local(tensor).detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    for state in optimizer.state_dict()["state"].values():
-        for value in state.values():
-            hasher.update(local(value).detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return hasher.hexdigest()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per iteration")
     parser.add_argument("--log-dir", type=Path, required=True)
+    parser.add_argument(
+        "--pause-at",
+        type=lambda text: {int(i) for i in text.split(",")},
+        default=set(),
+        help="comma-separated iterations after whose save every rank waits for <log-dir>/go-<iteration>",
+    )
     args = parser.parse_args()
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -115,12 +106,7 @@ def main() -> None:
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
 
-    args.log_dir.mkdir(parents=True, exist_ok=True)
-    log = (args.log_dir / f"rank-{rank}.jsonl").open("a", buffering=1)
-
-    def event(**fields: object) -> None:
-        log.write(json.dumps({"rank": rank, "time": time.time(), "pid": os.getpid(), **fields}) + "\n")
-
+    event = EventLog(args.log_dir, rank)
     with Checkpointer() as checkpointer:
         restored = checkpointer.restore(into={"model": model, "optimizer": optimizer})
         start = 0 if restored is None else restored.iteration + 1
@@ -141,10 +127,14 @@ def main() -> None:
             checkpointer.save(iteration, {"model": model, "optimizer": optimizer, "iteration": iteration})
             if args.sleep:
                 time.sleep(args.sleep)
+            if iteration in args.pause_at:
+                event(event="paused", iteration=iteration)
+                while not (args.log_dir / f"go-{iteration}").exists():
+                    time.sleep(0.05)
         event(event="done", iteration=args.iterations - 1, digest=state_digest(model, optimizer))
     dist.barrier()
     dist.destroy_process_group()
-    log.close()
+    event.close()
     end_process()  # never lets go of the gloo group: a torch 2.13 deadlock at exit (see its docstring)
 
 
