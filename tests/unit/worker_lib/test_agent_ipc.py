@@ -1,0 +1,48 @@
+"""What a training process tells its worker agent (worker_lib/agent_ipc.py), as the agent reads it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker_lib.agent_ipc import NOTIFY_ENV, AgentNotifier
+from worker_lib.checkpointer import Checkpointer
+
+
+@pytest.fixture
+def agent_socket(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
+    path = str(tmp_path / "agent.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(path)
+    listener.settimeout(10)
+    yield listener, path
+    listener.close()
+
+
+def test_a_commit_and_a_clean_finish_reach_the_agent_with_the_stall_so_far(
+    agent_socket: tuple[socket.socket, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listener, path = agent_socket
+    monkeypatch.setenv(NOTIFY_ENV, path)
+    monkeypatch.setenv("RANK", "3")
+    with Checkpointer(tmp_path / "slots", blocking=True) as checkpointer:
+        checkpointer.save(5, {"w": torch.ones(4)})
+    commit, finished = (json.loads(listener.recv(65536)) for _ in range(2))
+    assert commit["event"] == "commit" and commit["iteration"] == 5 and commit["slot"] is not None
+    assert commit["rank"] == 3 and commit["pid"] == os.getpid() and commit["dir"] == str(tmp_path / "slots")
+    assert finished["event"] == "finished" and finished["iteration"] == 5 and finished["slot"] is None
+    # A blocking save commits inside its call: the stall is counted once it returned.
+    assert commit["save_calls"] == 0 and finished["save_calls"] == 1 and finished["stalled_s"] > 0
+
+
+def test_no_agent_or_a_gone_one_is_never_trainings_problem(tmp_path: Path) -> None:
+    AgentNotifier(None, 0, tmp_path).notify("commit", 1, 0, stalled_s=0.0, save_calls=1)
+    gone = AgentNotifier(str(tmp_path / "no-agent.sock"), 0, tmp_path)
+    gone.notify("commit", 1, 0, stalled_s=0.0, save_calls=1)  # ENOENT, swallowed
+    gone.close()
