@@ -55,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests import harness  # noqa: E402
+from worker_lib.api.worker import RegisterResponse  # noqa: E402
 from worker_lib.client import RootClient, RootRejected, RootUnavailable  # noqa: E402
 
 ADMIN_TOKEN = "castor-admin.scale-benchmark"
@@ -107,7 +108,7 @@ class SimulatedMachine:
             "save_calls": {str(r): iteration for r in ranks},
         }
 
-    async def register(self) -> dict[str, Any]:
+    async def register(self) -> RegisterResponse:
         return await self.client.register(
             instance_id=self.instance_id,
             address="127.0.0.1",

@@ -127,10 +127,10 @@ class EmbeddedServices:
         its replicas reached this one, so this machine's data plane must serve until then."""
         client = self.services.client
         directive = await client.directive(after=-1, wait_s=0)
-        await self.services.report_progress(directive["generation"], "finished")
-        while directive["status"] != "finished" and (left := deadline - time.monotonic()) > 0:
-            directive = await client.directive(after=directive["revision"], wait_s=min(left, 10.0))
-        return str(directive["job_state"])
+        await self.services.report_progress(directive.generation, "finished")
+        while directive.status != "finished" and (left := deadline - time.monotonic()) > 0:
+            directive = await client.directive(after=directive.revision, wait_s=min(left, 10.0))
+        return directive.job_state
 
 
 def attach(
