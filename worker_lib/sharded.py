@@ -18,6 +18,7 @@ resharding needs every rank's shards; export the checkpoint to torch.distributed
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
@@ -44,7 +45,11 @@ class ShardingMismatchError(ValueError):
 
 
 def dtensor_type() -> type | None:
-    """torch.distributed.tensor.DTensor, or None where torch.distributed is not available."""
+    """torch.distributed.tensor.DTensor, or None where torch.distributed is not available or that module was
+    never imported: no tensor can be a DTensor then, and importing it (torch.fx and sympy with it) costs
+    about 0.7 s of CPU, which a restarted process would pay inside its first restore()."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return None
     return _dtensor_type()
 
 
