@@ -18,22 +18,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import xxhash
+from e2e_workload import EventLog, state_digest  # a sibling module (see its docstring)
 from torch.nn.parallel import DistributedDataParallel
 
 from worker_lib import Checkpointer, attach
-
-
-def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """xxh3 over the bytes of every parameter and every optimizer state tensor: equal iff bit-exact."""
-    hasher = xxhash.xxh3_64()
-    for tensor in model.state_dict().values():
-        hasher.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    for state in optimizer.state_dict()["state"].values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                hasher.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return hasher.hexdigest()
 
 
 def main() -> None:
@@ -74,12 +62,7 @@ def main() -> None:
     )
     ddp = DistributedDataParallel(model, process_group=group)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    args.log_dir.mkdir(parents=True, exist_ok=True)
-    log = (args.log_dir / f"rank-{rank}.jsonl").open("a", buffering=1)
-
-    def event(**fields: object) -> None:
-        log.write(json.dumps({"rank": rank, "time": time.time(), "pid": os.getpid(), **fields}) + "\n")
-
+    event = EventLog(args.log_dir, rank)
     with Checkpointer() as checkpointer:
         restored = checkpointer.restore(into={"model": model, "optimizer": optimizer})
         start = 0 if restored is None else restored.iteration + 1
@@ -124,7 +107,7 @@ def main() -> None:
     # a DDP allreduce work, whose thread-local state keeps the contextvars.Context that backward() stashes)
     # waits for the GIL. End the process without letting go of the group, after what a normal exit runs
     # (the embedded mode's exit handler: last replicas, `finished`, serving peers until the job completes).
-    log.close()
+    event.close()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
