@@ -177,6 +177,8 @@ class CliClient:
 
     def _rejected(self, exc: RootRejected) -> ApiError:
         status, code, message = exc.status, exc.code, exc.message
+        if code == "http_error":  # not the API's error shape: say which status it was
+            code = f"http_{status}"
         conn = self.connection
         used = f"the admin token {mask_token(conn.token)} from {conn.token_source}"
         if status == 401:
@@ -194,7 +196,7 @@ class CliClient:
                 code=code,
             )
         if status == 404:
-            if code in ("not_found", "http_error"):  # no such route: not a Castor root at this URL
+            if code in ("not_found", f"http_{status}"):  # no such route: not a Castor root at this URL
                 message = (
                     f"{exc.url} does not exist (HTTP 404); is {conn.root_url} the base URL of a Castor root "
                     "service? set --root or CASTOR_ROOT_URL"
