@@ -10,6 +10,12 @@ measurement is repeated in interleaved rounds (memcpy, save, restore, memcpy, sa
 noisy neighbour slows all of them alike; rates are the best round (medians printed too) and the ratios
 to the limit are also given as the median of the per-round ratios.
 
+Beside the rates, `cpu_ms_per_gib` gives the CPU time (every thread of the process) of the all-core memmove,
+the save and the restore, and `paired_cpu_median` their per-round ratios: on a machine shared with other
+work CPU time moves far less than wall time. `xxh3_from_cache_cpu_ms_per_gib` and
+`xxh3_from_memory_cpu_ms_per_gib` are what the checksum costs one thread per GiB, over bytes in its L2
+cache (as a save and a restore hash them) and as a pass of its own over memory.
+
 `restore_fresh_process_s` times only the restore() call in a new interpreter (torch and the model already
 there, the model's tensors touched) that has never mapped the store: the software-failure path, where the
 process was killed and its replacement maps the slot the agent kept.
@@ -39,11 +45,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 from torch import nn
 
 from worker_lib import Checkpointer
 
 MiB = 1 << 20
+GiB = 1 << 30
 # Tensor sizes in MiB for 1 GiB of state; --quick scales them down by 16.
 SIZES_MIB = [128] * 2 + [64] * 8 + [16] * 8 + [4] * 16 + [1] * 64
 SMALL_TENSORS = 64  # bias-like tensors of 1 KiB
@@ -119,7 +127,14 @@ def run(
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     names = ("memcpy_1thread", "memcpy_torch", "memcpy_threads", "save", "restore", "torch_save")
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}  # CPU seconds of every thread of the process
     fresh: list[float] = []
+
+    def timed(name: str, action: Callable[[], object]) -> None:
+        cpu_started, started = time.process_time(), time.perf_counter()
+        action()
+        times[name].append(time.perf_counter() - started)
+        cpu[name].append(time.process_time() - cpu_started)
 
     # The limit: the same bytes copied into warm, pre-faulted shared memory.
     target = shared_memory(scratch / "memcpy", state_bytes)
@@ -160,15 +175,16 @@ def run(
         memcpy_1thread()
         memcpy_threads()
         for rep in range(reps):
-            times["memcpy_1thread"].append(timed(memcpy_1thread))
-            times["memcpy_torch"].append(timed(memcpy_torch))
-            times["memcpy_threads"].append(timed(memcpy_threads))
-            times["save"].append(timed(lambda rep=rep: checkpointer.save(rep + 1, state)))
-            times["restore"].append(timed(lambda: checkpointer.restore(into=state)))
+            timed("memcpy_1thread", memcpy_1thread)
+            timed("memcpy_torch", memcpy_torch)
+            timed("memcpy_threads", memcpy_threads)
+            timed("save", lambda rep=rep: checkpointer.save(rep + 1, state))
+            timed("restore", lambda: checkpointer.restore(into=state))
             if rep < (1 if quick else 3):  # a new interpreter and torch.save are slow: a few tries do
                 fresh.append(fresh_process_restore(scratch / "store", quick))
-                times["torch_save"].append(timed(lambda: torch_save(state, scratch / "torch.pt")))
+                timed("torch_save", lambda: torch_save(state, scratch / "torch.pt"))
     blocking_save_s = statistics.median(times["save"])
+    checksum = checksum_cost(tensors)
 
     with Checkpointer(scratch / "store") as checkpointer:
         stall = measure_stall(checkpointer, state, blocking_save_s, stall_pairs)
@@ -202,6 +218,22 @@ def run(
         "restore_gbps": best["restore_gbps"],
         "torch_save_gbps": best["torch_save_gbps"],
         "paired_median": paired,
+        # What the copies cost in CPU time (all threads), per GiB: on a machine whose cores are shared with
+        # other work, CPU time moves far less than wall time, and it shows where the time goes.
+        "cpu_ms_per_gib": {
+            name: round(statistics.median(cpu[name]) * 1e3 * GiB / state_bytes, 1)
+            for name in ("memcpy_threads", "memcpy_torch", "save", "restore")
+        },
+        "paired_cpu_median": {
+            "save_vs_memcpy": round(
+                statistics.median(m / s for m, s in zip(cpu["memcpy_threads"], cpu["save"], strict=True)), 3
+            ),
+            "restore_vs_memcpy": round(
+                statistics.median(m / r for m, r in zip(cpu["memcpy_threads"], cpu["restore"], strict=True)),
+                3,
+            ),
+        },
+        **checksum,
         "restore_in_process_s": round(restore_in_process_s, 4),
         "restore_fresh_process_s": round(restore_fresh_process_s, 4),
         "blocking_save_ms": round(blocking_save_s * 1e3, 2),
@@ -219,6 +251,28 @@ def run(
         "rss_growth_mb < 50": rss_growth / MiB < 50,
     }
     return {**results, "targets": targets, "targets_met": all(targets.values())}
+
+
+def checksum_cost(tensors: list[torch.Tensor]) -> dict[str, float]:
+    """xxh3-64 on one thread, in CPU ms per GiB: over the state's bytes as they lie in memory (a pass of
+    its own), and over 256 KiB that are in the core's L2 cache (what a save pays: each piece is hashed
+    right after its copy)."""
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    arrays = [t.reshape(-1).view(torch.uint8).numpy() for t in tensors]
+    started = time.thread_time()
+    for array in arrays:
+        xxhash.xxh3_64_intdigest(array.data)
+    from_memory = (time.thread_time() - started) * GiB / state_bytes
+    piece = arrays[0][: 256 << 10].data
+    rounds = max(1, state_bytes // len(piece))
+    started = time.thread_time()
+    for _ in range(rounds):
+        xxhash.xxh3_64_intdigest(piece)
+    from_cache = (time.thread_time() - started) * GiB / (rounds * len(piece))
+    return {
+        "xxh3_from_memory_cpu_ms_per_gib": round(from_memory * 1e3, 1),
+        "xxh3_from_cache_cpu_ms_per_gib": round(from_cache * 1e3, 1),
+    }
 
 
 def measure_stall(
@@ -297,12 +351,6 @@ def torch_save(state: dict[str, nn.Module], path: Path) -> None:
     torch.save(state["model"].state_dict(), path)
 
 
-def timed(action: Callable[[], object]) -> float:
-    started = time.perf_counter()
-    action()
-    return time.perf_counter() - started
-
-
 def rss_bytes() -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -314,7 +362,11 @@ def rss_bytes() -> int:
 def report(results: dict[str, object]) -> None:
     median = results["median"]
     paired = results["paired_median"]
+    paired_cpu = results["paired_cpu_median"]
+    cpu = results["cpu_ms_per_gib"]
     assert isinstance(median, dict) and isinstance(paired, dict)
+    assert isinstance(paired_cpu, dict) and isinstance(cpu, dict)
+    cpu_ms = f"{cpu['memcpy_threads']} / {cpu['save']} / {cpu['restore']}"
     rows = [
         ("state", f"{results['state_bytes'] / MiB:.0f} MiB fp32", ""),
         ("memcpy_gbps", results["memcpy_gbps"], f"{results['memcpy_method']}, {results['cores']} cores"),
@@ -328,6 +380,16 @@ def report(results: dict[str, object]) -> None:
             f"median {median['restore_gbps']}, {paired['restore_vs_memcpy']} x",
         ),
         ("torch_save_gbps", results["torch_save_gbps"], f"median {median['torch_save_gbps']}"),
+        (
+            "cpu_ms_per_gib",
+            cpu_ms,
+            f"paired save {paired_cpu['save_vs_memcpy']} x, restore {paired_cpu['restore_vs_memcpy']} x",
+        ),
+        (
+            "xxh3_cpu_ms_per_gib",
+            f"{results['xxh3_from_cache_cpu_ms_per_gib']} / {results['xxh3_from_memory_cpu_ms_per_gib']}",
+            "one thread, from cache / from memory",
+        ),
         ("restore_in_process_s", results["restore_in_process_s"], "median"),
         ("restore_fresh_process_s", results["restore_fresh_process_s"], "median, restore() call only"),
         ("blocking_save_ms", results["blocking_save_ms"], "median"),

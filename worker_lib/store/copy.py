@@ -13,6 +13,7 @@ steady-state save allocates nothing large.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import os
 import threading
@@ -205,7 +206,17 @@ def plan_checked(
 ) -> tuple[CheckedGroup, ...]:
     """Cut the extents (positions in a checkpoint's data region, sorted by offset, inside [0, data end))
     into pieces that never cross a boundary of `stripes` (the manifest's, which cover the region in order)
-    unless a row must, and group them by stripe."""
+    unless a row must, and group them by stripe.
+
+    Memoised: planning 1 GiB of 162 tensors takes about 2 ms of the calling thread, while every copy
+    thread waits, and a restore of the same state into the same structure plans the same groups again."""
+    return _plan_checked(tuple(extents), tuple((start, end) for start, end in stripes), piece_bytes)
+
+
+@functools.lru_cache(maxsize=8)
+def _plan_checked(
+    extents: tuple[Extent, ...], stripes: tuple[tuple[int, int], ...], piece_bytes: int
+) -> tuple[CheckedGroup, ...]:
     starts = [start for start, _ in stripes]
     joined = [False] * len(stripes)  # joined[k]: stripe k is checked together with stripe k + 1
     placed: list[tuple[int, Piece]] = []
@@ -368,9 +379,18 @@ class CopyEngine:
                 failed.set()
                 raise
 
-        futures = [self._pool.submit(worker) for _ in range(min(self.threads, count))]
+        # The calling thread is one of the workers: it would only wait otherwise, and one thread fewer is
+        # woken through the pool's queue (a wake-up costs tens of microseconds, more on a loaded machine).
+        futures = [self._pool.submit(worker) for _ in range(min(self.threads, count) - 1)]
+        error: BaseException | None = None
+        try:
+            worker()
+        except BaseException as raised:
+            error = raised
         # Wait for every thread before raising: a thread still writing into a slot after the caller gave the
         # slot up could tear the next checkpoint written there.
         wait_all(futures)
+        if error is not None:
+            raise error
         for future in futures:
             future.result()

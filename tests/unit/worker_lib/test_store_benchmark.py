@@ -28,6 +28,10 @@ def test_the_quick_benchmark_prints_its_figures_as_json_on_the_last_line(tmp_pat
     assert figures["cores"] == len(os.sched_getaffinity(0))
     assert {"stall_ms", "iteration_delta_ms", "matmuls_per_step"} <= figures.keys()
     assert set(figures["paired_median"]) == {"save_vs_memcpy", "restore_vs_memcpy"}
+    # Where the time goes: CPU time of every copy and what the checksum costs on its own.
+    assert set(figures["paired_cpu_median"]) == {"save_vs_memcpy", "restore_vs_memcpy"}
+    assert all(figures["cpu_ms_per_gib"][name] > 0 for name in ("memcpy_threads", "save", "restore"))
+    assert figures["xxh3_from_cache_cpu_ms_per_gib"] > 0 and figures["xxh3_from_memory_cpu_ms_per_gib"] > 0
     assert figures["rss_growth_mb"] < 50
     assert set(figures["targets"]) == {
         "save_gbps >= 1.0 x memcpy_gbps",

@@ -1,0 +1,81 @@
+"""The copy engine's scheduling (the calling thread works too, failures wait for every thread), its memoised
+restore plans, and what a fresh process's first restore() does not pay for."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from worker_lib.store.copy import CopyEngine, Extent, Piece, StripePlan, plan_checked
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+class _Recording:
+    """A transfer that notes which thread copied each piece."""
+
+    def __init__(self) -> None:
+        self.threads: set[int] = set()
+
+    def copy(self, lo: int, hi: int) -> None:
+        self.threads.add(threading.get_ident())
+        time.sleep(0.002)  # long enough that every thread gets pieces
+
+
+def _stripes(count: int) -> list[StripePlan]:
+    return [StripePlan.of(i, i + 1, [Piece(0, i, i + 1, i, 0)]) for i in range(count)]
+
+
+def test_the_calling_thread_copies_stripes_too(engine: CopyEngine) -> None:
+    transfer = _Recording()
+    engine.copy(_stripes(40), [transfer])
+    assert threading.get_ident() in transfer.threads
+    assert len(transfer.threads) == engine.threads  # the caller and threads - 1 of the pool
+
+
+def test_a_failure_in_the_callers_share_waits_for_the_other_threads(engine: CopyEngine) -> None:
+    caller = threading.get_ident()
+    finished: list[int] = []
+
+    class Failing:
+        def copy(self, lo: int, hi: int) -> None:
+            if threading.get_ident() == caller:
+                raise OSError("copy failed")
+            time.sleep(0.2)  # the other thread is still writing when the caller fails
+            finished.append(lo)
+
+    with pytest.raises(OSError, match="copy failed"):
+        engine.copy(_stripes(2), [Failing()])
+    assert finished  # raised only once the other thread's piece was done
+
+
+def test_restore_plans_are_memoised() -> None:
+    extents = [Extent(0, 150, 1, 192), Extent(192, 100, 1, 320)]
+    stripes = [(0, 128), (128, 320)]
+    plan = plan_checked(extents, stripes)
+    assert plan_checked(list(extents), list(stripes)) is plan
+    assert plan_checked(extents, [(0, 64), (64, 320)]) is not plan
+
+
+def test_a_fresh_process_restores_without_importing_the_dtensor_package(tmp_path: Path) -> None:
+    # torch.distributed.tensor brings torch.fx and sympy: importing it inside the first restore() of a
+    # restarted process cost about 0.7 s of CPU (3 s on a loaded machine), more than the restore itself.
+    program = f"""
+import sys, torch
+from worker_lib import Checkpointer
+state = {{"w": torch.arange(1000.0), "step": 3}}
+with Checkpointer({str(tmp_path)!r}, blocking=True) as checkpointer:
+    checkpointer.save(3, state)
+    restored = checkpointer.restore(into={{"w": torch.zeros(1000), "step": 0}})
+assert restored is not None and restored.iteration == 3
+print("torch.distributed.tensor" in sys.modules)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert result.stdout.strip().splitlines()[-1] == "False"
