@@ -239,7 +239,7 @@ class RootClient:
             method, path, json=json, params=params, retry_for_s=retry_for_s, timeout_s=timeout_s
         )
         try:
-            return pydantic.TypeAdapter(model).validate_python(document)
+            return _adapter(model).validate_python(document)
         except pydantic.ValidationError as exc:
             url = f"{self.urls[self._current]}{API}{path}"
             raise UnexpectedAnswer(
@@ -294,6 +294,17 @@ class RootClient:
                 f"root unreachable after {attempts} attempts: {problem_text}", problem
             ) from None
         raise AssertionError("unreachable: tenacity either returns an attempt's result or raises")
+
+
+# Each answer type's adapter, built once: a heartbeat's answer is validated every interval on every machine.
+_ADAPTERS: dict[Any, pydantic.TypeAdapter[Any]] = {}
+
+
+def _adapter(model: type[T]) -> pydantic.TypeAdapter[T]:
+    adapter = _ADAPTERS.get(model)
+    if adapter is None:
+        adapter = _ADAPTERS[model] = pydantic.TypeAdapter(model)
+    return adapter
 
 
 def _document(body: Any) -> Any:
