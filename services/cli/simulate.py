@@ -226,7 +226,7 @@ def _event(failure: dict[str, Any]) -> SimpleNamespace:
 
 def records_from_failures(failures: list[dict[str, Any]]) -> list[sim.PhaseRecord]:
     """Recovered failures (training resumed) as per-phase durations, through the pages' phase rules."""
-    from services.root.web.phases import phases
+    from services.root.domain.phases import phases
 
     records = []
     for failure in failures:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import model_validator
 
-from services.root.web.phases import recovery_seconds
+from services.root.domain.phases import recovery_seconds
 from worker_lib.api import public
 from worker_lib.api.public import (
     JOB_NAME_PATTERN,
