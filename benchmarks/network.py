@@ -16,11 +16,36 @@ both directions (tbf), on one bridge:
 
 With the 10 Gbit/s rate as well (the default, not --quick) the same figures carry a `_10` suffix; at that
 rate this host's CPU (the checksums, Python's copies) may be the bound rather than the link.
+
+Interleaving (GEMINI's Algorithm 2), on 4 machines at 1 Gbit/s, m = 2 (machine i replicates to i ^ 1),
+benchmarks/netmachine.py on each: DDP over gloo on an MLP of 4.2 M parameters (16 MiB of gradients, so
+the ring all-reduce keeps each NIC busy for most of an iteration), a forward/backward "compute" of 0.15 s
+emulated by a sleep (an accelerator's time; 2 shared cores cannot compute for four machines), and a
+checkpoint of 80 MiB per rank (model, momentum and 48 MiB of payload standing for a larger optimizer
+state) saved every iteration. One training run plays the policies in blocks, none, eager, interleaved,
+none, eager, ... (paired: each cycle's blocks ran back to back under the same load), then a "tail" under
+interleaved where the replication interval is measured and machines are lost at random instants.
+
+* iteration_s_<policy>: median iteration time of the policy's blocks of 6 iterations (the first 2 of a
+  block left out: a piece sent under the previous policy may still be draining); slowdown_<policy>_pct:
+  the median over cycles of that cycle's block median against its none block; `_spread`: min and max.
+* replication_interval: median iterations between fully replicated checkpoints in the tail (rounds aligned
+  across machines through the driver, which plays the root's part); replication_interval_bound:
+  checkpoint bytes / (idle fraction x link bandwidth x iteration time), rounded up, from the none blocks'
+  measured idle fraction and iteration time and this run's link_gbps; checkpoint_vs_idle_capacity: the
+  checkpoint over one iteration's idle capacity (3 to 10 by design).
+* machine_losses / peer_restores: at random instants of the tail a machine is declared lost and its rank's
+  checkpoint of the job's aligned iteration is fetched from its peer's memory over the data plane (verified,
+  and bit-exact against the lost machine's own copy) while every survivor still holds that iteration
+  locally. The machine is not killed (the recovery of a killed machine on this cluster is
+  tests/e2e/test_netemu_recovery.py's): what is counted is that a common iteration was in memory and came
+  back from the peer.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -126,11 +151,105 @@ def measure(rate_gbit: float, size: int, reps: int) -> dict[str, float | int]:
     }
 
 
+SETTLE = 2  # iterations of each block left out: the previous policy's last piece may still be draining
+
+
+def interleaving(quick: bool, raw: str | None = None) -> dict[str, object]:
+    import math
+    import random
+    import statistics
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import netmachine
+
+    from worker_lib.interleave import interval_bound, merge
+
+    # Short blocks, many cycles: this host's load drifts over minutes, and a pair of blocks seconds apart
+    # sees about the same load. A policy switch takes effect at the sender's next piece (2 MiB).
+    block, cycles, tail, losses = (6, 2, 30, 3) if quick else (6, 10, 70, 12)
+    warmup = 12
+    iterations = warmup + block * cycles * 3 + tail
+    train_args = ["--iterations", str(iterations), "--warmup", str(warmup), "--block", str(block)]
+    train_args += ["--cycles", str(cycles)]
+    with (
+        netemu.cluster(4, rate_gbit=1.0) as emu,
+        tempfile.TemporaryDirectory(prefix="castor-bench-interleave-", dir="/dev/shm") as scratch,
+    ):
+        link = netemu.measure_gbps(emu, emu.machines[0], emu.machines[1], megabytes=64)
+        out = netmachine.drive(
+            emu,
+            Path(scratch),
+            train_args=train_args,
+            agent_args=["--phased"],
+            losses=losses,
+            loss_every_s=(0.5, 2.0),
+            seed=random.randrange(1 << 30),
+        )
+    if raw:
+        Path(raw).write_text(json.dumps(out))
+    times = out["train"][0]["times"]  # every rank waits for the same all-reduces: rank 0's will do
+    blocks: dict[tuple[int, str], list[float]] = {}
+    for iteration, phase, seconds in times:
+        if phase in netmachine.PHASES and (iteration - warmup) % block >= SETTLE:
+            blocks.setdefault(((iteration - warmup) // (block * 3), phase), []).append(seconds)
+    figures: dict[str, object] = {"interleave_link_gbps": round(link, 4)}
+    for phase in netmachine.PHASES:
+        every = [t for (c, p), values in blocks.items() if p == phase for t in values]
+        figures[f"iteration_s_{phase}"] = round(statistics.median(every), 4)
+    for phase in ("eager", "interleaved"):
+        per_cycle = [
+            (statistics.median(blocks[(c, phase)]) / statistics.median(blocks[(c, "none")]) - 1) * 100
+            for c in range(cycles)
+        ]
+        figures[f"slowdown_{phase}_pct"] = round(statistics.median(per_cycle), 2)
+        figures[f"slowdown_{phase}_pct_spread"] = [round(min(per_cycle), 2), round(max(per_cycle), 2)]
+    # The idle time training leaves, from the none blocks: each iteration's length less its busy spans.
+    train = out["train"][0]
+    starts, spans = train["starts"], train["spans"]
+    idle_fractions = []
+    for index, (_, phase, _) in enumerate(times[:-1]):
+        if phase != "none" or index + 1 >= len(starts):
+            continue
+        begin, end = starts[index], starts[index + 1]
+        # Buckets queue behind each other (their spans overlap): merged before summing.
+        busy = sum(e - s for s, e in merge([(max(s, begin), min(e, end)) for s, e in spans]))
+        idle_fractions.append(max(0.0, 1 - busy / (end - begin)))
+    idle_fraction = statistics.median(idle_fractions)
+    checkpoint_bytes = max(int(a["checkpoint_bytes"] or 0) for a in out["agents"])
+    bandwidth = link * 1e9 / 8
+    iteration_s = float(figures["iteration_s_none"])  # type: ignore[arg-type]
+    intervals = []
+    for agent in out["agents"]:
+        rounds = agent["rounds"]
+        for previous, current in itertools.pairwise(rounds):
+            if previous[3] == current[3] == "tail" and current[2]:
+                intervals.append(current[2])
+    figures["replication_interval"] = statistics.median(intervals) if intervals else None
+    figures["replication_intervals"] = sorted(intervals)
+    figures["replication_interval_bound"] = interval_bound(
+        checkpoint_bytes, idle_fraction, bandwidth, iteration_s
+    )
+    figures["idle_fraction"] = round(idle_fraction, 3)
+    figures["interleave_checkpoint_bytes"] = checkpoint_bytes
+    figures["checkpoint_vs_idle_capacity"] = round(
+        checkpoint_bytes / (idle_fraction * bandwidth * iteration_s), 2
+    )
+    figures["machine_losses"] = len(out["losses"])
+    figures["peer_restores"] = sum(1 for loss in out["losses"] if loss["from_peer"])
+    figures["loss_errors"] = [loss["error"] for loss in out["losses"] if "error" in loss]
+    windows = [w for agent in out["agents"] for w in agent["windows"]]
+    figures["interleave_chunks"] = len(windows)
+    if not math.isfinite(idle_fraction):
+        raise RuntimeError("no idle fraction measured")
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="48 MiB checkpoints at 1 Gbit/s only")
+    parser.add_argument("--raw", help="write the interleaving run's raw JSON (times, spans, windows) here")
     args = parser.parse_args()
     reason = netemu.unavailable()
     if reason:
@@ -142,8 +261,10 @@ def main() -> None:
     results.update(measure(1.0, size, reps))
     if not args.quick:
         results.update({f"{k}_10": v for k, v in measure(10.0, size, reps).items()})
+    results.update(interleaving(args.quick, args.raw))
     for key, value in results.items():
         print(f"{key:32s} {value:.3f}" if isinstance(value, float) else f"{key:32s} {value}")
+    results.pop("replication_intervals", None)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()}))
 
 

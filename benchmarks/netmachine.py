@@ -1,0 +1,326 @@
+"""One machine of benchmarks/network.py's interleaving run (and of tests/integration/test_interleave.py), run
+inside its network namespace (tests/netemu.py). Two roles, two processes, as on a real machine:
+
+    netmachine.py train --rank R --world N --master ADDR --root DIR --out FILE [workload options]
+    netmachine.py agent --rank R --peer ADDR --root DIR --out FILE [--policy P]
+
+`train`: DDP over gloo (the namespace's NIC) on an MLP whose gradient all-reduce is most of the wire time,
+`time_communication(model)` publishing its idle spans to the board in the rank's shm directory, a forward
+"compute" emulated by a sleep (the GPU's time, which 2 shared cores cannot give four machines) and a
+Checkpointer save of the model, the optimizer and a payload (the optimizer state of a larger model) every
+iteration. The phase of each iteration (none | eager | interleaved, A/B/A/B in blocks) follows from its number
+and is written where the agent reads it. At the end: iteration times, phases, comm spans, as JSON.
+
+`agent`: a Castor data plane server (the group peer's replicas land here) and a Replicator sending this
+rank's checkpoints to the peer under the phase's policy (none: nothing granted), its rounds aligned across
+machines through files the benchmark's driver reads and writes (the root's part: the driver computes
+services.root.domain.replication.replication_alignment over the agents' summaries). At the end: send
+windows and rounds, as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PORT = 7100  # the data plane's, in every namespace (each has its own ports)
+PHASES = ("none", "eager", "interleaved")
+
+
+def phase_of(iteration: int, warmup: int, block: int, phases: tuple[str, ...], cycles: int) -> str:
+    """warmup, then `cycles` rounds of the phases in blocks (A, B, C, A, B, C, ...), then "tail"."""
+    if iteration < warmup:
+        return "warmup"
+    if (iteration - warmup) // block >= cycles * len(phases):
+        return "tail"
+    return phases[((iteration - warmup) // block) % len(phases)]
+
+
+def train(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from worker_lib import Checkpointer, time_communication
+
+    os.environ.update(MASTER_ADDR=args.master, MASTER_PORT="29611", RANK=str(args.rank))
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    width = args.width
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
+    directory = Path(args.root) / "local" / f"rank-{args.rank}"
+    timer = time_communication(ddp, directory, window=args.profile_window, every=40)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    payload = torch.zeros(args.payload_mb * (1 << 20) // 4)
+    phases = tuple(args.phases.split(","))
+    phase_file = Path(args.root) / "phase"
+    times: list[tuple[int, str, float]] = []
+    x = torch.randn(8, width)
+    with Checkpointer(directory, slots=4, threads=1) as checkpointer:
+        for iteration in range(args.iterations):
+            phase = phase_of(iteration, args.warmup, args.block, phases, args.cycles)
+            phase_file.write_text(phase)
+            start = time.monotonic()
+            loss = ddp(x).square().mean()  # the forward pre-hook marks the iteration's start
+            time.sleep(args.compute_s)  # the accelerator's forward and backward compute
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            payload[iteration % payload.numel()] = iteration
+            checkpointer.save(iteration, {"model": model, "optimizer": optimizer, "payload": payload})
+            times.append((iteration, phase, time.monotonic() - start))
+    dist.barrier()
+    Path(args.out).write_text(
+        json.dumps({"times": times, "spans": list(timer.spans), "starts": list(timer.starts)})
+    )
+    dist.destroy_process_group()
+
+
+def agent(args: argparse.Namespace) -> None:
+    from worker_lib.agent.dataplane import DataPlaneServer, data_plane_key
+    from worker_lib.agent.holdings import Holdings
+    from worker_lib.agent.pacing import Pacer
+    from worker_lib.agent.replication import Replicator
+
+    root = Path(args.root)
+    key = data_plane_key(args.token)
+    holdings = Holdings(root)
+    holdings.prepare_local([args.rank], 4)
+    server = DataPlaneServer(holdings, key, "bench", host=args.address, port=PORT).start()
+
+    class PhasedPacer(Pacer):
+        """The phase's policy; 'none' grants nothing (a transfer in flight waits for the next phase)."""
+
+        phase = "warmup"
+
+        def grant(self, wanted: int, unsent: Any) -> int:
+            if self.phase == "none":
+                time.sleep(0.05)
+                return 0
+            return super().grant(wanted, unsent)
+
+    replicator = Replicator(
+        holdings, key, "bench", [args.peer_rank], lambda machine: (args.peer, PORT), streams=1
+    )
+    pacer = PhasedPacer(args.policy, None, replicator.boards)
+    replicator.pacer = pacer
+    replicator.start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    rounds: list[tuple[float, int | None, int | None, str]] = []
+    seen: int | None = None
+    summary_file, alignment_file = root / "summary.json", root / "alignment.json"
+    aligned_at = 0.0
+    while not stop.is_set() and not (root / "stop").exists():
+        phase_file = root / "phase"
+        phase = phase_file.read_text() if phase_file.exists() else "warmup"
+        if args.phased:
+            pacer.phase = phase
+            pacer.policy = "eager" if phase == "eager" else args.policy
+        stats = replicator.stats
+        if stats.replicated_iteration != seen:
+            seen = stats.replicated_iteration
+            rounds.append((time.monotonic(), seen, stats.interval, phase))
+        if args.align:
+            summary = {**replicator.summary(), "local": {str(args.rank): None}}
+            temporary = summary_file.with_suffix(".tmp")
+            temporary.write_text(json.dumps(summary))
+            os.replace(temporary, summary_file)
+            try:
+                stat = alignment_file.stat()
+                if stat.st_mtime > aligned_at:
+                    aligned_at = stat.st_mtime
+                    said = json.loads(alignment_file.read_text())
+                    replicator.align(said["aligned_iteration"], said["target"], said["go"])
+            except (OSError, ValueError, KeyError):
+                pass
+        time.sleep(0.1)
+    replicator.stop()
+    server.stop()
+    newest = holdings.newest("local", args.rank)
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "windows": list(pacer.windows),
+                "rounds": rounds,
+                "bandwidth": pacer.bandwidth,
+                "bytes_sent": replicator.stats.bytes_sent,
+                "aborted": replicator.stats.aborted,
+                "checkpoint_bytes": newest.data_bytes if newest is not None else None,
+            }
+        )
+    )
+    holdings.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="role", required=True)
+    t = sub.add_parser("train")
+    t.add_argument("--rank", type=int, required=True)
+    t.add_argument("--world", type=int, required=True)
+    t.add_argument("--master", required=True)
+    t.add_argument("--root", required=True)
+    t.add_argument("--out", required=True)
+    t.add_argument("--iterations", type=int, default=60)
+    t.add_argument("--warmup", type=int, default=12)
+    t.add_argument("--block", type=int, default=20)
+    t.add_argument("--phases", default=",".join(PHASES))
+    t.add_argument("--cycles", type=int, default=1)
+    t.add_argument("--profile-window", type=int, default=8)
+    t.add_argument("--width", type=int, default=1448)  # two layers: 4.2 M parameters, 16 MiB of gradients
+    t.add_argument("--bucket-mb", type=float, default=4.0)
+    t.add_argument("--payload-mb", type=int, default=48)
+    t.add_argument("--compute-s", type=float, default=0.15)
+    a = sub.add_parser("agent")
+    a.add_argument("--rank", type=int, required=True)
+    a.add_argument("--peer-rank", type=int, required=True)
+    a.add_argument("--address", required=True)
+    a.add_argument("--peer", required=True)
+    a.add_argument("--root", required=True)
+    a.add_argument("--out", required=True)
+    a.add_argument("--token", default="castor-job.bench.secret")
+    a.add_argument("--policy", default="interleaved")
+    a.add_argument("--phased", action="store_true", help="follow the training's phases")
+    a.add_argument("--align", action="store_true", help="align rounds through the driver's files")
+    args = parser.parse_args()
+    train(args) if args.role == "train" else agent(args)
+
+
+if __name__ == "__main__":
+    main()
+
+
+# -- the driver (in the root namespace) ----------------------------------------------------------------------
+
+
+def drive(
+    emu: Any,
+    scratch: Path,
+    *,
+    train_args: list[str],
+    agent_args: list[str],
+    align: bool = True,
+    losses: int = 0,
+    loss_every_s: tuple[float, float] = (1.0, 3.0),
+    seed: int = 0,
+    timeout_s: float = 900.0,
+) -> dict[str, Any]:
+    """Run one training process and one agent per machine of `emu` (netemu.NetEmu; machine i's group peer
+    is i ^ 1), play the root's part in aligning rounds, and lose `losses` machines at random instants of
+    the "tail" phase: each loss is restored from its peer's memory when the survivors all hold the job's
+    aligned iteration locally and the peer's replica of the lost rank at it comes over the data plane,
+    verified, with the lost machine's own digest (bit-exact). The machine is not killed: the restore path
+    is what is exercised. Returns the processes' JSON and the losses' outcomes."""
+    import random
+    import subprocess
+
+    from services.root.domain.replication import replication_alignment
+    from worker_lib.agent.dataplane import PeerConnection, data_plane_key
+    from worker_lib.agent.holdings import Holdings
+    from worker_lib.store.slots import SlotStore
+
+    machines = emu.machines
+    n = len(machines)
+    roots = [scratch / f"m{i}" for i in range(n)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    python = sys.executable
+    agents: list[subprocess.Popen[Any]] = []
+    trainers: list[subprocess.Popen[Any]] = []
+    outcomes: list[dict[str, Any]] = []
+    rng = random.Random(seed)
+    key = data_plane_key("castor-job.bench.secret")
+    try:
+        for i, machine in enumerate(machines):
+            roots[i].mkdir(parents=True, exist_ok=True)
+            command = [python, __file__, "agent", "--rank", str(i), "--peer-rank", str(i ^ 1)]
+            command += ["--address", machine.address, "--peer", machines[i ^ 1].address]
+            command += ["--root", str(roots[i]), "--out", str(roots[i] / "agent.json"), *agent_args]
+            agents.append(emu.popen(machine, command + (["--align"] if align else []), env=env, cwd=REPO))
+        for i, machine in enumerate(machines):
+            command = [python, __file__, "train", "--rank", str(i), "--world", str(n)]
+            command += ["--master", machines[0].address, "--root", str(roots[i])]
+            command += ["--out", str(roots[i] / "train.json"), *train_args]
+            trainers.append(emu.popen(machine, command, env=env, cwd=REPO))
+        deadline = time.monotonic() + timeout_s
+        next_loss = None
+        while any(t.poll() is None for t in trainers):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the training processes did not finish")
+            if any(t.poll() not in (None, 0) for t in trainers):
+                raise RuntimeError("a training process failed")
+            said = None
+            if align:
+                summaries = []
+                for root in roots:
+                    with contextlib.suppress(OSError, ValueError):
+                        summaries.append(json.loads((root / "summary.json").read_text()))
+                said = replication_alignment(summaries) if len(summaries) == n else None
+                if said is not None:
+                    body = json.dumps(
+                        {"aligned_iteration": said.aligned_iteration, "target": said.target, "go": said.go}
+                    )
+                    for root in roots:
+                        temporary = root / "alignment.tmp"
+                        temporary.write_text(body)
+                        os.replace(temporary, root / "alignment.json")
+            phase_file = roots[0] / "phase"
+            tail = phase_file.exists() and phase_file.read_text() == "tail"
+            if tail and len(outcomes) < losses:
+                now = time.monotonic()
+                if next_loss is None:
+                    next_loss = now + rng.uniform(*loss_every_s)
+                elif now >= next_loss:
+                    lost = rng.randrange(n)
+                    aligned = said.aligned_iteration if said is not None else None
+                    outcome: dict[str, Any] = {"machine": lost, "iteration": aligned, "from_peer": False}
+                    try:
+                        if aligned is None:
+                            raise LookupError("no aligned iteration")
+                        for r in range(n):
+                            if r != lost:
+                                held = Holdings(roots[r]).local_store(r).committed()
+                                if aligned not in {m.iteration for m in held}:
+                                    raise LookupError(f"rank {r} no longer holds iteration {aligned}")
+                        own = {
+                            m.iteration: m.digest for m in Holdings(roots[lost]).local_store(lost).committed()
+                        }
+                        destination = SlotStore(scratch / "restored" / str(len(outcomes)), 2)
+                        peer = machines[lost ^ 1]
+                        with PeerConnection(peer.address, PORT, key, "bench") as connection:
+                            manifest = connection.get(lost, destination, aligned, tier="replica")
+                        if aligned in own and own[aligned] != manifest.digest:
+                            raise ValueError("the peer's replica is not the lost machine's checkpoint")
+                        outcome.update(from_peer=True, digest_checked=aligned in own)
+                    except Exception as exc:  # a loss that found no copy in memory: reported
+                        outcome["error"] = f"{type(exc).__name__}: {exc}"
+                    outcomes.append(outcome)
+                    next_loss = time.monotonic() + rng.uniform(*loss_every_s)
+            time.sleep(0.1)
+        for root in roots:
+            (root / "stop").touch()
+        for process in agents:
+            process.wait(60)
+        return {
+            "train": [json.loads((root / "train.json").read_text()) for root in roots],
+            "agents": [json.loads((root / "agent.json").read_text()) for root in roots],
+            "losses": outcomes,
+        }
+    finally:
+        for process in [*trainers, *agents]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
