@@ -144,6 +144,11 @@ class Job(Base):
     replication_interval: Mapped[int | None] = mapped_column(BigInteger, default=None)
     replication_lag: Mapped[int | None] = mapped_column(BigInteger, default=None)
     replication_state: Mapped[str | None] = mapped_column(String(16), default=None)
+    # The iteration every rank persists next, chosen by the root (a multiple of persist_every), and the
+    # plan generation it was announced in (a recovery since gives it up); None: none announced
+    # (domain.persist_schedule).
+    persist_iteration: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    persist_generation: Mapped[int | None] = mapped_column(default=None)
     wasted_time_s: Mapped[float] = mapped_column(default=0.0)
     # Recoveries in a row that a new failure cut short before training resumed; reset by a recovery that
     # finishes. Past Settings.max_failed_recoveries the job has failed (a crash loop).
