@@ -173,10 +173,12 @@ async def test_one_job_whose_step_raises_does_not_stop_the_recovery_of_another(
     healthy = await two_machines(client)
     original = recovery.advance
 
-    async def advance(session: Any, job: Any, settings: Settings) -> list[recovery.ReplaceMachine]:
+    async def advance(
+        session: Any, job: Any, settings: Settings, **seen: Any
+    ) -> list[recovery.ReplaceMachine]:
         if str(job.id) == broken.id:
             raise RuntimeError("a bug that only this job's data triggers")
-        return await original(session, job, settings)
+        return await original(session, job, settings, **seen)
 
     monkeypatch.setattr(recovery, "advance", advance)
     orchestrator = suspicious_app.state.castor.orchestrator

@@ -17,6 +17,8 @@ execute outside the transaction.
 from __future__ import annotations
 
 import logging
+import uuid
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -62,19 +64,47 @@ class ReplaceMachine:
     event_id: int
 
 
-async def advance(session: AsyncSession, job: Job, settings: Settings) -> list[ReplaceMachine]:
+async def advance(
+    session: AsyncSession,
+    job: Job,
+    settings: Settings,
+    seen: MutableMapping[uuid.UUID, RecoveryState] | None = None,
+) -> list[ReplaceMachine]:
     """One step of the job's recovery: derive its state (domain.recovery_states) from the database, do
-    what that state calls for, and check that the state it leaves the recovery in is one the protocol's
-    transition table allows from there."""
-    if job.state not in (JobState.RUNNING, JobState.RECOVERING):
+    what that state calls for, and check the state it leaves the recovery in against the protocol's
+    transition table. With `seen` (the driver's memory of the state each job was left in at its last
+    step), the moves made between two steps (a failure recorded, a replacement registered, machines
+    restored) are checked too."""
+    step = await _step(session, job, settings)
+    if step is None:
+        if seen is not None:
+            seen.pop(job.id, None)
         return []
+    before, after, actions = step
+    if seen is not None:
+        _moved(job, seen.get(job.id), before)
+        if after is None:
+            seen.pop(job.id, None)
+        else:
+            seen[job.id] = after
+    _moved(job, before, after)
+    return actions
+
+
+async def _step(
+    session: AsyncSession, job: Job, settings: Settings
+) -> tuple[RecoveryState | None, RecoveryState | None, list[ReplaceMachine]] | None:
+    """What `advance` does: the state the step found, the state it left, the cloud actions it decided;
+    None for a job whose recovery is not orchestrated (not running or recovering, embedded mode)."""
+    if job.state not in (JobState.RUNNING, JobState.RECOVERING):
+        return None
     now = utcnow()
     plan = await repo.latest_plan(session, job.id)
     assert plan is not None, "every job has a plan from its creation"
     events = list(await repo.open_failures(session, job.id))
     live = list(await repo.live_machines(session, job.id))
     if any(m.embedded for m in live):
-        return []  # torchrun restarts embedded-mode training; failures are recorded, not orchestrated
+        return None  # torchrun restarts embedded-mode training; failures are recorded, not orchestrated
     state = _state_of(job, plan, events, live)
     lost: list[FailureEvent | None] = []  # failures this step records (machines late to report)
 
@@ -86,18 +116,16 @@ async def advance(session: AsyncSession, job: Job, settings: Settings) -> list[R
             job.failed_recoveries += 1
             if job.failed_recoveries >= settings.max_failed_recoveries:
                 _give_up(session, job, events, now)
-                _moved(job, state, _state_of(job, plan, events, live))
-                return []
+                return state, _state_of(job, plan, events, live), []
         if job.state == JobState.RUNNING or plan.status != PlanStatus.COLLECTING:
             plan = await _open_recovery(session, job, plan, fresh)
         for event in events:  # new failures join; those of a superseded restore move along
             event.state, event.plan_id = FailureState.RECOVERING, plan.id
         await session.flush()
-        _moved(job, state, _state_of(job, plan, events, live))
-        return _replacements(job, live, events, now, settings)
+        return state, _state_of(job, plan, events, live), _replacements(job, live, events, now, settings)
 
     if state == RecoveryState.REPLACING:
-        return _replacements(job, live, events, now, settings)  # waiting for replacements to register
+        return state, state, _replacements(job, live, events, now, settings)  # replacements to register
 
     if state == RecoveryState.COLLECTING:
         missing = [m for m in live if m.inventory_generation != plan.generation]
@@ -123,8 +151,7 @@ async def advance(session: AsyncSession, job: Job, settings: Settings) -> list[R
             for machine in live:
                 if machine.resumed_generation != plan.generation:
                     lost.append(await machine_lost(session, job, machine, "did not resume training in time"))
-    _moved(job, state, _state_of(job, plan, [*events, *(e for e in lost if e is not None)], live))
-    return []
+    return state, _state_of(job, plan, [*events, *(e for e in lost if e is not None)], live), []
 
 
 def _state_of(

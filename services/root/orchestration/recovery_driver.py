@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from typing import Any
 
 from services.root.clients import CloudOperator, CloudOperatorError
 from services.root.db import repository as repo
 from services.root.db.models import MachineState
+from services.root.domain.recovery_states import RecoveryState
 from services.root.flows import recovery
 from services.root.orchestration.leadership import Deposed, Leadership
 from services.root.orchestration.per_job import PerJob
@@ -30,13 +32,20 @@ class RecoveryDriver:
         self.settings = settings
         self.operator = operator
         self._replacing: set[int] = set()  # failure events whose replacement is under way here
+        # The recovery state each job was left in by its last step here (domain.recovery_states), so the
+        # next step checks the moves made in between against the protocol's table. A new leader starts
+        # without: it never saw the steps before it.
+        self.states: dict[uuid.UUID, RecoveryState] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def drive(self) -> None:
+        self.states.clear()
         while True:
             try:
                 async with self.leadership.session() as session:
-                    job_ids = await repo.active_job_ids(session)
+                    job_ids = list(await repo.active_job_ids(session))
+                for gone in self.states.keys() - set(job_ids):  # finished, stopped or deleted jobs
+                    del self.states[gone]
                 await self.per_job.each(job_ids, self.step)
             except Deposed:
                 return
@@ -45,11 +54,15 @@ class RecoveryDriver:
             await asyncio.sleep(TICK_S)
 
     async def step(self, job_id: Any) -> None:
-        async with self.leadership.session() as session:
-            job = await repo.get_job(session, job_id, for_update=True)
-            if job is None:
-                return
-            actions = await recovery.advance(session, job, self.settings)
+        try:
+            async with self.leadership.session() as session:
+                job = await repo.get_job(session, job_id, for_update=True)
+                if job is None:
+                    return
+                actions = await recovery.advance(session, job, self.settings, seen=self.states)
+        except BaseException:
+            self.states.pop(job_id, None)  # the step's state may not have been committed
+            raise
         for action in actions:
             if action.event_id not in self._replacing:
                 self._replacing.add(action.event_id)

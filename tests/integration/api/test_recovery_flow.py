@@ -120,8 +120,10 @@ async def test_a_crash_while_ranks_restore_starts_a_new_generation_and_a_crash_l
     newest = (await scenario.api("/recovery-plans"))[0]
     assert newest["generation"] == 3, "no attempt after the last one allowed"
 
-    # Each step checked the state it left the recovery in against the protocol's table
-    # (domain.recovery_states): the crash loop went through these transitions, all of them allowed.
+    # Each step checked the state it found and the state it left the recovery in against the protocol's
+    # table (domain.recovery_states): the crash loop went through these transitions, all of them allowed
+    # (between two steps the crash moved the recovery back to detected, and the agents' reports may have
+    # moved a plan from planned to resuming).
     mine = [r.getMessage() for r in caplog.records if f"job {scenario.job['name']}:" in r.getMessage()]
     assert not [m for m in mine if "no such transition" in m], mine
     moves = {
@@ -129,11 +131,15 @@ async def test_a_crash_while_ranks_restore_starts_a_new_generation_and_a_crash_l
         for found in (re.search(r"recovery (\w+) -> (\w+)$", m) for m in mine)
         if found
     }
-    assert moves == {
+    assert moves >= {
         (RecoveryState.DETECTED, RecoveryState.COLLECTING),
         (RecoveryState.COLLECTING, RecoveryState.PLANNED),
         (RecoveryState.DETECTED, RecoveryState.FAILED),
     }, mine
+    assert moves & {
+        (RecoveryState.PLANNED, RecoveryState.DETECTED),
+        (RecoveryState.RESUMING, RecoveryState.DETECTED),
+    }
     assert all(recovery_states.allowed(*move) for move in moves)
 
 
