@@ -5,17 +5,14 @@ interrupted, bit for bit, to the last iteration."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import sys
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.e2e.cluster import REPO, LocalCluster, read_events, wait_until
+from tests.e2e.exact_runs import check_same_as_reference, uninterrupted_run
 from tests.e2e.recovery_checks import (
     check_consistent_restore,
     check_event,
@@ -23,7 +20,6 @@ from tests.e2e.recovery_checks import (
     newest_iteration,
     recovered_events,
 )
-from tests.harness import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -45,39 +41,11 @@ def command(log_dir: Path, sleep: float) -> list[str]:
     ]
 
 
-def uninterrupted_run(log_dir: Path) -> dict[int, list[dict[str, Any]]]:
-    """The same program on WORLD plain processes (no agent, no failure): the reference."""
-    port = free_port()
-    shm = Path("/dev/shm") / f"castor-e2e-reference-{uuid.uuid4().hex[:8]}"
-    processes = []
-    try:
-        for rank in range(WORLD):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(WORLD),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "CASTOR_SHM_DIR": str(shm / f"rank-{rank}"),
-            }
-            processes.append(subprocess.Popen(command(log_dir, sleep=0), cwd=REPO, env=env))
-        codes = [process.wait(timeout=300) for process in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-        shutil.rmtree(shm, ignore_errors=True)
-    assert codes == [0] * WORLD
-    return read_events(log_dir)
-
-
-def final_digests(events: dict[int, list[dict[str, Any]]]) -> dict[int, dict[int, str]]:
-    """Per rank, the digest after each iteration as the run finally computed it (a resumed run logs the
-    iterations it trains again twice: the later one counts)."""
-    return {
-        rank: {e["iteration"]: e["digest"] for e in rank_events if e["event"] == "iteration"}
-        for rank, rank_events in events.items()
-    }
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, Any]]]:
+    """One uninterrupted run for every fault."""
+    log_dir = tmp_path_factory.mktemp("reference")
+    return uninterrupted_run(command(log_dir, sleep=0), WORLD, log_dir)
 
 
 # fault -> (machines lost, failure kind, slowest tier, iterations that may be lost)
@@ -90,10 +58,9 @@ FAULTS = {
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_dataloader_epoch_loop_resumes_bit_exact_after_a_fault_mid_epoch(
-    cluster: LocalCluster, tmp_path: Path, fault: str
+    cluster: LocalCluster, tmp_path: Path, fault: str, reference: dict[int, list[dict[str, Any]]]
 ) -> None:
     lost, kind, tier, max_lost = FAULTS[fault]
-    reference = uninterrupted_run(tmp_path / "reference")
 
     logs = tmp_path / "logs"
     # A long heartbeat timeout for the process kill: on a host saturated by 4 machines' training, a late
@@ -123,12 +90,7 @@ def test_a_dataloader_epoch_loop_resumes_bit_exact_after_a_fault_mid_epoch(
     cluster.wait_for_job("completed")
 
     events = read_events(logs)
-    expected = final_digests(reference)
-    assert final_digests(events) == expected
-    assert len(expected[0]) == EPOCHS * BATCHES
+    check_same_as_reference(events, reference, EPOCHS * BATCHES)
     for rank in range(WORLD):
-        (done,) = [e for e in events[rank] if e["event"] == "done"]
-        (reference_done,) = [e for e in reference[rank] if e["event"] == "done"]
-        assert done["digest"] == reference_done["digest"]
         resumed = [e for e in events[rank] if e["event"] == "iteration" and e["iteration"] == restored + 1]
         assert resumed and resumed[-1]["epoch"] == restored // BATCHES
