@@ -166,7 +166,7 @@ def interleaving(quick: bool, raw: str | None = None) -> dict[str, object]:
 
     # Short blocks, many cycles: this host's load drifts over minutes, and a pair of blocks seconds apart
     # sees about the same load. A policy switch takes effect at the sender's next piece (2 MiB).
-    block, cycles, tail, losses = (6, 2, 30, 3) if quick else (6, 10, 70, 12)
+    block, cycles, tail, losses = (6, 1, 14, 2) if quick else (6, 10, 70, 12)
     warmup = 12
     iterations = warmup + block * cycles * 3 + tail
     train_args = ["--iterations", str(iterations), "--warmup", str(warmup), "--block", str(block)]

@@ -81,3 +81,7 @@ def test_network_benchmark_runs() -> None:
     netemu.require()
     figures = run_benchmark("network.py")
     assert {"link_gbps", "replicate_gbps", "replicate_vs_link"} <= set(figures)
+    interleaving = {"iteration_s_none", "iteration_s_eager", "iteration_s_interleaved", "slowdown_eager_pct"}
+    interleaving |= {"slowdown_interleaved_pct", "replication_interval", "replication_interval_bound"}
+    assert interleaving | {"machine_losses", "peer_restores"} <= set(figures)
+    assert figures["machine_losses"] >= 1
