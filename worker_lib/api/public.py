@@ -213,6 +213,15 @@ class MachineOut(BaseModel):
         return readable_json(value)
 
 
+class PhaseOut(BaseModel):
+    """One phase of a failure's recovery (detect, classify, replace, restore, resume), as the pages show."""
+
+    name: str
+    start: datetime
+    end: datetime | None = Field(description="When the phase ended; null while it is under way.")
+    seconds: float = Field(description="How long it took, or has taken so far while under way.")
+
+
 class FailureOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
@@ -241,6 +250,12 @@ class FailureOut(BaseModel):
         None,
         description="The failure's number within its job (1, 2, 3, ... in the order recorded), as the pages "
         "show it (#3); `id` is global and skips numbers within a job.",
+    )
+    phases: list[PhaseOut] = Field(
+        default_factory=list,
+        description="The recovery's phases in order, computed by the service as its pages and /metrics do; "
+        "the last one is under way (end null) until the failure is over, and a finished failure leaves out "
+        "phases that never happened (a software failure has no replace phase).",
     )
 
     @field_validator("details", mode="before")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import model_validator
 
-from services.root.domain.phases import recovery_seconds
+from services.root.domain.phases import is_finished, phases, recovery_seconds
 from worker_lib.api import public
 from worker_lib.api.public import (
     JOB_NAME_PATTERN,
@@ -26,10 +26,15 @@ from worker_lib.api.public import (
 
 
 class FailureOut(public.FailureOut):
-    # The service computes recovery_s (the client model only reads it), with the same phases as the pages.
+    # The service computes recovery_s and the phases (the client model only reads them), with the one
+    # computation the pages and /metrics use (domain.phases).
     @model_validator(mode="after")
     def _recovery_time(self) -> FailureOut:
         self.recovery_s = recovery_seconds(self)
+        self.phases = [
+            public.PhaseOut(name=p.name, start=p.start, end=p.end, seconds=round(p.seconds, 3))
+            for p in phases(self, finished=is_finished(self.state))
+        ]
         return self
 
 

@@ -4,6 +4,7 @@ training resumed, the resume being when the last machine reported it) in the API
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -86,6 +87,15 @@ async def test_recovery_time_is_detection_to_the_last_resumed_report_everywhere(
     assert f"Recovery time {duration(event['recovery_s'])}" in failure_page
     listed = (await signed_in.get(f"/api/v1/jobs/{job.id}/failures", headers=admin())).json()
     assert [e["recovery_s"] for e in listed if e["id"] == failure_id] == [event["recovery_s"]]
+
+    # The API carries the phases the pages draw: a software failure needs no replacement, each phase starts
+    # where the one before it ended, and the last ends when training resumed.
+    phases = event["phases"]
+    assert [p["name"] for p in phases] == ["detect", "classify", "restore", "resume"]
+    assert all(p["start"] == before["end"] for before, p in itertools.pairwise(phases))
+    assert datetime.fromisoformat(phases[-1]["end"]) == resumed
+    for phase in phases:
+        assert f"{phase['name']} {duration(phase['seconds'])}".lower() in failure_page.lower()
 
 
 async def test_saves_skipped_and_replicas_skipped_are_counted_apart(signed_in: httpx.AsyncClient) -> None:
