@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from services.root.web import charts, formatting, phases
+from services.root.domain import phases
+from services.root.web import charts, formatting
 from services.root.web.auth import login_url, safe_next
 from services.root.web.sampler import IterationHistory
 
