@@ -30,8 +30,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
+from worker_lib.api.worker import RegisterResponse
 from worker_lib.comm_timing import BoardState, CommBoard
 from worker_lib.interleave import CHUNK_MAX, Grant, next_grant
 
@@ -192,15 +193,15 @@ class Pacer:
 POLICY_ENV = "CASTOR_REPLICATION_POLICY"
 
 
-def replication_pacer(registration: Any, boards: Callable[[], list[Path]]) -> Pacer:
-    """The pacer of the job's policy and cap, as the registration answer carries them (a dict or the
-    agent's RegisterResponse); $CASTOR_REPLICATION_POLICY overrides the policy on this machine (an
+def replication_pacer(registration: RegisterResponse, boards: Callable[[], list[Path]]) -> Pacer:
+    """The pacer of the job's policy and cap, as the registration answer carries them;
+    $CASTOR_REPLICATION_POLICY overrides the policy on this machine (an
     operator's escape hatch, and the benchmark's switch). An unknown policy falls back to interleaved."""
-    policy = os.environ.get(POLICY_ENV) or registration.get("replication_policy") or "interleaved"
+    policy = os.environ.get(POLICY_ENV) or registration.replication_policy or "interleaved"
     if policy not in POLICIES:
         log.warning("unknown replication policy %r: interleaved", policy)
         policy = "interleaved"
-    gbps = registration.get("replication_bandwidth_gbps")
+    gbps = registration.replication_bandwidth_gbps
     cap = float(gbps) * 1e9 / 8 if gbps else None
     log.info("replication policy %s%s", policy, f", capped at {gbps} Gbit/s" if cap else "")
     return Pacer(policy, cap, boards)

@@ -13,17 +13,8 @@ from pydantic import AfterValidator, BaseModel, Field
 
 
 class WireModel(BaseModel):
-    """A model of an answer the agent reads. It also reads by key, as the JSON documents the agent's code
-    was written against (`directive["status"]`, `registration.get("checkpoint_bytes_max")`), so that code
-    moves to attributes one module at a time; new code uses the attributes, which mypy checks."""
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in type(self).model_fields:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key) if key in type(self).model_fields else default
+    """A model of an answer the agent or the CLI reads (`directive.status`): by attribute, which mypy checks;
+    not by key, as a JSON document (`model_dump(mode="json")` gives that, where one is needed)."""
 
 
 # Numbers that end up in INTEGER / BIGINT columns: larger ones would be refused by the database with a

@@ -16,6 +16,7 @@ from tests.integration.api.test_jobs import assert_error
 from tests.integration.api.test_worker import register
 from tests.integration.conftest import admin, create_job
 from worker_lib.agent.services import MachineIdentity, MachineServices
+from worker_lib.api.worker import RegisterResponse
 from worker_lib.client import RootClient
 from worker_lib.errors import ShmCapacityError
 from worker_lib.store.slots import free_bytes
@@ -33,7 +34,7 @@ def machine_services(job: dict[str, object], registration: dict[str, object], sh
     services = MachineServices(
         RootClient(["http://127.0.0.1:9"], str(job["id"]), token), token, MachineIdentity("i-a"), shm
     )
-    services.registration = registration
+    services.registration = RegisterResponse.model_validate(registration)
     return services
 
 

@@ -36,6 +36,8 @@ from worker_lib.agent.dataplane import (
 )
 from worker_lib.agent.holdings import Holdings, rank_capacity
 from worker_lib.agent.replication import Replicator
+from worker_lib.api.shared import PlanSource
+from worker_lib.api.worker import DirectiveOut, RegisterResponse
 from worker_lib.errors import CheckpointError, CheckpointNotFoundError, ShmCapacityError
 from worker_lib.store.manifest import Manifest, Stripe, content_digest
 from worker_lib.store.slots import SlotStore, free_bytes
@@ -381,7 +383,10 @@ def test_a_peer_offering_another_checkpoint_than_the_planned_digest_is_refused(
 
 
 def restore_with(agent: Agent, source: dict[str, object], iteration: int) -> dict[str, object]:
-    return asyncio.run(agent._restore({"iteration": iteration, "sources": [{"rank": 0, **source}]}))
+    # The fields of the directive a restore reads (model_construct: the others are the root's business).
+    sources = [PlanSource.model_validate({"rank": 0, **source})]
+    plan = DirectiveOut.model_construct(iteration=iteration, sources=sources)
+    return asyncio.run(agent._restore(plan))
 
 
 @pytest.fixture
@@ -390,7 +395,7 @@ def agent(shm: Path) -> Iterator[Agent]:
         root_urls=["http://127.0.0.1:9"], job_id=JOB, token=TOKEN, command=["true"], shm_root=shm / "agent"
     )
     agent = Agent(config)
-    agent.machine.registration = {"rank": 0, "procs_per_machine": 1}
+    agent.machine.registration = RegisterResponse.model_construct(rank=0, procs_per_machine=1)
     yield agent
     agent.machine.holdings.close()
 

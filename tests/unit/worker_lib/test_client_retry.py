@@ -188,8 +188,11 @@ async def test_answers_are_the_apis_models_and_bodies_the_fields_set() -> None:
         assert isinstance(registered, RegisterResponse)
         assert str(registered.job_id) == JOB_ID and registered.placement.ranks[1].holders == [1, 0]
         assert registered.heartbeat.mode == "rest" and registered.persistent.path == "/tmp/persisted"
-        # The agent's code written against the JSON documents still reads them by key.
-        assert registered["peers"][0]["address"] == "10.0.0.2" and registered.get("nothing", 5) == 5
+        # Attributes only: the answers are the models, not JSON documents read by key.
+        assert registered.peers[0].address == "10.0.0.2"
+        with pytest.raises(TypeError):
+            registered["peers"]  # type: ignore[index]
+        assert not hasattr(registered, "get")
 
         answer = await client.directive(after=3, wait_s=0)
         assert isinstance(answer, DirectiveOut) and answer.sources[0].tier == "peer"

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from worker_lib.agent.pacing import Pacer, replication_pacer
+from worker_lib.api.worker import RegisterResponse
 from worker_lib.comm_timing import CommBoard, CommTimer
 from worker_lib.interleave import (
     CommProfile,
@@ -174,10 +175,13 @@ def test_the_interleaved_pacer_grants_nothing_while_training_communicates(tmp_pa
 
 def test_the_policy_and_cap_come_from_the_registration(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CASTOR_REPLICATION_POLICY", raising=False)
-    pacer = replication_pacer({"replication_policy": "eager", "replication_bandwidth_gbps": 0.8}, list)
+    # Only the fields the pacer reads (model_construct fills the others' defaults, or leaves them out).
+    eager = RegisterResponse.model_construct(replication_policy="eager", replication_bandwidth_gbps=0.8)
+    pacer = replication_pacer(eager, list)
     assert pacer.policy == "eager" and pacer.cap == pytest.approx(1e8)
-    assert replication_pacer({}, list).policy == "interleaved"
+    assert replication_pacer(RegisterResponse.model_construct(), list).policy == "interleaved"
     monkeypatch.setenv("CASTOR_REPLICATION_POLICY", "eager")
-    assert replication_pacer({"replication_policy": "interleaved"}, list).policy == "eager"
+    interleaved = RegisterResponse.model_construct(replication_policy="interleaved")
+    assert replication_pacer(interleaved, list).policy == "eager"
     with pytest.raises(ValueError):
         Pacer("lazy")
