@@ -10,6 +10,7 @@ as their state_dict.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -28,6 +29,7 @@ from worker_lib.sharded import (
     live_meshes,
     local_shard,
     mesh_spec,
+    same_sharding,
 )
 from worker_lib.store.copy import (
     CopyEngine,
@@ -43,7 +45,7 @@ from worker_lib.store.copy import (
 )
 from worker_lib.store.cuda import to_device
 from worker_lib.store.integrity import check_region, corrupt_error
-from worker_lib.store.layout import SPAN_ALIGN, dtype_from_name
+from worker_lib.store.layout import SPAN_ALIGN, dtype_from_name, dtype_name
 from worker_lib.store.manifest import JsonValue, Manifest, TensorEntry
 from worker_lib.store.tree import PLAIN_TYPES, unflatten
 
@@ -74,7 +76,7 @@ def restore_state(manifest: Manifest, data: memoryview, into: Any, engine: CopyE
         _walk(matching, into, "state", (), targets)
     # Sharded tensors without a live target (optimizer states) become DTensors on this process's mesh:
     # checked here, before any byte is copied.
-    meshes = MeshResolver(live_meshes(into))
+    meshes = MeshResolver(find=partial(live_meshes, into))
     for ref in sharded:
         if ref.index not in targets.tensors:
             meshes.check(ref.spec, manifest.tensors[ref.index].key)
@@ -224,6 +226,57 @@ class _Targets:
 
     def optimizer(self, state: Any, target: torch.optim.Optimizer, path: str, keys: Keys) -> None:
         self.optimizers.append((target, keys))
+        if target.state:
+            self._optimizer_in_place(state, target)
+
+    def _optimizer_in_place(self, state: Any, target: torch.optim.Optimizer) -> None:
+        """Where the optimizer already has its state (a restore into a running job), its state tensors take
+        the bytes straight from shared memory, as the model's do, instead of fresh tensors (allocated and
+        page-faulted, two thirds of an AdamW state) that load_state_dict then swaps in; load_state_dict then
+        finds them in place (its casts return a tensor of the same dtype and device as it is). Only tensors
+        that match exactly (kind, dtype, shape, sharding) are filled so; anything else takes the fresh path
+        and load_state_dict's own checks, as without this."""
+        if not isinstance(state, dict):
+            return
+        saved_groups, saved_state = state.get("param_groups"), state.get("state")
+        if not isinstance(saved_groups, list | tuple) or not isinstance(saved_state, dict):
+            return
+        live_groups = target.param_groups
+        if len(saved_groups) != len(live_groups) or any(
+            not isinstance(saved, dict) or len(saved.get("params", ())) != len(live["params"])
+            for saved, live in zip(saved_groups, live_groups, strict=True)
+        ):
+            return  # load_state_dict refuses it, and nothing must have been copied by then
+        # The saved parameter ids map to live parameters by position, as in load_state_dict.
+        params = {
+            saved_id: param
+            for saved, live in zip(saved_groups, live_groups, strict=True)
+            for saved_id, param in zip(saved["params"], live["params"], strict=True)
+        }
+        DTensor = dtensor_type()
+        for saved_id, saved in saved_state.items():
+            param = params.get(saved_id)
+            own = target.state.get(param) if param is not None else None
+            if not isinstance(saved, dict) or not isinstance(own, dict):
+                continue
+            for key, ref in saved.items():
+                live = own.get(key)
+                if not isinstance(live, torch.Tensor) or live.requires_grad:
+                    continue
+                if not isinstance(ref, _TensorRef | _DTensorRef) or ref.index in self.tensors:
+                    continue
+                entry = self._entries[ref.index]
+                if entry.dtype != dtype_name(live.dtype) or entry.device != live.device.type:
+                    continue
+                if isinstance(ref, _DTensorRef):
+                    if DTensor is None or not isinstance(live, DTensor) or not same_sharding(ref.spec, live):
+                        continue
+                    local = local_shard(live)
+                    if tuple(local.shape) == entry.shape:
+                        self.tensors[ref.index] = local
+                        self.dtensors[ref.index] = live
+                elif type(live) is torch.Tensor and tuple(live.shape) == entry.shape:
+                    self.tensors[ref.index] = live
 
 
 def _copy_out(
@@ -243,11 +296,19 @@ def _copy_out(
 
     fresh: dict[int, torch.Tensor] = {}
     regions: dict[int, torch.Tensor] = {}  # fresh storages of shared regions, by offset in the data region
+    filled: set[tuple[int, int, int]] = set()  # (offset, target address, bytes) of whole regions copied
     for i, entry in enumerate(manifest.tensors):
         dtype = dtype_from_name(entry.dtype)
         stored = source[entry.offset : entry.offset + entry.nbytes]
         target = targets.get(i)
-        if target is not None and entry.view is None and _flat_target(target, dtype):
+        if target is not None and _whole_region(entry, dtype) and _flat_target(target, dtype):
+            # A tensor that is all of a shared region (tied weights: one storage, saved under two keys)
+            # is copied like any flat tensor, stripe by stripe on every thread, and only once per target.
+            key = (entry.offset, target.data_ptr(), entry.nbytes)
+            if key not in filled:
+                filled.add(key)
+                add(FlatTransfer(stored, flat_bytes(target)), entry, 1)
+        elif target is not None and entry.view is None and _flat_target(target, dtype):
             add(FlatTransfer(stored, flat_bytes(target)), entry, 1)
         elif target is not None and entry.view is None:
             # Row by row (a strided target, or another dtype): rows are counted in the stored bytes.
@@ -320,6 +381,21 @@ class _ReadOnlyTensor:
         # as_strided counts its offset from the start of the whole data region's storage, not the region's.
         start = region.storage_offset() + entry.view.storage_offset
         return region.as_strided(entry.shape, entry.view.stride, start)
+
+
+def _whole_region(entry: TensorEntry, dtype: torch.dtype) -> bool:
+    """The entry's region holds exactly its values in row-major order (a view of all of a storage)."""
+    view = entry.view
+    if view is None:
+        return True
+    if view.storage_offset != 0 or entry.nbytes != math.prod(entry.shape) * dtype.itemsize:
+        return False
+    expected = 1
+    for size, stride in zip(reversed(entry.shape), reversed(view.stride), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _flat_target(target: torch.Tensor, dtype: torch.dtype) -> bool:

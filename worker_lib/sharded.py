@@ -19,7 +19,7 @@ resharding needs every rank's shards; export the checkpoint to torch.distributed
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import lru_cache
 from typing import Any
 
@@ -75,21 +75,57 @@ def local_shard(dtensor: Any) -> torch.Tensor:
 
 def spec_of(dtensor: Any, index: int) -> dict[str, JsonValue]:
     """The `dtensor` node of a DTensor whose local shard is the checkpoint's tensor `index`."""
-    mesh = dtensor.device_mesh
-    # Cached by the mesh's identity (comparing meshes or DTensorSpecs by value costs more than the
-    # whole lookup): it runs for every sharded tensor of every save.
-    key = (id(mesh), tuple(dtensor.placements), tuple(dtensor.shape), dtensor.stride())
-    cached = _SPECS.get(key)
-    if cached is None or cached[0] is not mesh:
-        if len(_SPECS) > 4096:
-            _SPECS.clear()
-        cached = _SPECS[key] = (mesh, _placement_spec(mesh, key[1], key[2], key[3]))
-    spec = dict(cached[1])
+    spec = dict(_live_spec(dtensor)[0])
     spec["tensor"] = index
     return spec
 
 
-_SPECS: dict[tuple[Any, ...], tuple[Any, dict[str, JsonValue]]] = {}
+def _live_spec(dtensor: Any) -> tuple[dict[str, JsonValue], Signature]:
+    """A live DTensor's spec (without "tensor") and its signature, computed once per layout.
+
+    Cached by the mesh's identity, placements, global shape and stride (comparing meshes or DTensorSpecs
+    by value, or reading a mesh's rank tensor, costs more than the whole lookup): it runs for every sharded
+    tensor of every save and of every restore into a live model. The cache holds the mesh, so its id is not
+    reused while the entry lives.
+    """
+    mesh = dtensor.device_mesh
+    key = (id(mesh), tuple(dtensor.placements), tuple(dtensor.shape), dtensor.stride())
+    cached = _SPECS.get(key)
+    if cached is None or cached[0] is not mesh:
+        if len(_SPECS) > _CACHE_LIMIT:
+            _SPECS.clear()
+        spec = _placement_spec(mesh, key[1], key[2], key[3])
+        cached = _SPECS[key] = (mesh, spec, spec_signature(spec))
+    return cached[1], cached[2]
+
+
+# A spec's identity for comparisons: every field a restore checks (mesh, placements, global shape, this
+# rank's coordinate, its shard's offsets and shape), see spec_signature.
+Signature = tuple[Any, ...]
+
+_CACHE_LIMIT = 4096
+_SPECS: dict[tuple[Any, ...], tuple[Any, dict[str, JsonValue], Signature]] = {}
+_MESH_SPECS: dict[int, tuple[Any, dict[str, JsonValue]]] = {}
+
+
+def spec_signature(spec: dict[str, JsonValue]) -> Signature:
+    """The fields of a shard's spec that must match for an in-place restore, hashable and cheap to compare:
+    two shards with equal signatures are sharded alike (sharding_difference finds nothing). repr() of the
+    JSON lists (ints and strings, from a manifest or computed live) is exact and runs in C: a few
+    microseconds per tensor, where walking the nested lists in Python cost ten times that."""
+    mesh = spec["mesh"]
+    assert isinstance(mesh, dict)
+    return (
+        mesh.get("device"),
+        repr(mesh.get("shape")),
+        repr(mesh.get("dims")),
+        repr(mesh.get("ranks")),
+        repr(spec["placements"]),
+        repr(spec["shape"]),
+        repr(spec.get("coordinate")),
+        repr(spec.get("offsets")),
+        repr(spec.get("local_shape")),
+    )
 
 
 def _placement_spec(
@@ -111,13 +147,23 @@ def _placement_spec(
 
 
 def mesh_spec(mesh: Any) -> dict[str, JsonValue]:
-    names = mesh.mesh_dim_names
-    return {
-        "device": mesh.device_type,
-        "shape": list(mesh.mesh.shape),
-        "dims": list(names) if names is not None else None,
-        "ranks": mesh.mesh.tolist(),
-    }
+    """A mesh as the checkpoint records it (shared: do not modify). Cached by the mesh's identity: reading
+    `mesh.mesh` rebuilds its rank tensor from the layout (about 0.1 ms), once per mesh instead of per
+    tensor."""
+    cached = _MESH_SPECS.get(id(mesh))
+    if cached is None or cached[0] is not mesh:
+        if len(_MESH_SPECS) > _CACHE_LIMIT:
+            _MESH_SPECS.clear()
+        names = mesh.mesh_dim_names
+        ranks = mesh.mesh
+        spec: dict[str, JsonValue] = {
+            "device": mesh.device_type,
+            "shape": list(ranks.shape),
+            "dims": list(names) if names is not None else None,
+            "ranks": ranks.tolist(),
+        }
+        cached = _MESH_SPECS[id(mesh)] = (mesh, spec)
+    return cached[1]
 
 
 def _encode_placement(placement: Any) -> JsonValue:
@@ -163,11 +209,22 @@ def describe_mesh(mesh: JsonValue) -> str:
 
 
 def check_same_sharding(saved: dict[str, JsonValue], live: Any, path: str) -> None:
-    """Refuse to restore the shard `saved` into the live DTensor `live` unless they are sharded alike."""
-    current = spec_of(live, -1)
+    """Refuse to restore the shard `saved` into the live DTensor `live` unless they are sharded alike.
+
+    The live side's signature is cached per layout, so a match costs one tuple comparison; the fields are
+    compared one by one, for the error's words, only when they differ."""
+    current, live_signature = _live_spec(live)
+    if spec_signature(saved) == live_signature:
+        return
     problem = sharding_difference(saved, current)
     if problem is not None:
         raise ShardingMismatchError(f"{path}: {problem}. {RESHARD_HINT}")
+
+
+def same_sharding(saved: dict[str, JsonValue], live: Any) -> bool:
+    """Whether the saved shard `saved` can be restored into the live DTensor `live` (check_same_sharding
+    without the error)."""
+    return spec_signature(saved) == _live_spec(live)[1]
 
 
 def sharding_difference(saved: dict[str, JsonValue], current: dict[str, JsonValue]) -> str | None:
@@ -203,10 +260,18 @@ def _mesh_key(mesh: JsonValue) -> str:
 class MeshResolver:
     """Finds this process's DeviceMesh for a saved shard's mesh, to rebuild DTensors that have no live
     target to be copied into (optimizer states, a restore without `into`): the meshes of the live state,
-    else, for a one-dimensional mesh over the whole default process group, a mesh made from that group."""
+    else, for a one-dimensional mesh over the whole default process group, a mesh made from that group.
 
-    def __init__(self, live: Iterable[Any] = ()):
+    Each distinct layout (signature) is checked once per restore, and its DTensorSpec built once: an
+    optimizer's states repeat their parameters' layouts, and a model's blocks repeat each other's."""
+
+    def __init__(self, live: Iterable[Any] = (), *, find: Callable[[], Iterable[Any]] | None = None):
+        """`live`: meshes of the live state; `find`: a function that lists them, called only once a saved
+        mesh must be looked up (a restore whose every shard has a live target never walks the state)."""
         self._meshes: dict[str, Any] = {}
+        self._find = find
+        self._checked: dict[Signature, Any] = {}  # signature -> this process's mesh, checked
+        self._dtensor_specs: dict[tuple[Signature, torch.dtype], Any] = {}
         for mesh in live:
             self.add(mesh)
 
@@ -216,29 +281,45 @@ class MeshResolver:
     def check(self, spec: dict[str, JsonValue], path: str) -> Any:
         """This process's mesh for the saved shard `spec`; ShardingMismatchError when there is none, or
         when this rank's shard of it differs from the saved one."""
+        return self._check(spec, spec_signature(spec), path)
+
+    def _check(self, spec: dict[str, JsonValue], signature: Signature, path: str) -> Any:
+        mesh = self._checked.get(signature)
+        if mesh is not None:
+            return mesh
         mesh = self._resolve(spec["mesh"], path)
         problem = sharding_difference(spec, self._spec_in(mesh, spec))
         if problem is not None:
             raise ShardingMismatchError(f"{path}: {problem}. {RESHARD_HINT}")
+        self._checked[signature] = mesh
         return mesh
 
     def dtensor(self, spec: dict[str, JsonValue], local: torch.Tensor, path: str = "state") -> Any:
         """The DTensor of the saved `spec` around its restored local shard `local`."""
         from torch.distributed.tensor import DTensor
 
-        mesh = self.check(spec, path)
-        placements = spec["placements"]
-        assert isinstance(placements, list)
-        shape, stride = spec["shape"], spec["stride"]
-        assert isinstance(shape, list) and isinstance(stride, list)
-        return DTensor.from_local(
-            local,
-            mesh,
-            [_decode_placement(p) for p in placements],
-            run_check=False,
-            shape=torch.Size(int(n) for n in shape),  # type: ignore[arg-type]
-            stride=tuple(int(n) for n in stride),  # type: ignore[arg-type]
-        )
+        signature = spec_signature(spec)
+        mesh = self._check(spec, signature, path)
+        key = (signature, local.dtype)
+        dtensor_spec = self._dtensor_specs.get(key)
+        if dtensor_spec is None:
+            from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+            placements, shape, stride = spec["placements"], spec["shape"], spec["stride"]
+            assert isinstance(placements, list) and isinstance(shape, list) and isinstance(stride, list)
+            # What DTensor.from_local builds (with run_check=False, shape and stride given), once per
+            # layout: specs are immutable and shared between DTensors, as DTensor's own operators do.
+            dtensor_spec = self._dtensor_specs[key] = DTensorSpec(
+                mesh,
+                tuple(_decode_placement(p) for p in placements),
+                tensor_meta=TensorMeta(
+                    torch.Size(int(n) for n in shape),  # type: ignore[arg-type]
+                    tuple(int(n) for n in stride),  # type: ignore[arg-type]
+                    local.dtype,
+                ),
+            )
+        # The constructor from_local's autograd Function calls, without that Function's per-call cost.
+        return DTensor(local, dtensor_spec, requires_grad=local.requires_grad)  # type: ignore[no-untyped-call]
 
     @staticmethod
     def _spec_in(mesh: Any, saved: dict[str, JsonValue]) -> dict[str, JsonValue]:
@@ -252,6 +333,10 @@ class MeshResolver:
         )
 
     def _resolve(self, saved: JsonValue, path: str) -> Any:
+        if self._find is not None:
+            find, self._find = self._find, None
+            for mesh in find():
+                self.add(mesh)
         key = _mesh_key(saved)
         if key in self._meshes:
             return self._meshes[key]

@@ -96,6 +96,11 @@ def differences(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tenso
     ]
 
 
+def optimizer_addresses(optimizer: torch.optim.Optimizer) -> list[int]:
+    """Where each optimizer state's local tensor lives."""
+    return [_local(v).data_ptr() for state in optimizer.state.values() for v in state.values()]
+
+
 def perturb(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     with torch.no_grad():
         for value in [*model.parameters(), *model.buffers()]:
@@ -128,12 +133,15 @@ def scenarios(rank: int, shm: Path) -> dict[str, Any]:
 
         # In place, every saved iteration: parameters, buffer and AdamW states bit-exact.
         restored_ok = []
+        addresses = optimizer_addresses(optimizer)
         for step in range(1, STEPS + 1):
             perturb(model, optimizer)
             restored = checkpointer.restore({"model": model, "optimizer": optimizer}, iteration=step)
             assert restored is not None and restored.state["step"] == step
             restored_ok.append(differences(saved[step], snapshot(model, optimizer)))
         results["in_place"] = restored_ok
+        # The optimizer's existing states were filled in place (no fresh tensors swapped in).
+        results["optimizer_in_place"] = optimizer_addresses(optimizer) == addresses
         results["restored_types"] = sorted(
             {type(v).__name__ for v in optimizer.state_dict()["state"][0].values()}
         )
@@ -291,6 +299,7 @@ def test_fsdp2_states_restore_in_place_bit_exact(outcome: list[dict[str, Any]]) 
         assert result["params_are_dtensors"]
         assert result["in_place"] == [[]] * STEPS, "every saved iteration comes back bit-exact"
         assert result["restored_types"] == ["DTensor", "Tensor"]  # exp_avg(_sq) sharded, step plain
+        assert result["optimizer_in_place"]
         assert result["resumed_step"] == []
 
 
