@@ -36,6 +36,10 @@ def wait_until(condition: Callable[[], Any], timeout: float, message: str, inter
     raise TimeoutError(f"timed out after {timeout}s waiting for {message}")
 
 
+class PortTaken(RuntimeError):
+    """The root could not bind its port: another process took it after free_port() found it free."""
+
+
 @dataclass
 class Root:
     process: subprocess.Popen[bytes]
@@ -71,7 +75,18 @@ class LocalCluster:
     # -- root ------------------------------------------------------------------------------------------
 
     def start_root(self, port: int | None = None, **settings: str) -> Root:
-        port = port or free_port()
+        """A root on `port`, or on a free one. free_port() only finds a port free: until the root binds it,
+        seconds later (imports, migrations), another process on the host may bind it too, and the root
+        exits with EADDRINUSE. Then a harness-chosen port is chosen again (a given one is the test's)."""
+        for attempt in range(3):
+            try:
+                return self._start_root(port or free_port(), settings)
+            except PortTaken:
+                if port is not None or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_root(self, port: int, settings: dict[str, str]) -> Root:
         env = {
             **os.environ,
             "CASTOR_STATE_DIR": str(self.workdir / "root-state"),
@@ -90,7 +105,15 @@ class LocalCluster:
             stdout=log_path.open("wb"),
             stderr=subprocess.STDOUT,
         )
-        wait_for_port(port, process, timeout=60)
+        try:
+            wait_for_port(port, process, timeout=60)
+        except (RuntimeError, TimeoutError) as exc:
+            # Not in self.roots yet: close() would leave a root that is merely slow running. And the root's
+            # own words (an import error, a taken port, a failed migration) belong in the test's failure.
+            stop_process(process)
+            tail = log_path.read_text(errors="replace")[-4000:]
+            problem = PortTaken if "address already in use" in tail else RuntimeError
+            raise problem(f"{exc}; {log_path.name} ends with:\n{tail}") from exc
         root = Root(process, f"http://127.0.0.1:{port}", log_path)
         self.roots.append(root)
         return root
