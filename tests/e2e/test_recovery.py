@@ -79,7 +79,10 @@ def test_loss_of_a_whole_group_restores_its_ranks_from_the_persistent_tier(
     cluster.start_root()
     start_job(cluster, logs, persist_every=5)
     # Kill when the newest persisted checkpoint is no longer the newest commit in memory: the lost group's
-    # ranks exist only in the persistent tier, at that iteration.
+    # ranks exist only in the persistent tier, at that iteration. The root chooses which multiples of 5
+    # every rank persists: wait for a complete one first.
+    url = f"/api/v1/jobs/{cluster.job['id']}/checkpoints"
+    wait_until(lambda: any(c["complete"] for c in cluster.api("GET", url)), 120, "a complete checkpoint", 0.1)
     wait_until(lambda: (n := newest_iteration(logs)) >= 12 and n % 5 == 2, 120, "iteration 5k+2", 0.02)
     for rank in (2, 3):  # machines 2 and 3 form one placement group
         cluster.kill_machine(cluster.root_machine(rank))

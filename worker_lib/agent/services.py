@@ -23,7 +23,6 @@ from worker_lib.agent.heartbeat import etcd_heartbeats, rest_heartbeats
 from worker_lib.agent.holdings import SLOTS, Holdings, local_slots, manifest_generation, rank_capacity
 from worker_lib.agent.pacing import replication_pacer
 from worker_lib.agent.replication import Replicator, aligned_rounds
-from worker_lib.api.shared import Peer, RankPlacement
 from worker_lib.api.worker import HeartbeatResponse, RegisterResponse
 from worker_lib.client import RootClient, RootRejected, RootUnavailable
 from worker_lib.errors import CheckpointNotFoundError
@@ -56,7 +55,7 @@ class MachineServices:
         self.key = data_plane_key(token)
         self.holdings = Holdings(shm_root, replica_bytes_max=lambda rank: self.capacity)
         self.capacity: int | None = None  # bytes of one rank's checkpoint, set at registration
-        self.registration: RegisterResponse | None = None  # the root's answer, once registered
+        self.registration: RegisterResponse | dict[str, Any] = {}  # the root's answer; {} until then
         self.addresses: dict[int, tuple[str, int]] = {}
         self.server: DataPlaneServer | None = None
         self.replicator: Replicator | None = None
@@ -102,7 +101,7 @@ class MachineServices:
             self.holdings, self.key, self.job_id, self.sends_to(), self.addresses.get
         )
         # The job's replication policy (interleaved or eager) and cap, as the root handed them over.
-        self.replicator.pacer = replication_pacer(self.registered, self.replicator.boards)
+        self.replicator.pacer = replication_pacer(self.registration, self.replicator.boards)
         self.replicator.start()
         self._notices = await self._listen_for_commits()
 
@@ -130,7 +129,7 @@ class MachineServices:
             rendezvous_port=free_port(),
             embedded=self.identity.embedded,
         )
-        self.update_addresses(registration.peers)
+        self.update_addresses(self.registration["peers"])
         self.capacity = self._rank_capacity()
         log.info(
             "registered as machine %d of job %s (checkpoints of up to %d bytes per rank)",
@@ -144,7 +143,7 @@ class MachineServices:
         """What a peer may store here per rank: the job's figure (or $CASTOR_REPLICA_BYTES_MAX), checked
         against /dev/shm for this machine's own ranks and the replicas the placement puts here; without
         one, an equal share of the free shared memory (see holdings.rank_capacity)."""
-        configured = self.registered.checkpoint_bytes_max
+        configured = self.registration.get("checkpoint_bytes_max")
         if configured is None and os.environ.get(REPLICA_BYTES_MAX_ENV, "").strip():
             try:
                 configured = int(os.environ[REPLICA_BYTES_MAX_ENV])
@@ -153,8 +152,8 @@ class MachineServices:
                 raise ValueError(f"{REPLICA_BYTES_MAX_ENV}={value!r}: expected a number of bytes") from None
         held = sum(
             self.procs
-            for machine in range(self.registered.machines)
-            if machine != self.machine_rank and self.machine_rank in self._placement_of(machine).holders
+            for machine in range(int(self.registration["machines"]))
+            if machine != self.machine_rank and self.machine_rank in self._placement_of(machine)["holders"]
         )
         extra = (self.local_slots - SLOTS) * len(self.local_ranks())
         return rank_capacity(self.holdings.root, len(self.local_ranks()) + held, configured, extra)
@@ -181,43 +180,37 @@ class MachineServices:
 
     @property
     def machine_rank(self) -> int:
-        return self.registered.rank
+        return int(self.registration["rank"])
 
     @property
     def procs(self) -> int:
-        return self.registered.procs_per_machine
+        return int(self.registration["procs_per_machine"])
 
     def local_ranks(self) -> list[int]:
         return [self.machine_rank * self.procs + local for local in range(self.procs)]
 
-    @property
-    def registered(self) -> RegisterResponse:
-        """The root's registration answer (an error before start() registered)."""
-        if self.registration is None:
-            raise RuntimeError("this machine has not registered with the root yet")
-        return self.registration
-
-    def _placement_of(self, machine: int) -> RankPlacement:
-        return self.registered.placement.ranks[machine]
+    def _placement_of(self, machine: int) -> dict[str, Any]:
+        ranks: list[dict[str, Any]] = self.registration["placement"]["ranks"]
+        return ranks[machine]
 
     def sends_to(self) -> list[int]:
-        return list(self._placement_of(self.machine_rank).sends_to)
+        return list(self._placement_of(self.machine_rank)["sends_to"])
 
     def holds_replicas_of(self, global_rank: int) -> bool:
         """Whether the placement puts replicas of `global_rank` on this machine."""
-        if self.registration is None:
+        if not self.registration:
             return False
         machine = global_rank // self.procs
         return (
-            0 <= machine < self.registration.machines
+            0 <= machine < self.registration["machines"]
             and machine != self.machine_rank
-            and self.machine_rank in self._placement_of(machine).holders
+            and self.machine_rank in self._placement_of(machine)["holders"]
         )
 
-    def update_addresses(self, machines: list[Peer]) -> None:
+    def update_addresses(self, machines: list[dict[str, Any]]) -> None:
         for machine in machines:
-            if machine.address and machine.data_port:
-                self.addresses[machine.rank] = (machine.address, machine.data_port)
+            if machine.get("address") and machine.get("data_port"):
+                self.addresses[int(machine["rank"])] = (machine["address"], int(machine["data_port"]))
 
     # -- commits from the training processes -------------------------------------------------------------
 
@@ -316,6 +309,7 @@ class MachineServices:
             # behind the newest commit, in iterations (see replication.Replicator.summary).
             **(self.replicator.summary() if self.replicator else {}),
             "uploaded": self.uploads.uploaded,
+            "persist_missed": self.uploads.missed_report(),
             # Per rank, cumulative: the root charges the job the slowest rank's figure (README: "Planning a
             # cluster"), since ranks that meet in collectives all wait for the one that stalls.
             "stalled_s": {str(rank): round(seconds, 6) for rank, (seconds, _) in sorted(stalls.items())},
@@ -326,17 +320,15 @@ class MachineServices:
     async def heartbeats(self) -> None:
         """Heartbeat forever (raises heartbeat.Replaced when the root gave this rank to another machine),
         and keep the peers' addresses current: a peer registers late, or is replaced."""
-        config = self.registered.heartbeat
+        config = self.registration["heartbeat"]
         peers = asyncio.create_task(self._refresh_peers())
         try:
-            if config.mode == "etcd":
-                if config.etcd_key is None:
-                    raise ValueError("the root's etcd heartbeat configuration names no key")
+            if config["mode"] == "etcd":
                 await etcd_heartbeats(
-                    config.etcd_endpoints,
-                    config.etcd_key,
-                    config.timeout_s,
-                    config.interval_s,
+                    config["etcd_endpoints"],
+                    config["etcd_key"],
+                    config["timeout_s"],
+                    config["interval_s"],
                     self.summary,
                 )
             else:
@@ -344,7 +336,7 @@ class MachineServices:
                     self.client,
                     self.machine_rank,
                     self.identity.instance_id,
-                    config.interval_s,
+                    config["interval_s"],
                     self.summary,
                     self._heartbeat_answered,
                 )
@@ -353,6 +345,7 @@ class MachineServices:
 
     def _heartbeat_answered(self, response: HeartbeatResponse) -> None:
         """The root's alignment of replication rounds across machines (REST heartbeats only)."""
+        self.uploads.announce(response.persist)
         alignment = response.replication
         if self.replicator is not None and alignment is not None and aligned_rounds():
             self.replicator.align(alignment.aligned_iteration, alignment.target, alignment.go)
@@ -362,7 +355,9 @@ class MachineServices:
             missing = any(machine not in self.addresses for machine in self.sends_to())
             await asyncio.sleep(PEERS_REFRESH_MISSING_S if missing else PEERS_REFRESH_S)
             try:
-                self.update_addresses((await self.client.directive(after=-1, wait_s=0)).machines)
+                directive = await self.client.directive(after=-1, wait_s=0)
+                self.update_addresses(directive["machines"])
+                self.uploads.announce(directive.get("persist"))
             except (RootUnavailable, RootRejected) as exc:
                 log.info("could not refresh the peers' addresses: %s", exc)
 
@@ -374,12 +369,17 @@ def free_port() -> int:
 
 
 class Uploads:
-    """Every persist_every iterations, each local rank's committed checkpoint goes to the persistent tier.
+    """Each local rank's committed checkpoint of the iteration the root announced goes to the persistent
+    tier (an older root announces none: then every persist_every iterations, as each commit lands on one).
 
     The agent, not the training process, does it: it copies the slot into its own staging buffer (so the
-    training process can overwrite the slot at its next-but-one save), uploads from there and reports the
-    shard to the root. One upload per rank at a time; a due upload that finds the previous one still
-    running is skipped (the next one is K iterations away)."""
+    training process can overwrite the slot at its next-but-one save) and keeps that copy, pinned, until
+    the shard is uploaded and reported to the root (a failed upload or report is retried while the
+    announcement stands). One upload per rank at a time. A rank past the announced iteration when it hears
+    of it uploads it from its slot if the slot still holds it, else the machine reports it missed
+    (`persist_missed`) and the root announces another."""
+
+    RETRY_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
     def __init__(self, services: MachineServices):
         self.services = services
@@ -389,10 +389,44 @@ class Uploads:
         self._running: dict[int, asyncio.Task[None]] = {}
         self._staging: dict[int, bytearray] = {}
         self._store: ObjectStore | None = None
+        # The root's schedule: None until one is seen (an older root: every K on each rank's own commits).
+        self.scheduled = False
+        self.target: tuple[int, int] | None = None  # (iteration, generation) announced
+        self._handled: dict[int, tuple[int, int]] = {}  # rank -> the target its upload is for (or done)
+        self.missed: tuple[int, int] | None = None
+
+    def missed_report(self) -> dict[str, int] | None:
+        if self.missed is None or self.missed != self.target:
+            return None
+        return {"iteration": self.missed[0], "generation": self.missed[1]}
+
+    def announce(self, schedule: Any) -> None:
+        """The root's persist schedule (schemas.PersistSchedule, or its JSON); None: the root sends none."""
+        if schedule is None:
+            return
+        iteration, generation = schedule.get("iteration"), schedule.get("generation")
+        self.scheduled = True
+        target = None
+        if iteration is not None and generation is not None:
+            target = (int(iteration), int(generation))
+        if target == self.target:
+            return
+        self.target = target
+        if target is None or not self.services.registration:
+            return
+        log.info("persisting iteration %d (generation %d) when every local rank commits it", *target)
+        for rank in self.services.local_ranks():
+            newest = self.services.holdings.newest("local", rank)
+            if newest is not None and newest.iteration >= target[0]:
+                self._start(rank, target, passed=newest.iteration > target[0])
 
     def notice_commit(self, rank: int, iteration: int) -> None:
+        if self.scheduled:
+            if self.target is not None and iteration >= self.target[0]:
+                self._start(rank, self.target, passed=iteration > self.target[0])
+            return
         registration = self.services.registration
-        every = registration.persist_every if registration is not None else 0
+        every = int(registration.get("persist_every", 0)) if registration else 0
         if every <= 0 or iteration % every != 0:
             return
         if rank in self._running and not self._running[rank].done():
@@ -400,45 +434,91 @@ class Uploads:
             return
         self._running[rank] = asyncio.get_running_loop().create_task(self._upload(rank, iteration))
 
-    async def _upload(self, rank: int, iteration: int) -> None:
-        services = self.services
-        try:
-            manifest, data = await asyncio.to_thread(self._stage, rank, iteration)
-            if self._store is None:
-                self._store = object_store(services.registered.persistent.model_dump())
-            # The root computes the same key (and refuses a report naming another): the job id as the root
-            # wrote it in the registration, not as this agent was given it.
-            registration = services.registered
-            key = shard_key(
-                registration.persistent.prefix,
-                str(registration.job_id),
-                iteration,
-                rank,
-                manifest_generation(manifest),
-            )
-            shard = await self._store.put(key, manifest, data)
-            await services.client.report_persisted(
-                services.machine_rank,
-                {
-                    "instance_id": services.identity.instance_id,
-                    "rank": rank,
-                    "iteration": iteration,
-                    "generation": manifest_generation(manifest),
-                    "key": shard.key,
-                    "digest": shard.digest,
-                    "nbytes": shard.nbytes,
-                },
-            )
-            self.uploaded += 1
-            log.info("persisted rank %d iteration %d (%d bytes)", rank, iteration, shard.nbytes)
-        except CheckpointNotFoundError:
-            self.skipped += 1  # overwritten before we got to it: the training is faster than the upload
-        except Exception as exc:  # the persistent tier is best effort: training goes on, the next one retries
-            self.failed += 1
-            log.warning("uploading rank %d iteration %d failed: %s", rank, iteration, exc)
+    def _start(self, rank: int, target: tuple[int, int], passed: bool) -> None:
+        """Upload `rank`'s commit of the announced `target` (`passed`: the rank committed past it already)."""
+        if self._handled.get(rank) == target:
+            return
+        running = self._running.get(rank)
+        if running is not None and not running.done():
+            running.cancel()  # an upload of a target given up since: the new one is what the root waits for
+            self._staging.pop(rank, None)  # its copy may still be in flight on a thread: stage into another
+        self._handled[rank] = target
+        self._running[rank] = asyncio.get_running_loop().create_task(
+            self._upload(rank, target[0], generation=target[1], passed=passed)
+        )
 
-    def _stage(self, rank: int, iteration: int) -> tuple[Manifest, memoryview]:
+    async def _upload(
+        self, rank: int, iteration: int, generation: int | None = None, passed: bool = False
+    ) -> None:
+        target = None if generation is None else (iteration, generation)
+        try:
+            manifest, data = await asyncio.to_thread(self._stage, rank, iteration, generation)
+        except CheckpointNotFoundError:
+            # Overwritten before we got to it (the training is faster than the upload), or a commit of
+            # another history: on the schedule, a rank that committed past the target missed it.
+            self.skipped += 1
+            if target is not None:
+                if passed and self.target == target:
+                    self.missed = target
+                    log.warning("rank %d cannot persist iteration %d: it no longer holds it", rank, iteration)
+                else:
+                    self._handled.pop(rank, None)  # this history's commit of it is still to come
+            return
+        attempt = 0
+        while True:
+            try:
+                await self._put(rank, iteration, manifest, data)
+                self.uploaded += 1
+                log.info("persisted rank %d iteration %d (%d bytes)", rank, iteration, manifest.data_bytes)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # best effort: training goes on
+                self.failed += 1
+                log.warning("uploading rank %d iteration %d failed: %s", rank, iteration, exc)
+                if target is None or self.target != target:
+                    return  # unscheduled: the next multiple of K retries
+            # Scheduled: the staged copy stays pinned and is sent again while the announcement stands.
+            await asyncio.sleep(self.RETRY_S[min(attempt, len(self.RETRY_S) - 1)])
+            attempt += 1
+            if self.target != target:
+                return
+
+    async def _put(self, rank: int, iteration: int, manifest: Manifest, data: memoryview) -> None:
+        services = self.services
+        if self._store is None:
+            self._store = object_store(services.registration["persistent"])
+        # The root computes the same key (and refuses a report naming another): the job id as the root
+        # wrote it in the registration, not as this agent was given it.
+        registration = services.registration
+        key = shard_key(
+            registration["persistent"]["prefix"],
+            str(registration["job_id"]),
+            iteration,
+            rank,
+            manifest_generation(manifest),
+        )
+        shard = await self._store.put(key, manifest, data)
+        await services.client.report_persisted(
+            services.machine_rank,
+            {
+                "instance_id": services.identity.instance_id,
+                "rank": rank,
+                "iteration": iteration,
+                "generation": manifest_generation(manifest),
+                "key": shard.key,
+                "digest": shard.digest,
+                "nbytes": shard.nbytes,
+            },
+        )
+
+    def _stage(self, rank: int, iteration: int, generation: int | None) -> tuple[Manifest, memoryview]:
         with self.services.holdings.open_read(rank, iteration, tier="local") as (manifest, data):
+            if generation is not None and manifest_generation(manifest) != generation:
+                raise CheckpointNotFoundError(
+                    f"rank {rank} iteration {iteration} is of generation {manifest_generation(manifest)}, "
+                    f"not {generation}"
+                )
             staging = self._staging.get(rank)
             if staging is None or len(staging) < manifest.data_bytes:
                 staging = self._staging[rank] = bytearray(manifest.data_bytes)

@@ -78,6 +78,29 @@ class RegisterResponse(WireModel):
     persistent: PersistentTier = Field(description="Where agents upload every persist_every iterations.")
 
 
+class PersistMissed(BaseModel):
+    """An announced persist iteration one of the machine's ranks cannot persist."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    iteration: Count
+    generation: int = Field(strict=True, ge=1, le=INT32_MAX)
+
+
+class PersistSchedule(WireModel):
+    """The iteration every rank of the job persists next, chosen by the root (services.root.domain.
+    persist_schedule). An agent that sees this object persists only the announced iteration; one that never
+    does (an older root) persists its ranks' commits on multiples of persist_every."""
+
+    every: int = Field(description="The job's persist_every.")
+    iteration: int | None = Field(
+        description="The iteration every rank persists (a multiple of `every`); null: none announced yet."
+    )
+    generation: int | None = Field(
+        description="The plan generation it was announced in: only that history's commits of it count."
+    )
+
+
 class CheckpointSummary(BaseModel):
     """What an agent holds, in brief (the full inventory is asked for only during a recovery)."""
 
@@ -140,6 +163,11 @@ class CheckpointSummary(BaseModel):
         None, description="Plan generation of the newest local commits (proposals of an older one are stale)."
     )
     uploaded: Count = Field(0, description="Checkpoints uploaded to the persistent tier.")
+    persist_missed: PersistMissed | None = Field(
+        None,
+        description="The announced persist iteration a local rank cannot persist (it had committed past it "
+        "when the announcement came, and its copy was gone): the root gives it up and announces another.",
+    )
     warm_spares: Count | None = Field(
         None, description="Warm interpreters (torch imported) ready for the next restart."
     )
@@ -180,6 +208,9 @@ class HeartbeatResponse(WireModel):
         None,
         description="Alignment of the replication rounds, from every live machine's last summary (null: no "
         "machine replicates, or the job is past the size whose counters a heartbeat refreshes itself).",
+    )
+    persist: PersistSchedule | None = Field(
+        None, description="The iteration every rank persists next (null: the job has no persistent tier)."
     )
 
 
@@ -234,6 +265,9 @@ class DirectiveOut(WireModel):
     rendezvous: Rendezvous | None
     sources: list[PlanSource]
     machines: list[Peer] = Field(description="Every live machine: where its agent's data plane listens.")
+    persist: PersistSchedule | None = Field(
+        None, description="The iteration every rank persists next (null: the job has no persistent tier)."
+    )
 
 
 class ProgressReport(BaseModel):

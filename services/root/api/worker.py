@@ -41,10 +41,14 @@ async def register_machine(
     "/machines/{rank}/heartbeat", response_model=schemas.HeartbeatResponse, responses=error_responses(409)
 )
 async def heartbeat(
-    rank: RankPath, body: schemas.HeartbeatRequest, job: WorkerJobUnlockedDep, db: SessionDep
+    rank: RankPath,
+    body: schemas.HeartbeatRequest,
+    job: WorkerJobUnlockedDep,
+    db: SessionDep,
+    state: StateDep,
 ) -> schemas.HeartbeatResponse:
     """Liveness plus a summary of the checkpoints this machine holds (REST heartbeat mode)."""
-    return await machine_flows.record_heartbeat(db, job, rank, body)
+    return await machine_flows.record_heartbeat(db, job, rank, body, state.settings)
 
 
 @router.post(
@@ -123,7 +127,9 @@ async def report_persisted(
     computes (a report naming another key: 422; a rank this machine does not run: 403); checkpoints
     beyond the newest P are deleted, only ever inside this job's own prefix."""
     tier = persistence.tier_of(state.settings)
-    expired = await persistence.record_persisted(db, job, rank, body, tier)
+    expired = await persistence.record_persisted(
+        db, job, rank, body, tier, machine_flows.persist_latency_s(state.settings)
+    )
     if expired:
         background.add_task(delete_persisted, state.settings, str(job.id), expired)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -20,6 +20,17 @@ class StoredCheckpoint:
     shard_generations: Mapping[int, int]  # rank -> generation of the training that wrote its shard
 
 
+def is_complete(
+    checkpoint: StoredCheckpoint, *, world_size: int, resumed_from: Mapping[int, int | None]
+) -> bool:
+    """Every rank has a shard of it on the current timeline."""
+    return all(
+        rank in checkpoint.shard_generations
+        and on_timeline(checkpoint.iteration, checkpoint.shard_generations[rank], resumed_from)
+        for rank in range(world_size)
+    )
+
+
 def expired(
     checkpoints: Sequence[StoredCheckpoint],
     *,
@@ -33,11 +44,7 @@ def expired(
         raise ValueError(f"keep must be at least 1, not {keep}")
 
     def complete(checkpoint: StoredCheckpoint) -> bool:
-        return all(
-            rank in checkpoint.shard_generations
-            and on_timeline(checkpoint.iteration, checkpoint.shard_generations[rank], resumed_from)
-            for rank in range(world_size)
-        )
+        return is_complete(checkpoint, world_size=world_size, resumed_from=resumed_from)
 
     newest_first = sorted(checkpoints, key=lambda c: c.iteration, reverse=True)
     kept = [c for c in newest_first if complete(c)][:keep]

@@ -39,6 +39,15 @@ def make_ready(session: AsyncSession, job: Job, plan: RecoveryPlan, rank0: Machi
     directive_changed(session, job)
 
 
+def persist_out(job: Job) -> schemas.PersistSchedule | None:
+    """The iteration every rank persists next, as announced (domain.persist_schedule); None: no tier."""
+    if job.persist_every <= 0:
+        return None
+    return schemas.PersistSchedule(
+        every=job.persist_every, iteration=job.persist_iteration, generation=job.persist_generation
+    )
+
+
 async def directive_of(session: AsyncSession, job: Job) -> schemas.DirectiveOut:
     plan = await repo.latest_plan(session, job.id)
     if plan is None:
@@ -64,6 +73,7 @@ async def directive_of(session: AsyncSession, job: Job) -> schemas.DirectiveOut:
             schemas.Peer(rank=rank, address=address, data_port=port, state=state, instance_id=instance_id)
             for rank, address, port, state, instance_id in (await session.execute(query)).all()
         ],
+        persist=persist_out(job),
     )
 
 

@@ -27,10 +27,11 @@ from services.root.db.models import (
     PlanStatus,
     utcnow,
 )
+from services.root.domain.persist_schedule import PersistTarget, next_target
 from services.root.domain.placement import Placement
 from services.root.domain.replication import job_replication, replication_alignment
 from services.root.errors import Conflict
-from services.root.flows.directives import make_ready
+from services.root.flows.directives import directive_changed, make_ready, persist_out
 from services.root.flows.jobs import placement_out, stored_placement
 from services.root.settings import Settings
 
@@ -223,12 +224,18 @@ async def live_machine_at(session: AsyncSession, job: Job, rank: int, instance_i
 
 
 async def record_heartbeat(
-    session: AsyncSession, job: Job, rank: int, request: schemas.HeartbeatRequest
+    session: AsyncSession,
+    job: Job,
+    rank: int,
+    request: schemas.HeartbeatRequest,
+    settings: Settings | None = None,
 ) -> schemas.HeartbeatResponse:
     """A heartbeat: one indexed UPDATE of this machine's row, nothing shared locked (the job row is read, not
     locked: a thousand machines heartbeat a second). Its group's peers and the newest plan's generation are
     small reads; the job-wide counters follow off the request for jobs past COUNTERS_INLINE_MAX_MACHINES."""
     summary = request.summary.model_dump(mode="json")
+    latency_s = persist_latency_s(settings)
+    generation = await repo.latest_generation(session, job.id)
     if job.num_machines <= COUNTERS_INLINE_MAX_MACHINES:
         # A handful of machines: the counters at once, the job row written before the machine's (the
         # orchestrator's lock order, job then machines: no deadlock between the two).
@@ -237,11 +244,12 @@ async def record_heartbeat(
             for m in await repo.live_machines(session, job.id)
         ]
         _refresh_job_counters(job, live)
+        schedule_persist(session, job, [m.summary for m in live], generation, latency_s)
         await session.flush()
         # Replication rounds aligned across machines: the answer every agent acts on (domain.replication).
         alignment = replication_alignment(m.summary for m in live)
     else:
-        refresh_counters_soon(session, job.id)
+        refresh_counters_soon(session, job.id, latency_s)
         alignment = None  # rounds run free (README, Limitations)
     state = await repo.touch_machine(session, job.id, rank, request.instance_id, at=utcnow(), summary=summary)
     if state is None:
@@ -254,9 +262,10 @@ async def record_heartbeat(
     return schemas.HeartbeatResponse(
         state=state,
         job_state=job.state,
-        plan_generation=await repo.latest_generation(session, job.id),
+        plan_generation=generation,
         peers=_group_peers(rank, members, peers),
         replication=None if alignment is None else schemas.ReplicationAlignment(**asdict(alignment)),
+        persist=persist_out(job),
     )
 
 
@@ -270,9 +279,12 @@ async def record_summary(
         return
     machine.summary, machine.last_heartbeat_at = summary, utcnow()
     if job.num_machines <= COUNTERS_INLINE_MAX_MACHINES:
-        _refresh_job_counters(job, list(await repo.live_machines(session, job.id)))
+        live = list(await repo.live_machines(session, job.id))
+        _refresh_job_counters(job, live)
+        generation = await repo.latest_generation(session, job.id)
+        schedule_persist(session, job, [m.summary for m in live], generation, persist_latency_s(None))
     else:
-        refresh_counters_soon(session, job_id)
+        refresh_counters_soon(session, job_id, persist_latency_s(None))
 
 
 # Job-wide counters (newest iteration, checkpoints, replication) come from every live machine's summary:
@@ -289,9 +301,11 @@ class _Summary:
     summary: dict[str, Any]
 
 
-def refresh_counters_soon(session: AsyncSession, job_id: uuid.UUID) -> None:
-    """Have the job's counters refreshed once this session's transaction committed (its summary in them)."""
-    session.info.setdefault(_COUNTERS_DUE, {})[job_id] = session.bind
+def refresh_counters_soon(session: AsyncSession, job_id: uuid.UUID, latency_s: float | None = None) -> None:
+    """Have the job's counters refreshed once this session's transaction committed (its summary in them),
+    and the persist schedule moved on if it is due (`latency_s`: see persist_latency_s)."""
+    latency = persist_latency_s(None) if latency_s is None else latency_s
+    session.info.setdefault(_COUNTERS_DUE, {})[job_id] = (session.bind, latency)
 
 
 _COUNTERS_DUE = "castor_counters_due"
@@ -299,23 +313,26 @@ _COUNTERS_DUE = "castor_counters_due"
 
 @orm_event.listens_for(Session, "after_commit")
 def _schedule_counters(sync_session: Session) -> None:
-    for job_id, engine in sync_session.info.pop(_COUNTERS_DUE, {}).items():
+    for job_id, (engine, latency_s) in sync_session.info.pop(_COUNTERS_DUE, {}).items():
         if job_id in _counters_scheduled:
             continue  # a refresh that has not read the summaries yet will see this one's
         _counters_scheduled.add(job_id)
-        task = asyncio.get_running_loop().create_task(_refresh_counters(engine, job_id))
+        task = asyncio.get_running_loop().create_task(_refresh_counters(engine, job_id, latency_s))
         _counter_tasks.add(task)
         task.add_done_callback(_counter_tasks.discard)
 
 
-async def _refresh_counters(engine: AsyncEngine, job_id: uuid.UUID) -> None:
+async def _refresh_counters(engine: AsyncEngine, job_id: uuid.UUID, latency_s: float) -> None:
     await asyncio.sleep(COUNTERS_EVERY_S)
     _counters_scheduled.discard(job_id)  # before reading: a heartbeat committed from now on schedules anew
     try:
         async with AsyncSession(engine, expire_on_commit=False) as session, session.begin():
             job = await repo.get_job(session, job_id)
             if job is not None:
-                _refresh_job_counters(job, [_Summary(s) for s in await repo.live_summaries(session, job_id)])
+                summaries = await repo.live_summaries(session, job_id)
+                _refresh_job_counters(job, [_Summary(s) for s in summaries])
+                generation = await repo.latest_generation(session, job_id)
+                schedule_persist(session, job, summaries, generation, latency_s)
     except Exception as exc:  # the next heartbeat schedules another
         log.warning("refreshing the counters of job %s failed: %s", job_id, exc)
 
@@ -356,3 +373,61 @@ def _refresh_job_counters(job: Job, live: Sequence[_HasSummary]) -> None:
     progress = job_replication(m.summary for m in live)
     job.replicated_iteration, job.replication_interval = progress.replicated_iteration, progress.interval
     job.replication_lag, job.replication_state = progress.lag, progress.state
+
+
+# -- the persist schedule (domain.persist_schedule) -----------------------------------------------------
+# How long after a commit the fastest rank hears of an announcement, without settings: a summary is up to a
+# heartbeat interval old, the announcement then travels on the directive's long poll.
+PERSIST_LATENCY_DEFAULT_S = 2.0
+# The long poll: woken at once in the root process that announced, within a poll interval on the others.
+ANNOUNCE_S = 0.5
+
+
+def persist_latency_s(settings: Settings | None) -> float:
+    """How stale the newest reported iteration may be when an announcement reaches the fastest rank: a
+    heartbeat interval (the summary's age) and the announcement's way to the agents. A rank that is a few
+    iterations past the target when it hears of it still finds it in one of its slots (or reports it
+    missed, and the root announces another)."""
+    if settings is None:
+        return PERSIST_LATENCY_DEFAULT_S
+    return settings.heartbeat_interval_s + ANNOUNCE_S
+
+
+def schedule_persist(
+    session: AsyncSession,
+    job: Job,
+    summaries: Sequence[dict[str, Any]],
+    generation: int | None,
+    latency_s: float,
+    *,
+    complete: bool = False,
+) -> None:
+    """Announce the next iteration every rank persists when the current one is complete (`complete`) or
+    given up, or none was announced yet; nothing while the job is not training (a recovery under way: its
+    new generation gives the current target up once it runs)."""
+    if job.persist_every <= 0 or job.state != JobState.RUNNING or generation is None:
+        return
+    current = (
+        PersistTarget(job.persist_iteration, job.persist_generation)
+        if job.persist_iteration is not None and job.persist_generation is not None
+        else None
+    )
+    target = next_target(
+        current,
+        every=job.persist_every,
+        generation=generation,
+        summaries=summaries,
+        latency_s=latency_s,
+        complete=complete,
+    )
+    if target is None or target == current:
+        return
+    log.info(
+        "job %s: every rank persists iteration %d next (generation %d; the previous: %s)",
+        job.name,
+        target.iteration,
+        target.generation,
+        "none" if current is None else f"{current.iteration}, {'complete' if complete else 'given up'}",
+    )
+    job.persist_iteration, job.persist_generation = target.iteration, target.generation
+    directive_changed(session, job)  # wakes every agent's directive long poll: each hears of it at once

@@ -1,5 +1,7 @@
-"""Persisted checkpoints: agents upload every K iterations; the root records each rank's shard and keeps
-the newest P complete checkpoints (the rules are in `domain.retention`).
+"""Persisted checkpoints: agents upload the iteration the root announced (`domain.persist_schedule`; older
+agents every K iterations); the root records each rank's shard and, once per checkpoint that becomes
+complete, keeps the newest P complete checkpoints (the rules are in `domain.retention`) and announces the
+next iteration to persist.
 
 The root computes every key and location itself (`domain.persisted`): a report may only name the key the
 root would compute for its (iteration, rank, generation), and only for a rank the reporting machine runs.
@@ -13,9 +15,9 @@ from services.root import schemas
 from services.root.db import repository as repo
 from services.root.db.models import Job, PersistedCheckpoint, PersistedShard
 from services.root.domain import persisted
-from services.root.domain.retention import StoredCheckpoint, expired
+from services.root.domain.retention import StoredCheckpoint, expired, is_complete
 from services.root.errors import Forbidden, Invalid
-from services.root.flows.machines import live_machine_at, persistent_tier
+from services.root.flows.machines import live_machine_at, persist_latency_s, persistent_tier, schedule_persist
 from services.root.settings import Settings
 
 
@@ -25,10 +27,15 @@ def tier_of(settings: Settings) -> persisted.Tier:
 
 
 async def record_persisted(
-    session: AsyncSession, job: Job, machine_rank: int, report: schemas.PersistedReport, tier: persisted.Tier
+    session: AsyncSession,
+    job: Job,
+    machine_rank: int,
+    report: schemas.PersistedReport,
+    tier: persisted.Tier,
+    latency_s: float | None = None,
 ) -> list[str]:
     """Record one rank's uploaded shard; returns the key prefixes of checkpoints to delete now (all
-    inside `persisted.job_scope(tier, job)`)."""
+    inside `persisted.job_scope(tier, job)`). `latency_s`: see flows.machines.persist_latency_s."""
     await live_machine_at(session, job, machine_rank, report.instance_id)
     hosted = persisted.hosted_ranks(machine_rank, job.procs_per_machine)
     if report.rank not in hosted:
@@ -71,10 +78,30 @@ async def record_persisted(
         report.generation,
     )
     await session.flush()
-    return await _expire(session, job, tier)
+    world_size = job.num_machines * job.procs_per_machine
+    if len(checkpoint.shards) < world_size:
+        return []  # ranks still to come: nothing completes, nothing to expire (no O(W) work per report)
+    resumed_from = await repo.resumed_from(session, job.id)
+    stored = StoredCheckpoint(checkpoint.iteration, {s.rank: s.generation for s in checkpoint.shards})
+    if not is_complete(stored, world_size=world_size, resumed_from=resumed_from):
+        return []
+    # This report completed the checkpoint: retention runs once per completed checkpoint, and the next
+    # iteration to persist is announced if this was the announced one.
+    if job.persist_iteration == report.iteration and job.persist_generation == report.generation:
+        schedule_persist(
+            session,
+            job,
+            await repo.live_summaries(session, job.id),
+            await repo.latest_generation(session, job.id),
+            persist_latency_s(None) if latency_s is None else latency_s,
+            complete=True,
+        )
+    return await _expire(session, job, tier, resumed_from)
 
 
-async def _expire(session: AsyncSession, job: Job, tier: persisted.Tier) -> list[str]:
+async def _expire(
+    session: AsyncSession, job: Job, tier: persisted.Tier, resumed_from: dict[int, int | None]
+) -> list[str]:
     checkpoints = {c.iteration: c for c in await repo.list_persisted(session, job.id)}
     doomed = expired(
         [
@@ -83,7 +110,7 @@ async def _expire(session: AsyncSession, job: Job, tier: persisted.Tier) -> list
         ],
         world_size=job.num_machines * job.procs_per_machine,
         keep=job.keep_persisted,
-        resumed_from=await repo.resumed_from(session, job.id),
+        resumed_from=resumed_from,
     )
     prefixes = []
     for stored in doomed:

@@ -1,0 +1,109 @@
+"""Which iteration every rank persists (pure): the root's persist schedule.
+
+Left to themselves, ranks persist when their own commit lands on a multiple of K (persist_every). At scale
+that gives no complete persisted checkpoint: an upload slower than K iterations makes a rank skip the next
+multiple, a skipped save leaves a hole, and ranks end up with shards of different iterations. So the root
+chooses one iteration for the whole job and announces it to every machine (the directive, and REST
+heartbeat answers); every agent persists exactly that iteration for all its ranks. The next one is announced
+only when the current one is complete (every rank's shard on the current timeline) or given up: a recovery
+opened a newer plan generation since it was announced, or a machine reports that a rank of it cannot
+persist it any more (it was past it when it heard, and the copy is gone).
+
+A new target is the first multiple of K past the newest iteration any machine reported, plus a lead that
+covers how stale those reports are: the fastest rank's rate times the announcement's latency, so the
+fastest rank has not yet committed the target when it hears of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PersistTarget:
+    iteration: int  # the iteration every rank persists, a multiple of persist_every
+    generation: int  # the plan generation it was announced in (its commits are the ones persisted)
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def newest_reported(summaries: Iterable[Mapping[str, Any]]) -> int | None:
+    """The newest iteration any rank of any machine reported committing (None: none reported yet)."""
+    newest = None
+    for summary in summaries:
+        local = summary.get("local")
+        for value in local.values() if isinstance(local, Mapping) else ():
+            if (iteration := _count(value)) is not None and (newest is None or iteration > newest):
+                newest = iteration
+    return newest
+
+
+def fastest_rate(summaries: Iterable[Mapping[str, Any]]) -> float | None:
+    """The largest commits-per-minute any machine reported."""
+    rates = [
+        float(rate)
+        for s in summaries
+        if isinstance(rate := s.get("per_minute"), int | float) and not isinstance(rate, bool) and rate > 0
+    ]
+    return max(rates) if rates and all(math.isfinite(r) for r in rates) else None
+
+
+def lead_iterations(per_minute: float | None, latency_s: float) -> int:
+    """Iterations the fastest rank may commit before an announcement reaches it."""
+    if per_minute is None or latency_s <= 0:
+        return 0
+    return math.ceil(per_minute / 60.0 * latency_s)
+
+
+def first_multiple_after(iteration: int | None, every: int) -> int:
+    """The first positive multiple of `every` strictly above `iteration` (None: nothing committed yet)."""
+    if every <= 0:
+        raise ValueError(f"every must be positive, not {every}")
+    return (max(iteration if iteration is not None else 0, 0) // every + 1) * every
+
+
+def missed(summaries: Iterable[Mapping[str, Any]], target: PersistTarget) -> bool:
+    """Whether a machine reports that one of its ranks cannot persist `target` (`persist_missed`)."""
+    for summary in summaries:
+        report = summary.get("persist_missed")
+        if (
+            isinstance(report, Mapping)
+            and _count(report.get("iteration")) == target.iteration
+            and _count(report.get("generation")) == target.generation
+        ):
+            return True
+    return False
+
+
+def given_up(current: PersistTarget, generation: int, summaries: Iterable[Mapping[str, Any]]) -> bool:
+    """A recovery since the announcement (a newer plan generation), or a rank that cannot persist it."""
+    return current.generation != generation or missed(summaries, current)
+
+
+def next_target(
+    current: PersistTarget | None,
+    *,
+    every: int,
+    generation: int,
+    summaries: Iterable[Mapping[str, Any]],
+    latency_s: float,
+    complete: bool = False,
+) -> PersistTarget | None:
+    """The target to announce now: `current` while it is in progress, else a new one (None: the job has no
+    persistent tier). `complete`: every rank persisted `current`."""
+    if every <= 0:
+        return None
+    summaries = list(summaries)
+    if current is not None and not complete and not given_up(current, generation, summaries):
+        return current
+    newest = newest_reported(summaries)
+    if current is not None and current.generation == generation:
+        # Completed (or missed) in this history: its iteration was committed, whatever stale reports say.
+        newest = current.iteration if newest is None else max(newest, current.iteration)
+    lead = lead_iterations(fastest_rate(summaries), latency_s)
+    return PersistTarget(first_multiple_after((newest or 0) + lead, every), generation)

@@ -1,0 +1,166 @@
+"""The root chooses which iteration every rank persists (issue 13, item 2): the real root (Postgres and
+SQLite) and two simulated machines whose agents run the real upload code (worker_lib.agent.services.
+Uploads) over real shared-memory stores and a local persistent tier.
+
+The machines train in step but differ in speed where it matters: machine 0's uploads take longer than K
+iterations (its store lets a put finish only once its ranks committed 3 K more iterations) and it
+heartbeats every third iteration; machine 1 uploads at once and heartbeats every iteration. Left to each
+rank's own multiples of K (today's agents), machine 1 uploads every multiple while machine 0 skips those
+due during its slow upload: half the checkpoints are partial, never to complete. On the root's schedule
+every rank persists the same announced iterations, each announced checkpoint completes before the next is
+announced, and no shard is uploaded that is not part of a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from tests.integration.conftest import admin, bearer, create_job
+from worker_lib import Checkpointer
+from worker_lib.agent.holdings import Holdings
+from worker_lib.agent.services import Uploads
+from worker_lib.api.worker import HeartbeatResponse, RegisterResponse
+from worker_lib.persistent import LocalDirStore, ObjectStore, PersistedShard
+from worker_lib.store.manifest import Manifest
+
+K = 4
+ITERATIONS = 60
+HEARTBEAT_EVERY = {0: 3, 1: 1}  # machine -> iterations between its heartbeats
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    path = Path("/dev/shm") / f"castor-test-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class SlowStore:
+    """A store whose puts finish only once the machine committed `lag` more iterations (an upload slower
+    than K iterations), or once training ended."""
+
+    def __init__(self, inner: ObjectStore, lag: int):
+        self.inner, self.lag = inner, lag
+        self.committed = 0
+        self.ended = False
+        self.changed = asyncio.Condition()
+
+    async def put(self, key: str, manifest: Manifest, data: memoryview) -> PersistedShard:
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.ended or self.committed >= manifest.iteration + self.lag)
+        return await self.inner.put(key, manifest, data)
+
+    async def advance(self, iteration: int, ended: bool = False) -> None:
+        async with self.changed:
+            self.committed, self.ended = iteration, ended
+            self.changed.notify_all()
+
+
+class RootOverHttp:
+    """The agent's client, reduced to what uploads call, over the in-process app."""
+
+    def __init__(self, http: httpx.AsyncClient, job: dict[str, Any]):
+        self.http, self.job = http, job
+
+    async def report_persisted(self, rank: int, body: dict[str, Any]) -> None:
+        response = await self.http.post(
+            f"/api/v1/worker/jobs/{self.job['id']}/machines/{rank}/persisted",
+            json=body,
+            headers=bearer(str(self.job["worker_token"])),
+        )
+        assert response.status_code == 204, response.text
+
+
+async def test_every_rank_persists_the_announced_iterations_and_each_completes(
+    client: httpx.AsyncClient, shm: Path
+) -> None:
+    job = await create_job(client, machines=2, replicas=2, persist_every=K, keep_persisted=100)
+    token = bearer(str(job["worker_token"]))
+    machines = []
+    for m in range(2):
+        response = await client.post(
+            f"/api/v1/worker/jobs/{job['id']}/machines",
+            json={"instance_id": f"i-{m}", "address": "127.0.0.1", "data_port": 7000 + m},
+            headers=token,
+        )
+        assert response.status_code == 200, response.text
+        registration = RegisterResponse.model_validate(response.json())
+        holdings = Holdings(shm / f"m{m}")
+        rank = registration.rank
+        services = SimpleNamespace(
+            holdings=holdings,
+            registration=registration,
+            registered=registration,
+            client=RootOverHttp(client, job),
+            identity=SimpleNamespace(instance_id=f"i-{m}"),
+            machine_rank=rank,
+            local_ranks=lambda rank=rank: [rank],
+        )
+        uploads = Uploads(services)  # type: ignore[arg-type]
+        store = SlowStore(LocalDirStore(Path(str(registration.persistent.path))), 3 * K if m == 0 else 0)
+        uploads._store = store  # type: ignore[assignment]
+        checkpointer = Checkpointer(holdings.directory("local", rank), slots=4, blocking=True)
+        machines.append((rank, uploads, store, checkpointer))
+
+    async def heartbeat(rank: int, uploads: Uploads, iteration: int) -> set[int]:
+        """A REST heartbeat with the machine's summary; the answer's persist schedule goes to its uploads."""
+        summary = {"local": {str(rank): iteration}, "persist_missed": uploads.missed_report()}
+        response = await client.post(
+            f"/api/v1/worker/jobs/{job['id']}/machines/{rank}/heartbeat",
+            json={"instance_id": f"i-{rank}", "summary": summary},
+            headers=token,
+        )
+        assert response.status_code == 200, response.text
+        persist = HeartbeatResponse.model_validate(response.json()).persist
+        assert persist is not None and persist.every == K
+        uploads.announce(persist)
+        return set() if persist.iteration is None else {persist.iteration}
+
+    announced: set[int] = set()
+    try:
+        for iteration in range(1, ITERATIONS + 1):
+            for rank, uploads, store, checkpointer in machines:
+                assert checkpointer.save(iteration, {"w": torch.full((256,), float(iteration + rank))})
+                uploads.notice_commit(rank, iteration)
+                await store.advance(iteration)
+            for rank, uploads, _, _ in machines:
+                if iteration % HEARTBEAT_EVERY[rank] == 0:
+                    announced |= await heartbeat(rank, uploads, iteration)
+            for _ in range(20):  # the uploads' tasks run between iterations, as on an agent's loop
+                await asyncio.sleep(0)
+        # Training ended: the slow store lets its puts through; every machine hears the last target.
+        for rank, uploads, store, _ in machines:
+            await store.advance(ITERATIONS, ended=True)
+            announced |= await heartbeat(rank, uploads, ITERATIONS)
+        for _, uploads, _, _ in machines:
+            await asyncio.gather(*uploads._running.values(), return_exceptions=True)
+    finally:
+        for _, uploads, _, checkpointer in machines:
+            checkpointer.close()
+            await uploads.close()
+
+    checkpoints = (await client.get(f"/api/v1/jobs/{job['id']}/checkpoints", headers=admin())).json()
+    shards = {c["iteration"]: sorted(s["rank"] for s in c["shards"]) for c in checkpoints}
+    directive = (await client.get(f"/api/v1/worker/jobs/{job['id']}/directive", headers=token)).json()
+    current = directive["persist"]["iteration"]
+    # Every uploaded shard is part of a complete checkpoint, at an iteration the root announced (only the
+    # target still in progress, if one was committed, may be partial).
+    assert shards and all(ranks == [0, 1] for i, ranks in shards.items() if i != current), shards
+    assert set(shards) <= announced, (shards, announced)
+    assert all(iteration % K == 0 for iteration in shards)
+    # The slow uploads made the schedule go at their pace, not stop: several complete checkpoints.
+    assert len(shards) >= 3, shards
+    # The directive announces the same target to every agent (etcd mode's channel), past the last complete.
+    assert directive["persist"]["every"] == K and current % K == 0
+    assert current > max(i for i, ranks in shards.items() if ranks == [0, 1])
+    assert sum(u.failed for _, u, _, _ in machines) == 0

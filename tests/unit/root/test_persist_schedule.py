@@ -1,0 +1,92 @@
+"""The root's persist schedule (services.root.domain.persist_schedule): one iteration for every rank, the
+next one only once it is complete or given up."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.root.domain.persist_schedule import (
+    PersistTarget,
+    first_multiple_after,
+    lead_iterations,
+    newest_reported,
+    next_target,
+)
+
+
+def summary(*iterations: int, per_minute: float | None = None, missed: tuple[int, int] | None = None) -> dict:
+    out: dict = {"local": {str(rank): i for rank, i in enumerate(iterations)}, "per_minute": per_minute}
+    if missed is not None:
+        out["persist_missed"] = {"iteration": missed[0], "generation": missed[1]}
+    return out
+
+
+def test_first_multiple_is_strictly_after() -> None:
+    assert first_multiple_after(None, 5) == 5
+    assert first_multiple_after(0, 5) == 5
+    assert first_multiple_after(4, 5) == 5
+    assert first_multiple_after(5, 5) == 10
+    with pytest.raises(ValueError):
+        first_multiple_after(3, 0)
+
+
+def test_newest_reported_is_the_largest_of_any_rank_and_ignores_junk() -> None:
+    assert newest_reported([]) is None
+    assert newest_reported([{"local": {}}, {}]) is None
+    assert newest_reported([summary(3, 9), summary(7), {"local": {"0": True, "1": -4, "2": "x"}}]) == 9
+
+
+def test_lead_covers_the_fastest_rank_during_the_announcement() -> None:
+    assert lead_iterations(None, 5.0) == 0
+    assert lead_iterations(600.0, 2.5) == 25  # 10 iterations a second for 2.5 s
+    assert lead_iterations(60.0, 0.0) == 0
+
+
+def test_the_first_target_is_past_the_newest_iteration_any_machine_reported_plus_the_lead() -> None:
+    # The slow machine at 12, the fast at 31: the target must be ahead of the fast one.
+    target = next_target(None, every=10, generation=1, summaries=[summary(12), summary(31)], latency_s=0)
+    assert target == PersistTarget(40, 1)
+    # 2 iterations a second for 5 s: 10 more iterations may pass before the fast rank hears of it.
+    target = next_target(
+        None, every=10, generation=1, summaries=[summary(12), summary(31, per_minute=120.0)], latency_s=5
+    )
+    assert target == PersistTarget(50, 1)
+    assert next_target(None, every=10, generation=1, summaries=[], latency_s=5) == PersistTarget(10, 1)
+
+
+def test_no_tier_no_target() -> None:
+    assert next_target(None, every=0, generation=1, summaries=[summary(5)], latency_s=1) is None
+
+
+def test_a_target_in_progress_stays_whatever_the_machines_report() -> None:
+    """The point of the schedule: ranks far ahead do not move it; only completion or giving up does."""
+    current = PersistTarget(40, 1)
+    far = [summary(35), summary(400)]
+    assert next_target(current, every=10, generation=1, summaries=far, latency_s=5) is current
+
+
+def test_a_complete_target_moves_past_itself_even_on_stale_reports() -> None:
+    current = PersistTarget(40, 1)
+    stale = [summary(30), summary(38)]  # heartbeats older than the commits of 40
+    assert next_target(current, every=10, generation=1, summaries=stale, latency_s=0, complete=True) == (
+        PersistTarget(50, 1)
+    )
+    ahead = [summary(44), summary(61)]
+    assert next_target(current, every=10, generation=1, summaries=ahead, latency_s=0, complete=True) == (
+        PersistTarget(70, 1)
+    )
+
+
+def test_a_recovery_gives_the_target_up_and_the_new_history_chooses_again() -> None:
+    current = PersistTarget(40, 1)
+    # Rolled back to 20 in generation 2: the old target's number is not kept, the new one follows the reports.
+    after = next_target(current, every=10, generation=2, summaries=[summary(22), summary(23)], latency_s=0)
+    assert after == PersistTarget(30, 2)
+
+
+def test_a_missed_target_is_given_up_only_for_its_own_generation() -> None:
+    current = PersistTarget(40, 2)
+    missed = [summary(41), summary(47, missed=(40, 2))]
+    assert next_target(current, every=10, generation=2, summaries=missed, latency_s=0) == PersistTarget(50, 2)
+    stale = [summary(41), summary(47, missed=(40, 1))]  # a report about the previous history's 40
+    assert next_target(current, every=10, generation=2, summaries=stale, latency_s=0) is current
