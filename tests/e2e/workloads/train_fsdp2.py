@@ -7,9 +7,10 @@ Runs under `castor agent`, or standalone (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_
 by the caller). Batches depend only on (iteration, rank), so a resumed run computes exactly what an
 uninterrupted one computes. Each rank appends JSON events to --log-dir/rank-<r>.jsonl like train_ddp.py:
 "start" (the restored iteration and the digest of its shards right after the restore), "iteration" (the
-digest right after that iteration's optimizer step, before its save) and "done". With --pause-at, every
-rank stops after those iterations' saves (event "paused") until --log-dir/go-<iteration> exists: a test
-strikes its fault there, however late a loaded host lets it act, and the state is not changed by it."""
+digest right after that iteration's optimizer step, before its save) and "done". With --holdable, while
+--log-dir/hold exists every rank stops after the same iteration's save (event "paused"; the ranks agree
+with a tiny all-reduce): a test strikes its fault there, however late a loaded host lets it act, and the
+state is not changed by it."""
 
 from __future__ import annotations
 
@@ -82,16 +83,22 @@ class Decoder(nn.Module):
         return self.head(self.norm(x))
 
 
+def held(hold: Path) -> bool:
+    """Whether any rank sees `hold`: every rank gets the same answer, so all stop after the same iteration."""
+    flag = torch.tensor([1.0 if hold.exists() else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per iteration")
     parser.add_argument("--log-dir", type=Path, required=True)
     parser.add_argument(
-        "--pause-at",
-        type=lambda text: {int(i) for i in text.split(",")},
-        default=set(),
-        help="comma-separated iterations after whose save every rank waits for <log-dir>/go-<iteration>",
+        "--holdable",
+        action="store_true",
+        help="every rank stops after an iteration while <log-dir>/hold exists",
     )
     args = parser.parse_args()
 
@@ -127,9 +134,9 @@ def main() -> None:
             checkpointer.save(iteration, {"model": model, "optimizer": optimizer, "iteration": iteration})
             if args.sleep:
                 time.sleep(args.sleep)
-            if iteration in args.pause_at:
+            if args.holdable and held(args.log_dir / "hold"):
                 event(event="paused", iteration=iteration)
-                while not (args.log_dir / f"go-{iteration}").exists():
+                while (args.log_dir / "hold").exists():
                     time.sleep(0.05)
         event(event="done", iteration=args.iterations - 1, digest=state_digest(model, optimizer))
     dist.barrier()
