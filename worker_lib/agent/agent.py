@@ -62,6 +62,8 @@ from worker_lib.agent.states import (
     check_transition,
     decide,
 )
+from worker_lib.api.shared import PlanSource
+from worker_lib.api.worker import DirectiveOut
 from worker_lib.client import RootClient, RootRejected, RootUnavailable
 from worker_lib.errors import CheckpointNotFoundError
 from worker_lib.persistent import object_store
@@ -342,22 +344,22 @@ class Agent:
                     self._decide_now(JobDeleted())
                     return
                 raise
-            if directive["revision"] <= revision:
+            if directive.revision <= revision:
                 continue
-            revision = directive["revision"]
+            revision = directive.revision
             # The iteration every rank persists next (the root bumps the revision to announce a new one).
-            self.machine.uploads.announce(directive.get("persist"))
-            holder = next((m for m in directive["machines"] if m["rank"] == self.machine.machine_rank), None)
+            self.machine.uploads.announce(directive.persist)
+            holder = next((m for m in directive.machines if m.rank == self.machine.machine_rank), None)
             replaced_by = None
-            if holder is not None and holder.get("instance_id") not in (None, self.config.instance_id):
-                replaced_by = f"{holder['instance_id']} (machine {self.machine.machine_rank})"
+            if holder is not None and holder.instance_id not in (None, self.config.instance_id):
+                replaced_by = f"{holder.instance_id} (machine {self.machine.machine_rank})"
             fact = DirectiveSeen(
-                status=directive["status"],
-                generation=directive["generation"],
-                iteration=directive["iteration"],
-                job_state=directive["job_state"],
+                status=directive.status,
+                generation=directive.generation,
+                iteration=directive.iteration,
+                job_state=directive.job_state,
                 replaced_by=replaced_by,
-                machines=directive["machines"],
+                machines=directive.machines,
                 directive=directive,
             )
             if replaced_by is not None:
@@ -382,49 +384,47 @@ class Agent:
             log.error("could not report the inventory of generation %d: %s", generation, exc)
             self._stop_if_replaced(exc)
 
-    async def _restore(self, directive: dict[str, Any]) -> dict[str, Any]:
+    async def _restore(self, directive: DirectiveOut) -> dict[str, Any]:
         """Make the plan's iteration present in each local rank's store: it is there (local), or comes from
         a peer's memory, or from the persistent tier; verified on arrival either way."""
-        iteration = directive["iteration"]
+        iteration = directive.iteration
         if iteration is None:
             return {"from_scratch": True}
-        sources = {int(s["rank"]): s for s in directive["sources"]}
+        sources = {source.rank: source for source in directive.sources}
 
         async def restore_rank(rank: int) -> tuple[str, dict[str, Any]]:
             source, started = sources[rank], time.monotonic()
             holdings = self.machine.holdings
-            if source["tier"] == "local":
+            if source.tier == "local":
                 # The plan's digest too: the same iteration number of another history is not this one.
-                if not holdings.has_local(rank, iteration, source.get("digest")):
+                if not holdings.has_local(rank, iteration, source.digest):
                     raise CheckpointNotFoundError(
-                        f"rank {rank} no longer holds iteration {iteration} (digest {source.get('digest')}) "
-                        "locally"
+                        f"rank {rank} no longer holds iteration {iteration} (digest {source.digest}) locally"
                     )
-            elif source["tier"] == "peer":
+            elif source.tier == "peer":
                 await asyncio.to_thread(self._fetch_from_peer, rank, iteration, source)
             else:
-                store = object_store(self.machine.registration["persistent"])
+                if source.location is None:
+                    raise CheckpointNotFoundError(f"the plan names no object for rank {rank}")
+                store = object_store(self.machine.registered.persistent.model_dump())
                 destination = holdings.local_store(rank)
-                await store.get(source["location"], destination, iteration, source.get("digest"))
+                await store.get(source.location, destination, iteration, source.digest)
             seconds = time.monotonic() - started
-            log.info("rank %d: iteration %d ready (%s, %.2fs)", rank, iteration, source["tier"], seconds)
-            return str(rank), {
-                "tier": source["tier"],
-                "seconds": round(seconds, 3),
-                "source": source.get("source_rank"),
-            }
+            log.info("rank %d: iteration %d ready (%s, %.2fs)", rank, iteration, source.tier, seconds)
+            details = {"tier": source.tier, "seconds": round(seconds, 3), "source": source.source_rank}
+            return str(rank), details
 
         return dict(await asyncio.gather(*(restore_rank(r) for r in self.machine.local_ranks())))
 
-    def _fetch_from_peer(self, rank: int, iteration: int, source: dict[str, Any]) -> None:
-        with PeerConnection(
-            source["address"], int(source["data_port"]), self.machine.key, self.config.job_id
-        ) as peer:
+    def _fetch_from_peer(self, rank: int, iteration: int, source: PlanSource) -> None:
+        if source.address is None or source.data_port is None:
+            raise CheckpointNotFoundError(f"the plan names no data plane to fetch rank {rank} from")
+        with PeerConnection(source.address, source.data_port, self.machine.key, self.config.job_id) as peer:
             peer.get(
                 rank,
                 self.machine.holdings.local_store(rank),
                 iteration,
-                digest=source.get("digest"),
+                digest=source.digest,
                 max_bytes=self.machine.capacity,
             )
 
@@ -439,18 +439,20 @@ class Agent:
             log.error("could not report %s for generation %d: %s", event, generation, exc)
             self._stop_if_replaced(exc)
 
-    def _launch_spec(self, directive: dict[str, Any]) -> LaunchSpec:
-        rendezvous = directive["rendezvous"]
+    def _launch_spec(self, directive: DirectiveOut) -> LaunchSpec:
+        rendezvous = directive.rendezvous
+        if rendezvous is None or rendezvous.master_port is None:
+            raise ValueError(f"the directive of generation {directive.generation} names no rendezvous")
         holdings = self.machine.holdings
         return LaunchSpec(
             command=self.config.command,
             machine_rank=self.machine.machine_rank,
             procs_per_machine=self.machine.procs,
-            world_size=directive["world_size"],
-            master_addr=rendezvous["master_addr"],
-            master_port=int(rendezvous["master_port"]),
-            generation=directive["generation"],
-            restore_iteration=directive["iteration"],
+            world_size=directive.world_size,
+            master_addr=rendezvous.master_addr,
+            master_port=rendezvous.master_port,
+            generation=directive.generation,
+            restore_iteration=directive.iteration,
             shm_dir_of={rank: str(holdings.directory("local", rank)) for rank in self.machine.local_ranks()},
             notify_socket=str(self.machine.notify_socket),
             job_id=self.config.job_id,

@@ -23,6 +23,7 @@ from worker_lib.agent.heartbeat import etcd_heartbeats, rest_heartbeats
 from worker_lib.agent.holdings import SLOTS, Holdings, local_slots, manifest_generation, rank_capacity
 from worker_lib.agent.pacing import replication_pacer
 from worker_lib.agent.replication import Replicator, aligned_rounds
+from worker_lib.api.shared import Peer, RankPlacement
 from worker_lib.api.worker import HeartbeatResponse, RegisterResponse
 from worker_lib.client import RootClient, RootRejected, RootUnavailable
 from worker_lib.errors import CheckpointNotFoundError
@@ -55,7 +56,7 @@ class MachineServices:
         self.key = data_plane_key(token)
         self.holdings = Holdings(shm_root, replica_bytes_max=lambda rank: self.capacity)
         self.capacity: int | None = None  # bytes of one rank's checkpoint, set at registration
-        self.registration: RegisterResponse | dict[str, Any] = {}  # the root's answer; {} until then
+        self.registration: RegisterResponse | None = None  # the root's answer, once registered
         self.addresses: dict[int, tuple[str, int]] = {}
         self.server: DataPlaneServer | None = None
         self.replicator: Replicator | None = None
@@ -101,7 +102,7 @@ class MachineServices:
             self.holdings, self.key, self.job_id, self.sends_to(), self.addresses.get
         )
         # The job's replication policy (interleaved or eager) and cap, as the root handed them over.
-        self.replicator.pacer = replication_pacer(self.registration, self.replicator.boards)
+        self.replicator.pacer = replication_pacer(self.registered, self.replicator.boards)
         self.replicator.start()
         self._notices = await self._listen_for_commits()
 
@@ -129,7 +130,7 @@ class MachineServices:
             rendezvous_port=free_port(),
             embedded=self.identity.embedded,
         )
-        self.update_addresses(self.registration["peers"])
+        self.update_addresses(registration.peers)
         self.capacity = self._rank_capacity()
         log.info(
             "registered as machine %d of job %s (checkpoints of up to %d bytes per rank)",
@@ -143,7 +144,7 @@ class MachineServices:
         """What a peer may store here per rank: the job's figure (or $CASTOR_REPLICA_BYTES_MAX), checked
         against /dev/shm for this machine's own ranks and the replicas the placement puts here; without
         one, an equal share of the free shared memory (see holdings.rank_capacity)."""
-        configured = self.registration.get("checkpoint_bytes_max")
+        configured = self.registered.checkpoint_bytes_max
         if configured is None and os.environ.get(REPLICA_BYTES_MAX_ENV, "").strip():
             try:
                 configured = int(os.environ[REPLICA_BYTES_MAX_ENV])
@@ -152,8 +153,8 @@ class MachineServices:
                 raise ValueError(f"{REPLICA_BYTES_MAX_ENV}={value!r}: expected a number of bytes") from None
         held = sum(
             self.procs
-            for machine in range(int(self.registration["machines"]))
-            if machine != self.machine_rank and self.machine_rank in self._placement_of(machine)["holders"]
+            for machine in range(self.registered.machines)
+            if machine != self.machine_rank and self.machine_rank in self._placement_of(machine).holders
         )
         extra = (self.local_slots - SLOTS) * len(self.local_ranks())
         return rank_capacity(self.holdings.root, len(self.local_ranks()) + held, configured, extra)
@@ -180,37 +181,43 @@ class MachineServices:
 
     @property
     def machine_rank(self) -> int:
-        return int(self.registration["rank"])
+        return self.registered.rank
 
     @property
     def procs(self) -> int:
-        return int(self.registration["procs_per_machine"])
+        return self.registered.procs_per_machine
 
     def local_ranks(self) -> list[int]:
         return [self.machine_rank * self.procs + local for local in range(self.procs)]
 
-    def _placement_of(self, machine: int) -> dict[str, Any]:
-        ranks: list[dict[str, Any]] = self.registration["placement"]["ranks"]
-        return ranks[machine]
+    @property
+    def registered(self) -> RegisterResponse:
+        """The root's registration answer (an error before start() registered)."""
+        if self.registration is None:
+            raise RuntimeError("this machine has not registered with the root yet")
+        return self.registration
+
+    def _placement_of(self, machine: int) -> RankPlacement:
+        return self.registered.placement.ranks[machine]
 
     def sends_to(self) -> list[int]:
-        return list(self._placement_of(self.machine_rank)["sends_to"])
+        return list(self._placement_of(self.machine_rank).sends_to)
 
     def holds_replicas_of(self, global_rank: int) -> bool:
         """Whether the placement puts replicas of `global_rank` on this machine."""
-        if not self.registration:
+        if self.registration is None:
             return False
         machine = global_rank // self.procs
         return (
-            0 <= machine < self.registration["machines"]
+            0 <= machine < self.registration.machines
             and machine != self.machine_rank
-            and self.machine_rank in self._placement_of(machine)["holders"]
+            and self.machine_rank in self._placement_of(machine).holders
         )
 
-    def update_addresses(self, machines: list[dict[str, Any]]) -> None:
+    def update_addresses(self, machines: list[Peer]) -> None:
         for machine in machines:
-            if machine.get("address") and machine.get("data_port"):
-                self.addresses[int(machine["rank"])] = (machine["address"], int(machine["data_port"]))
+            if machine.address and machine.data_port:
+                self.addresses[machine.rank] = (machine.address, machine.data_port)
 
     # -- commits from the training processes -------------------------------------------------------------
 
@@ -320,15 +327,17 @@ class MachineServices:
     async def heartbeats(self) -> None:
         """Heartbeat forever (raises heartbeat.Replaced when the root gave this rank to another machine),
         and keep the peers' addresses current: a peer registers late, or is replaced."""
-        config = self.registration["heartbeat"]
+        config = self.registered.heartbeat
         peers = asyncio.create_task(self._refresh_peers())
         try:
-            if config["mode"] == "etcd":
+            if config.mode == "etcd":
+                if config.etcd_key is None:
+                    raise ValueError("the root's etcd heartbeat configuration names no key")
                 await etcd_heartbeats(
-                    config["etcd_endpoints"],
-                    config["etcd_key"],
-                    config["timeout_s"],
-                    config["interval_s"],
+                    config.etcd_endpoints,
+                    config.etcd_key,
+                    config.timeout_s,
+                    config.interval_s,
                     self.summary,
                 )
             else:
@@ -336,7 +345,7 @@ class MachineServices:
                     self.client,
                     self.machine_rank,
                     self.identity.instance_id,
-                    config["interval_s"],
+                    config.interval_s,
                     self.summary,
                     self._heartbeat_answered,
                 )
@@ -356,8 +365,8 @@ class MachineServices:
             await asyncio.sleep(PEERS_REFRESH_MISSING_S if missing else PEERS_REFRESH_S)
             try:
                 directive = await self.client.directive(after=-1, wait_s=0)
-                self.update_addresses(directive["machines"])
-                self.uploads.announce(directive.get("persist"))
+                self.update_addresses(directive.machines)
+                self.uploads.announce(directive.persist)
             except (RootUnavailable, RootRejected) as exc:
                 log.info("could not refresh the peers' addresses: %s", exc)
 
@@ -404,7 +413,7 @@ class Uploads:
         """The root's persist schedule (schemas.PersistSchedule, or its JSON); None: the root sends none."""
         if schedule is None:
             return
-        iteration, generation = schedule.get("iteration"), schedule.get("generation")
+        iteration, generation = schedule.iteration, schedule.generation
         self.scheduled = True
         target = None
         if iteration is not None and generation is not None:
@@ -412,7 +421,7 @@ class Uploads:
         if target == self.target:
             return
         self.target = target
-        if target is None or not self.services.registration:
+        if target is None or self.services.registration is None:
             return
         log.info("persisting iteration %d (generation %d) when every local rank commits it", *target)
         for rank in self.services.local_ranks():
@@ -426,7 +435,7 @@ class Uploads:
                 self._start(rank, self.target, passed=iteration > self.target[0])
             return
         registration = self.services.registration
-        every = int(registration.get("persist_every", 0)) if registration else 0
+        every = registration.persist_every if registration is not None else 0
         if every <= 0 or iteration % every != 0:
             return
         if rank in self._running and not self._running[rank].done():
@@ -487,13 +496,13 @@ class Uploads:
     async def _put(self, rank: int, iteration: int, manifest: Manifest, data: memoryview) -> None:
         services = self.services
         if self._store is None:
-            self._store = object_store(services.registration["persistent"])
+            self._store = object_store(services.registered.persistent.model_dump())
         # The root computes the same key (and refuses a report naming another): the job id as the root
         # wrote it in the registration, not as this agent was given it.
-        registration = services.registration
+        registration = services.registered
         key = shard_key(
-            registration["persistent"]["prefix"],
-            str(registration["job_id"]),
+            registration.persistent.prefix,
+            str(registration.job_id),
             iteration,
             rank,
             manifest_generation(manifest),
