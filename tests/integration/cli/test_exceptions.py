@@ -58,7 +58,7 @@ def test_the_exception_reaches_the_failure_event_page_and_cli(root: Root, tmp_pa
         )
         assert registered.status_code == 200, registered.text
     ack = asyncio.run(report(root, job, ended))
-    failure_id = ack["failure_id"]
+    failure_id = ack.failure_id
     assert isinstance(failure_id, int)
 
     # The failure event: the exception in its cause, whole in its details.
