@@ -6,7 +6,6 @@ import argparse
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 from services.cli import render
 from services.cli.client import CliClient, CliError, resolve_job
@@ -16,37 +15,37 @@ from services.cli.render import format_bytes, print_json, transfer_text
 def checkpoints_export(client: CliClient, args: argparse.Namespace) -> int:
     """Download a persisted checkpoint's shards and write them as one standard DCP directory."""
     job = resolve_job(client, args.job)
-    persisted: list[dict[str, Any]] = client.document(client.api.checkpoints(job["id"]))
-    have = ", ".join(str(c["iteration"]) + ("" if c["complete"] else " (incomplete)") for c in persisted)
+    persisted = client.run(client.api.checkpoints(job["id"]))
+    have = ", ".join(str(c.iteration) + ("" if c.complete else " (incomplete)") for c in persisted)
     in_memory = (
         "an iteration held only in memory is exported from the job's ranks with worker_lib.export_dcp "
         '(README "torch.distributed.checkpoint (DCP)")'
     )
     if args.iteration is None:
-        chosen = next((c for c in persisted if c["complete"]), None)
+        chosen = next((c for c in persisted if c.complete), None)
         if chosen is None:
             raise CliError(
                 f"job {job['name']} has no complete persisted checkpoint ({have or 'none'}); {in_memory}"
             )
     else:
-        chosen = next((c for c in persisted if c["iteration"] == args.iteration), None)
+        chosen = next((c for c in persisted if c.iteration == args.iteration), None)
         if chosen is None:
             raise CliError(
                 f"job {job['name']} has no persisted checkpoint of iteration {args.iteration} (persisted: "
                 f"{have or 'none'}); {in_memory}"
             )
-    if not chosen["complete"]:
-        ranks = sorted(s["rank"] for s in chosen["shards"])
+    if not chosen.complete:
+        ranks = sorted(s.rank for s in chosen.shards)
         raise CliError(
-            f"iteration {chosen['iteration']} of job {job['name']} is incomplete (ranks {ranks} only)"
+            f"iteration {chosen.iteration} of job {job['name']} is incomplete (ranks {ranks} only)"
         )
     target = Path(args.to)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise CliError(f"{target} exists and is not an empty directory")
     target.mkdir(parents=True, exist_ok=True)
-    shards = sorted(chosen["shards"], key=lambda s: s["rank"])
-    if [s["rank"] for s in shards] != list(range(len(shards))):
-        raise CliError(f"iteration {chosen['iteration']}: the shards' ranks are not 0..{len(shards) - 1}")
+    shards = sorted(chosen.shards, key=lambda s: s.rank)
+    if [s.rank for s in shards] != list(range(len(shards))):
+        raise CliError(f"iteration {chosen.iteration}: the shards' ranks are not 0..{len(shards) - 1}")
 
     from worker_lib.errors import CheckpointError
     from worker_lib.export import export_persisted, persisted_store
@@ -72,22 +71,22 @@ def checkpoints_export(client: CliClient, args: argparse.Namespace) -> int:
     started = time.monotonic()
     bar.start()
     try:
-        store = persisted_store(chosen["location"], shards[0]["key"], endpoint_url=endpoint)
+        store = persisted_store(chosen.location, shards[0].key, endpoint_url=endpoint)
         metadata = export_persisted(
             store,
-            [(s["key"], s["digest"]) for s in shards],
-            chosen["iteration"],
+            [(s.key, s.digest) for s in shards],
+            chosen.iteration,
             target,
             scratch=args.scratch or target.resolve().parent,
             progress=progress,
         )
     except (CheckpointError, OSError) as exc:
-        raise CliError(f"exporting iteration {chosen['iteration']}: {exc}") from None
+        raise CliError(f"exporting iteration {chosen.iteration}: {exc}") from None
     finally:
         bar.stop()
     document = {
         "job": job["name"],
-        "iteration": chosen["iteration"],
+        "iteration": chosen.iteration,
         "ranks": len(shards),
         "directory": str(target.resolve()),
         "entries": len(metadata.state_dict_metadata),
