@@ -13,7 +13,6 @@ from services.cli.render import (
     format_ago,
     format_duration,
     format_time,
-    parse_time,
     print_json,
     render_fields,
     shorten,
@@ -42,38 +41,26 @@ def _failure_rows(failures: Sequence[dict[str, Any]], now: datetime) -> list[tup
 FAILURE_HEADERS = ("#", "ID", "DETECTED", "RANK", "KIND", "STATE", "TIER", "LOST", "RECOVERY", "CAUSE")
 
 
-def _seconds_between(start: str | None, end: str | None) -> float | None:
-    first, last = parse_time(start), parse_time(end)
-    if first is None or last is None:
-        return None
-    return (last - first).total_seconds()
-
-
-PHASES = (
-    ("detected_at", "detect"),
-    ("classified_at", "classify"),
-    ("replaced_at", "replace"),
-    ("restored_at", "restore"),
-    ("resumed_at", "resume"),
-)
-
-
 def phase_rows(failure: dict[str, Any], now: datetime | None = None) -> list[tuple[str, str, str]]:
-    """Each phase with when it ended and how long it took since the previous phase that happened.
-    A phase without a timestamp after a later one happened was skipped (a software failure needs no
-    replacement); without any later one it is still pending."""
-    rows: list[tuple[str, str, str]] = []
-    previous: str | None = None
-    stamps = [failure.get(key) for key, _ in PHASES]
-    for index, (key, name) in enumerate(PHASES):
-        stamp = failure.get(key)
-        if stamp is None:
-            later = any(s is not None for s in stamps[index + 1 :])
-            rows.append((name, "-", "skipped" if later else "pending"))
-            continue
-        took = "" if previous is None else format_duration(_seconds_between(previous, stamp))
-        rows.append((name, format_time(stamp, now), took))
-        previous = stamp
+    """The failure's recovery phases as the API computed them (the phases the pages draw and /metrics
+    counts, from domain.phases): each with when it ended and how long it took; the last one is under way
+    until the failure is over, and a finished failure has no row for a phase that never happened (a
+    software failure has no replace phase). An older service's answer, without phases, gets them from the
+    same function here."""
+    now = now or datetime.now(UTC)
+    phases: list[tuple[str, str | datetime | None, float]]
+    if failure.get("phases") is not None:
+        phases = [(p["name"], p.get("end"), float(p["seconds"])) for p in failure["phases"]]
+    else:
+        from services.root.domain.phases import failure_phases  # stdlib only: no server dependencies
+
+        phases = [(p.name, p.end, p.seconds) for p in failure_phases(failure, now)]
+    rows = [
+        (name, "-", f"under way, {format_duration(seconds)} so far")
+        if end is None
+        else (name, format_time(end, now), format_duration(seconds))
+        for name, end, seconds in phases
+    ]
     total = failure.get("recovery_s")  # detection to training resumed, as the pages and /metrics say
     rows.append(("recovery time", "", format_duration(total) if total is not None else "-"))
     return rows

@@ -57,27 +57,48 @@ def test_render_table_aligns_and_right_aligns_numbers() -> None:
     ]
 
 
-def test_phase_rows_skipped_and_pending() -> None:
+def test_phase_rows_are_the_apis_phases() -> None:
+    """The CLI shows the phases the API computed (the pages' phases), the last one under way."""
     failure = {
+        "detected_at": "2026-01-02T12:00:00Z",
+        "recovery_s": None,
+        "phases": [
+            {
+                "name": "detect",
+                "start": "2026-01-02T11:59:58Z",
+                "end": "2026-01-02T12:00:00Z",
+                "seconds": 2.0,
+            },
+            {"name": "classify", "start": "2026-01-02T12:00:00Z", "end": None, "seconds": 12.5},
+        ],
+    }
+    rows = {name: took for name, _, took in failures.phase_rows(failure)}
+    assert rows == {"detect": "2.0 s", "classify": "under way, 12 s so far", "recovery time": "-"}
+
+
+def test_phase_rows_without_the_apis_phases_are_computed_as_the_pages_do() -> None:
+    failure = {
+        "kind": "software",
+        "state": "recovered",
         "detected_at": "2026-01-02T12:00:00Z",
         "classified_at": "2026-01-02T12:00:00.250Z",
         "replaced_at": None,  # a software failure: no replacement
         "restored_at": "2026-01-02T12:00:03.250Z",
-        "resumed_at": None,
+        "resumed_at": "2026-01-02T12:03:12Z",
+        "recovery_s": 192.0,  # the API's recovery time: detection to training resumed
+        "details": {},
     }
     rows = {name: took for name, _, took in failures.phase_rows(failure)}
     assert rows == {
-        "detect": "",
+        "detect": "0 s",  # a process exit is detected when its agent reports it
         "classify": "250 ms",
-        "replace": "skipped",
         "restore": "3.0 s",
-        "resume": "pending",
-        "recovery time": "-",
+        "resume": "3 min 9 s",
+        "recovery time": "3 min 12 s",
     }
-    failure["resumed_at"] = "2026-01-02T12:03:12Z"
-    failure["recovery_s"] = 192.0  # the API's recovery time: detection to training resumed
+    failure.update(state="recovering", resumed_at=None, recovery_s=None)
     rows = {name: took for name, _, took in failures.phase_rows(failure)}
-    assert rows["resume"] == "3 min 9 s" and rows["recovery time"] == "3 min 12 s"
+    assert rows["resume"].startswith("under way") and rows["recovery time"] == "-"
 
 
 def test_mask_token() -> None:

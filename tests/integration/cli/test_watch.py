@@ -131,7 +131,8 @@ def test_watch_json_is_the_last_snapshot(root: Root) -> None:
 
 def test_watch_view_shows_replication_and_the_recovery_in_progress() -> None:
     """The view's pieces, in process: replication as JobOut reports it, and the newest failure's phases
-    (a failure still restoring: replace skipped, restore and resume pending)."""
+    as the API computes them (a software failure still restoring: no replace phase, the restore under
+    way, nothing yet for the resume)."""
     now = datetime(2026, 1, 2, 12, 0, 10, tzinfo=UTC)
     job = {
         "name": "gpt",
@@ -159,7 +160,7 @@ def test_watch_view_shows_replication_and_the_recovery_in_progress() -> None:
         "number": 1,
         "kind": "software",
         "rank": 1,
-        "state": "restoring",
+        "state": "recovering",
         "cause": "rank 1 exited with code 1",
         "detected_at": "2026-01-02T12:00:00Z",
         "classified_at": "2026-01-02T12:00:00.500Z",
@@ -171,10 +172,11 @@ def test_watch_view_shows_replication_and_the_recovery_in_progress() -> None:
     text = render.to_text(watch.watch_view(snapshot, now))
     assert "Job gpt  recovering  iteration 120  machines 1/2 healthy  failures 1" in text
     assert "Replication: ok, iteration 118, every 2 iterations, lag 2" in text
-    assert "Recovery of failure #1 (software, rank 1): restoring  rank 1 exited with code 1" in text
-    phases = {line.split()[0]: line.split()[-1] for line in text.splitlines() if line.split()[:1]}
-    assert phases["classify"] == "ms" and phases["restore"] == "pending" and phases["resume"] == "pending"
-    assert phases["replace"] == "pending"  # nothing later happened yet: not skipped
+    assert "Recovery of failure #1 (software, rank 1): recovering  rank 1 exited with code 1" in text
+    phases = {line.split()[0]: line for line in text.splitlines() if line.split()[:1]}
+    assert phases["classify"].split()[-1] == "ms"
+    assert "under way, 9.5 s so far" in phases["restore"]
+    assert "replace" not in phases and "resume" not in phases
     machine_row = next(line for line in text.splitlines() if "i-0" in line).split()
     assert machine_row == ["0", "healthy", "i-0", "h0", "1", "s", "ago", "120", "118"]
     stalled = render.to_text(
