@@ -159,9 +159,13 @@ class RootClient:
             body["error"] = error
         return await self.call(ExitAck, "POST", self._worker(f"/machines/{rank}/exits"), json=body)
 
-    async def directive(self, after: int, wait_s: float = 10.0) -> DirectiveOut:
-        """The job's current directive, once its generation is newer than `after` (long poll)."""
-        params = {"after": after, "wait": wait_s}
+    async def directive(self, after: int, wait_s: float = 10.0, machine: int | None = None) -> DirectiveOut:
+        """The job's current directive, once its revision is newer than `after` (long poll). With `machine`,
+        that machine's share: its ranks' sources, itself and the peers holding its replicas (an older root
+        answers with the whole job's, which holds the same and more)."""
+        params: dict[str, Any] = {"after": after, "wait": wait_s}
+        if machine is not None:
+            params["machine"] = machine
         return await self.call(
             DirectiveOut, "GET", self._worker("/directive"), params=params, timeout_s=wait_s + 10
         )

@@ -126,10 +126,13 @@ class EmbeddedServices:
         """Report this machine finished, then wait for the job to complete: every machine reports only after
         its replicas reached this one, so this machine's data plane must serve until then."""
         client = self.services.client
-        directive = await client.directive(after=-1, wait_s=0)
+        machine = self.services.machine_rank
+        directive = await client.directive(after=-1, wait_s=0, machine=machine)
         await self.services.report_progress(directive.generation, "finished")
         while directive.status != "finished" and (left := deadline - time.monotonic()) > 0:
-            directive = await client.directive(after=directive.revision, wait_s=min(left, 10.0))
+            directive = await client.directive(
+                after=directive.revision, wait_s=min(left, 10.0), machine=machine
+            )
         return directive.job_state
 
 

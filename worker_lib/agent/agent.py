@@ -335,7 +335,9 @@ class Agent:
         revision = -1
         while True:
             try:
-                directive = await self.client.directive(after=revision, wait_s=10)
+                directive = await self.client.directive(
+                    after=revision, wait_s=10, machine=self.machine.machine_rank
+                )
             except RootUnavailable as exc:
                 log.warning("no directive from the root (%s); training continues", exc)
                 continue

@@ -364,7 +364,8 @@ class MachineServices:
             missing = any(machine not in self.addresses for machine in self.sends_to())
             await asyncio.sleep(PEERS_REFRESH_MISSING_S if missing else PEERS_REFRESH_S)
             try:
-                directive = await self.client.directive(after=-1, wait_s=0)
+                # This machine's share: itself and every peer it sends replicas to.
+                directive = await self.client.directive(after=-1, wait_s=0, machine=self.machine_rank)
                 self.update_addresses(directive.machines)
                 self.uploads.announce(directive.persist)
             except (RootUnavailable, RootRejected) as exc:

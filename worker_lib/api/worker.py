@@ -250,7 +250,8 @@ class Rendezvous(WireModel):
 
 
 class DirectiveOut(WireModel):
-    """What every agent of the job must do now."""
+    """What every agent of the job must do now; asked for one machine (`machine=`), only what that machine's
+    agent needs of it."""
 
     revision: int = Field(description="Increases whenever the directive changes; long-poll with after=.")
     job_state: str
@@ -263,8 +264,17 @@ class DirectiveOut(WireModel):
     world_size: int
     procs_per_machine: int
     rendezvous: Rendezvous | None
-    sources: list[PlanSource]
-    machines: list[Peer] = Field(description="Every live machine: where its agent's data plane listens.")
+    machine: int | None = Field(
+        None, description="The machine this directive was asked for (null: the whole job's directive)."
+    )
+    sources: list[PlanSource] = Field(
+        description="Where each rank restores `iteration` from: the machine's own ranks (the whole job's: "
+        "every rank)."
+    )
+    machines: list[Peer] = Field(
+        description="Where the agents' data planes listen: the machine itself and the live peers that hold "
+        "its checkpoints' replicas (the whole job's: every live machine)."
+    )
     persist: PersistSchedule | None = Field(
         None, description="The iteration every rank persists next (null: the job has no persistent tier)."
     )

@@ -82,12 +82,21 @@ async def get_directive(
         int, Query(ge=-1, le=schemas.INT32_MAX, description="Return once the revision is newer than this.")
     ] = -1,
     wait: Annotated[float, Query(ge=0, le=60, description="Seconds to wait for a newer revision.")] = 0,
+    machine: Annotated[
+        int | None,
+        Query(
+            ge=0,
+            le=schemas.INT32_MAX,
+            description="This machine's rank: the directive carries only its ranks' sources, itself and "
+            "the peers holding its replicas (omitted: the whole job's, every rank and every machine).",
+        ),
+    ] = None,
 ) -> Response:
     """What this job's agents must do now (long poll): wait, train from an iteration, stop and report
-    their inventory, or exit."""
-    built = await directives.wait_for_directive(state.database, job_id, after, wait)
-    # Serialized once per read of the directive, not per agent (schema: DirectiveOut).
-    return Response(content=built.body, media_type="application/json")
+    their inventory, or exit. The answer comes as soon as a commit changes the directive."""
+    body = await directives.wait_for_directive(state.database, job_id, after, wait, machine)
+    # Serialized once per read of the directive and machine, not per request (schema: DirectiveOut).
+    return Response(content=body, media_type="application/json")
 
 
 @router.post(

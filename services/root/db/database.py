@@ -4,38 +4,58 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from sqlalchemy import event
+from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+from sqlalchemy.orm import Session
+
+log = logging.getLogger(__name__)
 
 
-class ChangeSignals:
-    """Wakes long-polling agents in this process as soon as a job's directive changes (other replicas of
-    the root notice through their polling of the database)."""
-
-    def __init__(self) -> None:
-        self._events: dict[uuid.UUID, asyncio.Event] = {}
-
-    def wake(self, job_id: uuid.UUID) -> None:
-        event = self._events.pop(job_id, None)
-        if event is not None:
-            event.set()
-
-    async def wait(self, job_id: uuid.UUID, seconds: float) -> None:
-        event = self._events.setdefault(job_id, asyncio.Event())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), seconds)
+# A commit that changed a job's directive (mark_changed) is announced to every replica of the root on one
+# Postgres: NOTIFY is transactional, so listeners hear of it once it committed and never of one rolled back.
+# The payload is the job's id, the announcing process's token (a process hears its own commits sooner,
+# from SQLAlchemy's after_commit) and whether the long polls must wake (1: the revision moved; 0: only the
+# content, e.g. an address, which the next read must show). SQLite (embedded mode) has one process: no
+# channel.
+CHANGES_CHANNEL = "castor_changes"
+ORIGIN = uuid.uuid4().hex[:12]
+CHANGED_JOBS = "changed_jobs"
+LISTEN_RETRY_S = (0.5, 1.0, 2.0, 5.0)
+LISTEN_CHECK_S, LISTEN_CHECK_TIMEOUT_S = 15.0, 5.0
 
 
-def mark_changed(session: AsyncSession, job_id: uuid.UUID) -> None:
-    """Wake this job's long-polls once the session's transaction commits."""
-    session.info.setdefault("changed_jobs", set()).add(job_id)
+def mark_changed(session: AsyncSession, job_id: uuid.UUID, *, wake: bool = True) -> None:
+    """Note that this transaction changes the job's directive: once it commits, every copy of it is stale
+    and (`wake`: its revision moved) the job's long polls wake, in this process (services.root.flows.
+    directives) and, on Postgres, in every other replica (NOTIFY)."""
+    changed: dict[uuid.UUID, bool] = session.info.setdefault(CHANGED_JOBS, {})
+    changed[job_id] = changed.get(job_id, False) or wake
+
+
+def changed_jobs(sync_session: Session, *, pop: bool = False) -> dict[uuid.UUID, bool]:
+    """The jobs whose directive the session's transaction changed, each with whether to wake long polls."""
+    info = sync_session.info
+    return dict((info.pop(CHANGED_JOBS, None) if pop else info.get(CHANGED_JOBS)) or {})
+
+
+@event.listens_for(Session, "before_commit")
+def _announce_changes(sync_session: Session) -> None:
+    changed = changed_jobs(sync_session)
+    if not changed or sync_session.get_bind().dialect.name != "postgresql":
+        return
+    for job_id, wake in sorted(changed.items(), key=lambda item: str(item[0])):
+        sync_session.execute(
+            text("SELECT pg_notify(:channel, :payload)"),
+            {"channel": CHANGES_CHANNEL, "payload": f"{job_id} {ORIGIN} {int(wake)}"},
+        )
 
 
 # Postgres aborts one of two transactions that wait on each other (deadlock_detected) or that cannot be
@@ -64,19 +84,86 @@ class Database:
         if self.is_sqlite:
             _serialize_sqlite_writers(self.engine)
         self._sessions = async_sessionmaker(self.engine, expire_on_commit=False, autoflush=False)
-        self.signals = ChangeSignals()
+        self._listener: asyncio.Task[None] | None = None
+        self._on_change: Callable[[uuid.UUID | None, bool], None] | None = None
+        self.listening = False  # LISTEN is up: other replicas' changes are heard at once
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:
         """A session in a transaction: committed when the block succeeds, rolled back when it raises."""
-        async with self._sessions() as session:
-            async with session.begin():
-                yield session
-            for job_id in session.info.pop("changed_jobs", ()):
-                self.signals.wake(job_id)
+        async with self._sessions() as session, session.begin():
+            yield session
+
+    def listen(self, on_change: Callable[[uuid.UUID | None, bool], None]) -> None:
+        """Call `on_change(job_id, wake)` whenever another process commits a change to a job's directive
+        (see mark_changed), and `on_change(None, True)` (anything may have changed) each time the LISTEN
+        connection comes up, since what was committed while it was down went unheard. Postgres only;
+        idempotent. `listening` says whether the connection is up now: while it is not, the caller re-reads
+        the database on its own."""
+        if self.is_sqlite or self._listener is not None:
+            return
+        self._on_change = on_change
+        self._listener = asyncio.get_running_loop().create_task(self._listen(), name="castor-listen")
+
+    async def _listen(self) -> None:
+        import asyncpg  # the Postgres driver; absent from an embedded (SQLite) install
+
+        _, options = self.engine.dialect.create_connect_args(self.engine.url)
+        for key in ("prepared_statement_cache_size", "prepared_statement_name_func", "async_creator_fn"):
+            options.pop(key, None)
+        failures = 0
+        while True:
+            connection = None
+            try:
+                connection = await asyncpg.connect(**options)
+                lost = _lost_event(connection)
+                await connection.add_listener(CHANGES_CHANNEL, self._heard)
+                self.listening, failures = True, 0
+                if self._on_change is not None:
+                    self._on_change(None, True)
+                log.info("listening for directive changes on Postgres channel %s", CHANGES_CHANNEL)
+                while not lost.is_set():  # a connection silently gone (no FIN) fails the check
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(lost.wait(), LISTEN_CHECK_S)
+                    if not lost.is_set():
+                        await asyncio.wait_for(connection.execute("SELECT 1"), LISTEN_CHECK_TIMEOUT_S)
+                log.warning("the LISTEN connection to Postgres closed; reconnecting")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("cannot LISTEN on Postgres (%s); directives fall back to re-reading", exc)
+            finally:
+                self.listening = False
+                if connection is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(connection.close(), 5)
+            await asyncio.sleep(LISTEN_RETRY_S[min(failures, len(LISTEN_RETRY_S) - 1)])
+            failures += 1
+
+    def _heard(self, _connection: Any, _pid: int, _channel: str, payload: str) -> None:
+        job, origin, wake = [*payload.split(" "), "", ""][:3]
+        if origin == ORIGIN or self._on_change is None:
+            return  # this process's own commit: its after_commit has already told the caller
+        try:
+            job_id = uuid.UUID(job)
+        except ValueError:
+            return
+        self._on_change(job_id, wake != "0")
 
     async def dispose(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+            self._listener = None
         await self.engine.dispose()
+
+
+def _lost_event(connection: Any) -> asyncio.Event:
+    """An event set when an asyncpg connection terminates."""
+    lost = asyncio.Event()
+    connection.add_termination_listener(lambda _connection: lost.set())
+    return lost
 
 
 def _serialize_sqlite_writers(engine: AsyncEngine) -> None:

@@ -99,8 +99,8 @@ async def register_machine(
     machine.last_heartbeat_at = utcnow()
     # The directive's machine list changed (a new holder of a rank, a new address): drop the cached copy at
     # commit, else a replacement's first poll can read its rank still held by the machine it displaced
-    # and stop as "replaced".
-    mark_changed(session, job.id)
+    # and stop as "replaced". No long poll wakes for it (the revision stays).
+    mark_changed(session, job.id, wake=False)
     plan = await repo.latest_plan(session, job.id)
     await session.flush()
     if job.state == JobState.PENDING and registered == job.num_machines:
@@ -111,7 +111,7 @@ async def register_machine(
             make_ready(session, job, plan, rank0)
         await session.flush()
 
-    placement = await _placement(session, job)
+    placement = await cached_placement(session, job)
     members = placement.group_of(machine.rank).members
     peers = await repo.machines_at_ranks(session, job.id, [m for m in members if m != machine.rank])
     return schemas.RegisterResponse(
@@ -257,7 +257,7 @@ async def record_heartbeat(
         raise Conflict(f"instance {request.instance_id!r} is not machine {rank}", code="not_registered")
     # A suspect (or failed) machine heartbeating again is reinstated by the leader, which records it and
     # cancels a replacement it requested (orchestrator.judge).
-    members = (await _placement(session, job)).group_of(rank).members
+    members = (await cached_placement(session, job)).group_of(rank).members
     peers = await repo.machines_at_ranks(session, job.id, [m for m in members if m != rank])
     return schemas.HeartbeatResponse(
         state=state,
@@ -342,7 +342,7 @@ _placements: dict[uuid.UUID, Placement] = {}
 PLACEMENTS_CACHED = 256
 
 
-async def _placement(session: AsyncSession, job: Job) -> Placement:
+async def cached_placement(session: AsyncSession, job: Job) -> Placement:
     placement = _placements.get(job.id)
     if placement is None:
         placement = stored_placement(job, await repo.placement_groups(session, job.id))
