@@ -36,6 +36,20 @@ def kill_training_process(log_dir: Path, rank: int, signum: int = signal.SIGKILL
     return int(pid)
 
 
+def machine_loss_bound(reached: int, replicated: int | None) -> int:
+    """Iterations a machine loss struck while training runs may cost: the iteration in flight, or more
+    when replication lagged (on a loaded host a round can outlast an iteration), but never past
+    `replicated`, the job's newest fully replicated iteration read just before the strike: it is pinned
+    locally and on its holders until a newer one is fully replicated (the API's figure comes from
+    heartbeats, so it can be behind, never ahead). None (nothing reported yet): the in-flight bound."""
+    return 1 if replicated is None else max(1, reached - replicated)
+
+
+def replicated_iteration(cluster: LocalCluster) -> int | None:
+    value = cluster.job_state().get("replicated_iteration")
+    return None if value is None else int(value)
+
+
 def check_consistent_restore(log_dir: Path, world_size: int, reached: int, max_lost: int | None) -> int:
     """Every rank's newest restart restored the same iteration, with the model and optimizer state
     bit-exact equal to what that rank had right after that iteration's step; returns the iteration."""

@@ -15,8 +15,10 @@ from tests.e2e.recovery_checks import (
     check_consistent_restore,
     check_event,
     kill_training_process,
+    machine_loss_bound,
     newest_iteration,
     recovered_events,
+    replicated_iteration,
     wait_for_iteration,
 )
 from worker_lib.agent.holdings import Holdings
@@ -59,6 +61,7 @@ def test_machine_loss_restores_the_replacement_from_its_group_peer(
     cluster.start_root()
     start_job(cluster, logs)
     lost = cluster.root_machine(2)
+    replicated = replicated_iteration(cluster)
     cluster.kill_machine(lost)  # agent, training process and shared memory: the machine is gone
     reached = newest_iteration(logs)
     (event,) = recovered_events(cluster, 1)
@@ -69,7 +72,7 @@ def test_machine_loss_restores_the_replacement_from_its_group_peer(
     rank2 = [(m["instance_id"], m["state"]) for m in machines if m["rank"] == 2]
     assert (lost.instance_id, "replaced") in rank2 and len(rank2) == 2
     assert event["details"]["replaced_by"] in {i for i, s in rank2 if s != "replaced"}
-    iteration = check_consistent_restore(logs, 4, reached, max_lost=1)
+    iteration = check_consistent_restore(logs, 4, reached, max_lost=machine_loss_bound(reached, replicated))
     wait_for_iteration(logs, iteration + 3)
 
 
