@@ -4,6 +4,13 @@ Replacement: mark the instance Unhealthy, terminate it without decrementing the 
 until the group has a new InService instance; or, with standby instances, move one into service (seconds
 instead of the minutes a new p4d takes) and terminate the failed one with a decrement.
 
+Decide, record, act: before each of these calls the replacement records on its failure event what it is
+about to do (`domain.replacement.Intent`: the instance being replaced, the Standby instance chosen, that a
+termination was requested), and every try, a retry after an error or a new leader's, decides its next call
+from that record and the group's actual state (`domain.replacement.decide`). A failed instance already
+terminating is not terminated again, a chosen Standby instance already in service is not moved again, and a
+new InService instance no machine holds is adopted: a replacement is requested once, whoever continues it.
+
 At scale (a lost placement group is several replacements at once, and AWS throttles the Auto Scaling API
 per account) the operator keeps one long-lived client whose retries are botocore's `adaptive` mode
 (exponential backoff with jitter plus a client-side rate limiter that slows down when AWS throttles), and
@@ -17,16 +24,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import aioboto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from services.root.clients import CloudOperatorError, JobInfo, MachineInfo, Replacement
+from services.root.clients import CloudOperatorError, JobInfo, MachineInfo, Replacement, ReplacementJournal
+from services.root.domain.replacement import (
+    Action,
+    AwaitNew,
+    Done,
+    ExitStandby,
+    Intent,
+    decide,
+    group_state,
+)
 
 log = logging.getLogger(__name__)
+
+# Decisions one try of a replacement makes at most: a Standby instance moved into service, the failed one
+# terminated, the outcome is three; the rest is room for a chosen instance that left the group meanwhile.
+MAX_ACTIONS = 5
 
 
 @dataclass(eq=False)
@@ -34,6 +56,7 @@ class _Waiter:
     """A replacement waiting for a new InService instance it has not seen before."""
 
     known: set[str]
+    key: str  # the replacement waiting (its claims)
     chosen: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -65,11 +88,13 @@ class AwsOperator:
         self._client_lock = asyncio.Lock()
         self._waiters: list[_Waiter] = []
         self._poller: asyncio.Task[None] | None = None
-        # Instances never to hand out: those already handed out as replacements and those being replaced.
-        # Replacements run concurrently (a lost group is two at once) and an instance is bound in the
-        # database only when its agent registers, so without this two ranks could be promised the same
-        # standby or new instance, or one rank the failed instance another replacement is terminating.
-        self._claimed: set[str] = set()
+        # Instances never to hand out to another replacement: those handed out (or chosen) and those being
+        # replaced, each with the replacement (its journal's key) that claimed it. Replacements run
+        # concurrently (a lost group is two at once) and an instance is bound in the database only when its
+        # agent registers, so without this two ranks could be promised the same standby or new instance, or
+        # one rank the failed instance another replacement is terminating. Across leaders the failure events
+        # carry the same knowledge (the driver passes what other replacements recorded as bound).
+        self._claims: dict[str, str] = {}
 
     async def provision(self, job: JobInfo, worker_token: str) -> None:
         return None  # the group's launch template boots instances that run `castor agent`
@@ -116,37 +141,64 @@ class AwsOperator:
         instances: list[dict[str, Any]] = groups["AutoScalingGroups"][0]["Instances"]
         return instances
 
-    async def replace(self, job: JobInfo, failed: MachineInfo, bound_instances: set[str]) -> Replacement:
-        self._claimed.add(failed.instance_id)
-        current = await self.instances()
-        in_group = {i["InstanceId"] for i in current}
-        standby = [
-            i["InstanceId"]
-            for i in current
-            if i["LifecycleState"] == "Standby" and i["InstanceId"] not in bound_instances
-        ]
-        chosen = self._claim_first(standby) if self.use_standby else None
-        if chosen is not None:
-            try:
+    async def replace(
+        self,
+        job: JobInfo,
+        failed: MachineInfo,
+        bound_instances: set[str],
+        journal: ReplacementJournal | None = None,
+    ) -> Replacement:
+        """Decide, record, act, until an instance takes the rank: each round describes the group, lets the
+        pure `domain.replacement.decide` choose the next call from the recorded intent and the group's
+        state, records the call's intent in `journal` (the failure event) and only then makes it. A try
+        that finds an intent recorded (a retry, or a new leader) so continues where the group is: no second
+        termination, no second Standby instance, no second launch."""
+        journal = journal if journal is not None else ReplacementJournal()
+        key = journal.key
+        intent = Intent.from_json(journal.intent, replacing=failed.instance_id)
+        self._claims.setdefault(failed.instance_id, key)
+        self._claims.setdefault(intent.replacing, key)
+        previous: Action | None = None
+        for _ in range(MAX_ACTIONS):
+            group = group_state(await self.instances())
+            # No await between the decision and the claims: concurrent replacements on the event loop
+            # cannot both take one instance.
+            action = decide(intent, group, bound_instances | self._taken(key), use_standby=self.use_standby)
+            if action == previous:
+                raise CloudOperatorError(
+                    f"the group does not show the effect of {action} yet; the replacement will retry"
+                )
+            previous = action
+            if isinstance(action, Done):
+                self._claims[action.instance] = key
+                how = (
+                    "standby instance {} moved into service"
+                    if action.standby
+                    else "Auto Scaling Group launched {}"
+                )
+                return Replacement(action.instance, how.format(action.instance), {"standby": action.standby})
+            if isinstance(action, AwaitNew):
+                replacement = await self._wait_for_new_instance(set(action.exclude), key)
+                return Replacement(
+                    replacement, f"Auto Scaling Group launched {replacement}", {"standby": False}
+                )
+            if isinstance(action, ExitStandby):
+                self._claims[action.instance] = key
+                intent = intent.exiting_standby(action.instance, _now())
+                await journal.record(intent.to_json())
                 await self._call(
                     "move a standby instance into service",
                     "exit_standby",
                     AutoScalingGroupName=self.asg_name,
-                    InstanceIds=[chosen],
+                    InstanceIds=[action.instance],
                 )
-            except BaseException:
-                self._claimed.discard(chosen)
-                raise
-            await self._terminate(failed.instance_id, in_group, decrement=True)
-            return Replacement(chosen, f"standby instance {chosen} moved into service", {"standby": True})
-        await self._terminate(failed.instance_id, in_group, decrement=False)
-        replacement = await self._wait_for_new_instance(bound_instances | {failed.instance_id})
-        return Replacement(replacement, f"Auto Scaling Group launched {replacement}", {"standby": False})
+            else:
+                intent = intent.terminating(_now())
+                await journal.record(intent.to_json())
+                await self._terminate(action.instance, decrement=action.decrement)
+        raise CloudOperatorError(f"replacing {failed.instance_id}: no outcome after {MAX_ACTIONS} steps")
 
-    async def _terminate(self, instance_id: str, in_group: set[str], *, decrement: bool) -> None:
-        if instance_id not in in_group:
-            log.info("instance %s already left the group", instance_id)
-            return
+    async def _terminate(self, instance_id: str, *, decrement: bool) -> None:
         await self._call(
             "mark the instance unhealthy",
             "set_instance_health",
@@ -160,8 +212,12 @@ class AwsOperator:
             ShouldDecrementDesiredCapacity=decrement,
         )
 
-    async def _wait_for_new_instance(self, known: set[str]) -> str:
-        waiter = _Waiter(set(known))
+    def _taken(self, key: str) -> set[str]:
+        """Instances claimed by other replacements of this operator."""
+        return {instance for instance, owner in self._claims.items() if owner != key}
+
+    async def _wait_for_new_instance(self, known: set[str], key: str | None = None) -> str:
+        waiter = _Waiter(set(known), key if key is not None else uuid.uuid4().hex)
         self._waiters.append(waiter)
         if self._poller is None or self._poller.done():
             self._poller = asyncio.create_task(self._poll_group(), name=f"asg-poller-{self.asg_name}")
@@ -188,23 +244,31 @@ class AwsOperator:
                         waiter.chosen.set_exception(exc)
                 self._waiters.clear()
                 return
-            in_service = [i["InstanceId"] for i in current if i["LifecycleState"] == "InService"]
+            in_service = [
+                i["InstanceId"]
+                for i in current
+                if i["LifecycleState"] == "InService" and i.get("HealthStatus", "Healthy") == "Healthy"
+            ]
             for waiter in list(self._waiters):
                 if waiter.chosen.done():  # timed out or cancelled meanwhile
                     self._waiters.remove(waiter)
                     continue
-                chosen = self._claim_first([i for i in in_service if i not in waiter.known])
+                chosen = self._claim_first([i for i in in_service if i not in waiter.known], waiter.key)
                 if chosen is not None:
                     waiter.chosen.set_result(chosen)
                     self._waiters.remove(waiter)
             if self._waiters:
                 await asyncio.sleep(self.poll_s)
 
-    def _claim_first(self, candidates: list[str]) -> str | None:
-        """The first candidate no other replacement took, now claimed. No await between the check and
-        the claim, so concurrent replacements on the event loop cannot both take one instance."""
+    def _claim_first(self, candidates: list[str], key: str) -> str | None:
+        """The first candidate no other replacement took, now claimed for `key`. No await between the
+        check and the claim, so concurrent replacements on the event loop cannot both take one instance."""
         for instance_id in sorted(candidates):
-            if instance_id not in self._claimed:
-                self._claimed.add(instance_id)
+            if self._claims.get(instance_id, key) == key:
+                self._claims[instance_id] = key
                 return instance_id
         return None
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.root.clients import CloudOperatorError, JobInfo, MachineInfo, Replacement
+from services.root.clients import CloudOperatorError, JobInfo, MachineInfo, Replacement, ReplacementJournal
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +59,36 @@ class LocalOperator:
         for rank in range(job.num_machines):
             self._start(job, f"local-{job.id.hex[:8]}-m{rank}", rank)
 
-    async def replace(self, job: JobInfo, failed: MachineInfo, bound_instances: set[str]) -> Replacement:
+    async def replace(
+        self,
+        job: JobInfo,
+        failed: MachineInfo,
+        bound_instances: set[str],
+        journal: ReplacementJournal | None = None,
+    ) -> Replacement:
+        """Start a fresh agent for the failed rank, its instance id recorded in `journal` first. A try that
+        finds one recorded whose agent this operator still runs returns it instead of starting a second;
+        otherwise the recorded agent (never registered, or its start failed) is stopped and a new one
+        chosen."""
         if job.launch is None:
             raise CloudOperatorError(
                 f"job {job.name!r} has no launch spec: start a machine for rank {failed.rank} yourself "
                 "(castor agent --machine-rank ...)"
             )
+        journal = journal if journal is not None else ReplacementJournal()
+        recorded = journal.intent.get("chosen")
+        if recorded and self.instance_gone(str(recorded)) is False:
+            return Replacement(str(recorded), f"agent {recorded} for rank {failed.rank} already started")
+        # Not to start again: the failed machine, the agent an earlier try chose (whose start failed, or
+        # which never registered) and the instance this request replaces in turn.
+        stale = {failed.instance_id} | {str(i) for i in (recorded, journal.intent.get("replacing")) if i}
         generation = 1
-        while (instance := f"{failed.instance_id.split('~')[0]}~{generation}") in bound_instances:
+        while (instance := f"{failed.instance_id.split('~')[0]}~{generation}") in bound_instances | stale:
             generation += 1
-        self._stop_instance(failed.instance_id)  # a machine declared failed must not come back as a zombie
+        replacing = str(journal.intent.get("replacing") or failed.instance_id)
+        await journal.record({"replacing": replacing, "chosen": instance})
+        for gone in stale:  # a machine declared failed must not come back as a zombie
+            self._stop_instance(gone)
         self._start(job, instance, failed.rank)
         return Replacement(instance, f"started agent {instance} for rank {failed.rank}")
 

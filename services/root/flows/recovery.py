@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import MutableMapping
-from dataclasses import dataclass
+from collections.abc import Collection, MutableMapping
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.root import schemas
-from services.root.clients import JobInfo, MachineInfo
+from services.root.clients import JobInfo, MachineInfo, ReplacementCancelled
 from services.root.db import repository as repo
 from services.root.db.models import (
     FailureEvent,
@@ -57,11 +57,13 @@ REPLACEMENT_RETRY_S = 10.0
 
 @dataclass(frozen=True)
 class ReplaceMachine:
-    """Cloud action: replace `machine` of `job` (failure event `event_id` records the outcome)."""
+    """Cloud action: replace `machine` of `job` (failure event `event_id` records the outcome). `intent`:
+    what earlier tries recorded before their cloud calls (`replacement.intent`), to continue from."""
 
     job: JobInfo
     machine: MachineInfo
     event_id: int
+    intent: dict[str, Any] = field(default_factory=dict)
 
 
 async def advance(
@@ -69,13 +71,15 @@ async def advance(
     job: Job,
     settings: Settings,
     seen: MutableMapping[uuid.UUID, RecoveryState] | None = None,
+    in_flight: Collection[int] | None = None,
 ) -> list[ReplaceMachine]:
     """One step of the job's recovery: derive its state (domain.recovery_states) from the database, do
     what that state calls for, and check the state it leaves the recovery in against the protocol's
     transition table. With `seen` (the driver's memory of the state each job was left in at its last
     step), the moves made between two steps (a failure recorded, a replacement registered, machines
-    restored) are checked too."""
-    step = await _step(session, job, settings)
+    restored) are checked too. `in_flight`: the failure events whose replacement the caller is running
+    (see `_replacements`)."""
+    step = await _step(session, job, settings, in_flight)
     if step is None:
         if seen is not None:
             seen.pop(job.id, None)
@@ -92,7 +96,7 @@ async def advance(
 
 
 async def _step(
-    session: AsyncSession, job: Job, settings: Settings
+    session: AsyncSession, job: Job, settings: Settings, in_flight: Collection[int] | None = None
 ) -> tuple[RecoveryState | None, RecoveryState | None, list[ReplaceMachine]] | None:
     """What `advance` does: the state the step found, the state it left, the cloud actions it decided;
     None for a job whose recovery is not orchestrated (not running or recovering, embedded mode)."""
@@ -122,10 +126,18 @@ async def _step(
         for event in events:  # new failures join; those of a superseded restore move along
             event.state, event.plan_id = FailureState.RECOVERING, plan.id
         await session.flush()
-        return state, _state_of(job, plan, events, live), _replacements(job, live, events, now, settings)
+        return (
+            state,
+            _state_of(job, plan, events, live),
+            _replacements(job, live, events, now, settings, in_flight),
+        )
 
     if state == RecoveryState.REPLACING:
-        return state, state, _replacements(job, live, events, now, settings)  # replacements to register
+        return (
+            state,
+            state,
+            _replacements(job, live, events, now, settings, in_flight),
+        )  # replacements to register
 
     if state == RecoveryState.COLLECTING:
         missing = [m for m in live if m.inventory_generation != plan.generation]
@@ -200,11 +212,20 @@ async def _open_recovery(
 
 
 def _replacements(
-    job: Job, live: list[Machine], events: list[FailureEvent], now: datetime, settings: Settings
+    job: Job,
+    live: list[Machine],
+    events: list[FailureEvent],
+    now: datetime,
+    settings: Settings,
+    in_flight: Collection[int] | None = None,
 ) -> list[ReplaceMachine]:
     """Replacement requests for failed machines that have none under way: none asked for yet, the last
-    one failed (after a pause), or it was asked for replacement_timeout_s ago and no machine came (the
-    leader that asked died mid-request, or the new machine never registered)."""
+    one failed (after a pause), a request no one is carrying out (with `in_flight`, the events whose
+    replacement this leader runs: a request outside it was left by a leader that died, or a try that
+    ended without an outcome, and is continued at once), or a launched machine that has not registered
+    replacement_timeout_s after it was asked for (without `in_flight`, a request too). A request keeps the
+    intent its earlier tries recorded, so the operator continues it from the cloud's state; a machine that
+    was launched and never registered is itself replaced."""
     info = JobInfo(job.id, job.name, job.num_machines, job.launch)
     actions = []
     for machine in live:
@@ -216,45 +237,86 @@ def _replacements(
         if event is None:
             continue
         request = event.details.get("replacement", {})
-        retry_at = request.get("retry_at")
+        status, retry_at = request.get("status"), request.get("retry_at")
         asked_at = datetime.fromisoformat(request["at"]) if "at" in request else now
-        under_way = request.get("status") in ("requested", "launched") and now - asked_at < timedelta(
-            seconds=settings.replacement_timeout_s
-        )
+        timed_out = now - asked_at >= timedelta(seconds=settings.replacement_timeout_s)
+        if status == "requested" and in_flight is not None:
+            under_way = event.id in in_flight
+        else:
+            under_way = status in ("requested", "launched") and not timed_out
         if under_way or (retry_at and datetime.fromisoformat(retry_at) > now):
             continue
+        intent = dict(request.get("intent") or {})
+        if status == "launched":
+            # The machine it launched never registered: that instance is replaced in turn.
+            intent = {"replacing": request["instance"]} if request.get("instance") else {}
         event.details = {
             **event.details,
             "replacement": {
                 "status": "requested",
                 "at": now.isoformat(),
                 "attempts": request.get("attempts", 0),
+                **({"intent": intent} if intent else {}),
             },
         }
         actions.append(
-            ReplaceMachine(info, MachineInfo(machine.rank, machine.instance_id, machine.address), event.id)
+            ReplaceMachine(
+                info, MachineInfo(machine.rank, machine.instance_id, machine.address), event.id, intent
+            )
         )
     return actions
+
+
+async def record_intent(session: AsyncSession, event_id: int, intent: dict[str, Any]) -> None:
+    """What a replacement is about to ask of the cloud, on its failure event, before it asks. Raises
+    ReplacementCancelled when the replacement is no longer wanted: the event is gone or closed, its request
+    was cancelled (the machine was reinstated) or its rank has a new holder already."""
+    event = await _locked_event(session, event_id)
+    request = (event.details.get("replacement") or {}) if event is not None else {}
+    if event is None or event.state not in (FailureState.DETECTED, FailureState.RECOVERING):
+        raise ReplacementCancelled(f"failure {event_id} is closed")
+    if request.get("status") == "cancelled":
+        raise ReplacementCancelled(f"the replacement of failure {event_id} was cancelled")
+    if event.replaced_at is not None:
+        raise ReplacementCancelled(f"the rank of failure {event_id} has a new holder already")
+    event.details = {**event.details, "replacement": {**request, "intent": intent}}
+
+
+async def _locked_event(session: AsyncSession, event_id: int) -> FailureEvent | None:
+    """The failure event, read under its job's row lock: every writer of a job's events (the leader's
+    step, the worker API) holds that lock, so this read-modify-write of the details loses no one's
+    update and no one loses it."""
+    event = await session.get(FailureEvent, event_id)
+    if event is None:
+        return None
+    await repo.get_job(session, event.job_id, for_update=True)
+    await session.refresh(event)
+    return event
 
 
 async def record_replacement(
     session: AsyncSession, event_id: int, *, instance_id: str | None, detail: str, error: str | None
 ) -> None:
-    """The outcome of a replacement request, on its failure event."""
-    event = await session.get(FailureEvent, event_id)
+    """The outcome of a replacement request, on its failure event (the intent its tries recorded stays)."""
+    event = await _locked_event(session, event_id)
     if event is None:
         return
     now = utcnow()
+    request = event.details.get("replacement", {})
     if error is None:
         outcome: dict[str, Any] = {"status": "launched", "instance": instance_id, "detail": detail}
     else:
         retry = now + timedelta(seconds=REPLACEMENT_RETRY_S)
         outcome = {"status": "error", "error": error, "retry_at": retry.isoformat()}
-    attempts = event.details.get("replacement", {}).get("attempts", 0) + 1
-    if event.details.get("replacement", {}).get("status") == "cancelled":
+    attempts = request.get("attempts", 0) + 1
+    if request.get("status") == "cancelled":
         # The machine was reinstated while its replacement was being started: the request stays cancelled.
         outcome = {**outcome, "status": "cancelled", "outcome": outcome["status"]}
-    event.details = {**event.details, "replacement": {**outcome, "attempts": attempts, "at": now.isoformat()}}
+    kept = {"intent": request["intent"]} if request.get("intent") else {}
+    event.details = {
+        **event.details,
+        "replacement": {**outcome, "attempts": attempts, "at": now.isoformat(), **kept},
+    }
 
 
 async def _decide(

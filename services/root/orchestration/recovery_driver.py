@@ -11,9 +11,10 @@ import logging
 import uuid
 from typing import Any
 
-from services.root.clients import CloudOperator, CloudOperatorError
+from services.root.clients import CloudOperator, CloudOperatorError, ReplacementCancelled, ReplacementJournal
 from services.root.db import repository as repo
 from services.root.db.models import MachineState
+from services.root.domain import replacement
 from services.root.domain.recovery_states import RecoveryState
 from services.root.flows import recovery
 from services.root.orchestration.leadership import Deposed, Leadership
@@ -59,7 +60,9 @@ class RecoveryDriver:
                 job = await repo.get_job(session, job_id, for_update=True)
                 if job is None:
                     return
-                actions = await recovery.advance(session, job, self.settings, seen=self.states)
+                actions = await recovery.advance(
+                    session, job, self.settings, seen=self.states, in_flight=frozenset(self._replacing)
+                )
         except BaseException:
             self.states.pop(job_id, None)  # the step's state may not have been committed
             raise
@@ -71,23 +74,31 @@ class RecoveryDriver:
                 task.add_done_callback(self._tasks.discard)
 
     async def _replace(self, action: recovery.ReplaceMachine) -> None:
+        """Carry out one replacement request, recording each cloud call's intent on its failure event
+        before the call (`_EventJournal`), then the outcome. The event stays in `_replacing` until its
+        outcome is recorded: a request in the database that is in no leader's `_replacing` is one nobody
+        carries out, and the next step continues it."""
         try:
             async with self.leadership.session() as session:
                 machines = await repo.all_machines(session, action.job.id)
-                bound = {m.instance_id for m in machines}
+                events = await repo.open_failures(session, action.job.id)
+                # Instances the job's machines hold and those its other replacements chose or launched
+                # (recorded on their events: a new leader knows them too).
+                bound = {m.instance_id for m in machines} | replacement.claimed(
+                    e.details for e in events if e.id != action.event_id
+                )
                 failed = next((m for m in machines if m.instance_id == action.machine.instance_id), None)
             if failed is not None and failed.state != MachineState.FAILED:
                 log.info("machine %d was reinstated: not replacing it", action.machine.rank)
                 self._replacing.discard(action.event_id)
                 return
-            replacement = await self.operator.replace(action.job, action.machine, bound)
-            outcome: dict[str, Any] = {
-                "instance_id": replacement.instance_id,
-                "detail": replacement.detail,
-                "error": None,
-            }
-            log.info("replacing machine %d: %s", action.machine.rank, replacement.detail)
-        except Deposed:
+            journal = _EventJournal(self.leadership, action.event_id, action.intent)
+            done = await self.operator.replace(action.job, action.machine, bound, journal)
+            outcome: dict[str, Any] = {"instance_id": done.instance_id, "detail": done.detail, "error": None}
+            log.info("replacing machine %d: %s", action.machine.rank, done.detail)
+        except (Deposed, ReplacementCancelled) as exc:
+            if isinstance(exc, ReplacementCancelled):
+                log.info("replacing machine %d stopped: %s", action.machine.rank, exc)
             self._replacing.discard(action.event_id)
             return
         except Exception as exc:  # recorded and retried after a pause, whatever it was
@@ -99,8 +110,26 @@ class RecoveryDriver:
                 exc_info=None if expected else exc,
             )
             outcome = {"instance_id": None, "detail": "", "error": str(exc) or type(exc).__name__}
+        except BaseException:  # cancelled (the root shuts down): the next leader continues the request
+            self._replacing.discard(action.event_id)
+            raise
+        try:
+            with contextlib.suppress(Deposed):  # the new leader reconciles from the event's intent
+                async with self.leadership.session() as session:
+                    await recovery.record_replacement(session, action.event_id, **outcome)
         finally:
             self._replacing.discard(action.event_id)
-        with contextlib.suppress(Deposed):  # the new leader reconciles from the event's request
-            async with self.leadership.session() as session:
-                await recovery.record_replacement(session, action.event_id, **outcome)
+
+
+class _EventJournal(ReplacementJournal):
+    """A replacement's journal on its failure event: each intent is committed (in a fenced transaction: a
+    deposed leader's is refused, and it acts no further) before the cloud call it announces."""
+
+    def __init__(self, leadership: Leadership, event_id: int, intent: dict[str, Any]):
+        super().__init__(key=f"failure-{event_id}", intent=intent)
+        self.leadership, self.event_id = leadership, event_id
+
+    async def record(self, intent: dict[str, Any]) -> None:
+        async with self.leadership.session() as session:
+            await recovery.record_intent(session, self.event_id, intent)
+        await super().record(intent)

@@ -1,6 +1,7 @@
 """Which failed machines get a (new) replacement request: none yet, the last one failed and its pause
-passed, or the last one has been under way for longer than replacement_timeout_s (its leader died, or
-the machine it launched never registered)."""
+passed, a request no one carries out (its leader died: continued at once, from the intent its tries
+recorded), or the machine it launched never registered within replacement_timeout_s (that instance is
+then replaced in turn)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,52 @@ def test_replacement_requests(replacement: dict[str, Any] | None, asked: bool) -
         request = event.details["replacement"]
         assert request["status"] == "requested" and request["at"] == NOW.isoformat()
         assert request["attempts"] == (replacement or {}).get("attempts", 0), "attempts are kept"
+
+
+INTENT = {"replacing": "i-1", "terminate_at": ago(30)}
+
+
+@pytest.mark.parametrize(
+    ("replacement", "in_flight", "asked"),
+    [
+        # This leader runs it: under way however long it takes (the operator's own timeout ends it).
+        ({"status": "requested", "at": ago(5), "intent": INTENT}, {3}, False),
+        ({"status": "requested", "at": ago(601), "intent": INTENT}, {3}, False),
+        # No one runs it (its leader died, or a try ended without an outcome): continued at once.
+        ({"status": "requested", "at": ago(5), "intent": INTENT}, set(), True),
+        ({"status": "requested", "at": ago(5)}, {4}, True),
+        # A launched machine still has until the timeout to register.
+        ({"status": "launched", "at": ago(5), "instance": "i-2", "intent": INTENT}, set(), False),
+    ],
+)
+def test_a_request_no_one_carries_out_is_continued_at_once(
+    replacement: dict[str, Any], in_flight: set[int], asked: bool
+) -> None:
+    job, machine, event = failed_machine(replacement)
+    actions = _replacements(job, [machine], [event], NOW, SETTINGS, in_flight)
+    assert [a.event_id for a in actions] == ([3] if asked else [])
+    if asked:
+        # The tries before recorded what they asked of the cloud: continued from there, not asked again.
+        assert actions[0].intent == replacement.get("intent", {})
+        assert event.details["replacement"].get("intent") == replacement.get("intent")
+
+
+def test_a_retry_after_an_error_keeps_the_recorded_intent() -> None:
+    failure = {"status": "error", "retry_at": ago(1), "attempts": 1, "intent": INTENT}
+    job, machine, event = failed_machine(failure)
+    (action,) = _replacements(job, [machine], [event], NOW, SETTINGS, set())
+    assert action.intent == INTENT
+    assert event.details["replacement"] == {
+        "status": "requested",
+        "at": NOW.isoformat(),
+        "attempts": 1,
+        "intent": INTENT,
+    }
+
+
+def test_a_launched_machine_that_never_registered_is_itself_replaced() -> None:
+    launched = {"status": "launched", "at": ago(601), "attempts": 1, "instance": "i-2", "intent": INTENT}
+    job, machine, event = failed_machine(launched)
+    (action,) = _replacements(job, [machine], [event], NOW, SETTINGS, set())
+    assert action.intent == {"replacing": "i-2"}
+    assert action.machine.instance_id == "i-1", "for the failed machine's rank"
