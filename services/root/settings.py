@@ -75,8 +75,8 @@ class Settings(BaseSettings):
     replacement_timeout_s: float = Field(
         900.0,
         gt=0,
-        description="A replacement machine that has not registered this long after it was requested "
-        "is requested again (EC2 usually takes 4-7 minutes).",
+        description="A replacement machine that has not registered this long after it was launched is "
+        "itself replaced (EC2 usually takes 4-7 minutes).",
     )
     max_failed_recoveries: int = Field(
         3,

@@ -312,3 +312,33 @@ async def test_a_call_that_raises_is_retried_from_the_groups_state_by_the_same_l
         ("set_instance_health", instances[1]),
         ("terminate_instance_in_auto_scaling_group", instances[1]),
     ], "one termination: the retry found the instance gone and the new one there"
+
+
+async def test_a_replacement_never_hands_out_another_jobs_machine_of_the_same_group(
+    database: Database, moto_server: harness.Moto, tmp_path: Path
+) -> None:
+    """Two jobs run on one group: the instances the driver tells the operator not to hand out include the
+    other job's machines, so its running machine is never adopted as this job's new instance."""
+    group = f"castor-{uuid.uuid4().hex[:8]}"
+    instances = await create_group(moto_server, group, 4)
+    settings = settings_for(database, tmp_path, moto_server, group)
+    job_id, event_id = await lost_machine(database, settings, instances[2:])
+    await lost_machine(database, settings, instances[:2])  # the other job (its own loss stays unreplaced)
+    aws = operator(moto_server, group)
+    told: list[set[str]] = []
+    replace = aws.replace
+
+    async def spied(job: JobInfo, failed: MachineInfo, bound: set[str], journal: Any = None) -> Any:
+        told.append(set(bound))
+        return await replace(job, failed, bound, journal)
+
+    aws.replace = spied  # type: ignore[method-assign]
+    driver = await replica(database, settings, aws)
+    try:
+        await driver.step(job_id)
+        await settled(driver)
+    finally:
+        await aws.close()
+    assert told and set(instances) <= told[0]
+    request = await replacement_of(database, event_id)
+    assert request["status"] == "launched" and request["instance"] not in instances

@@ -11,9 +11,11 @@ import logging
 import uuid
 from typing import Any
 
+from sqlalchemy import select
+
 from services.root.clients import CloudOperator, CloudOperatorError, ReplacementCancelled, ReplacementJournal
 from services.root.db import repository as repo
-from services.root.db.models import MachineState
+from services.root.db.models import FailureEvent, FailureState, Machine, MachineState
 from services.root.domain import replacement
 from services.root.domain.recovery_states import RecoveryState
 from services.root.flows import recovery
@@ -81,12 +83,15 @@ class RecoveryDriver:
         try:
             async with self.leadership.session() as session:
                 machines = await repo.all_machines(session, action.job.id)
-                events = await repo.open_failures(session, action.job.id)
-                # Instances the job's machines hold and those its other replacements chose or launched
-                # (recorded on their events: a new leader knows them too).
-                bound = {m.instance_id for m in machines} | replacement.claimed(
-                    e.details for e in events if e.id != action.event_id
+                # Not to hand out: instances machines hold or held (of every job: the group may serve
+                # several) and those other replacements chose or launched (recorded on their failure
+                # events: a new leader knows them too).
+                held = (await session.execute(select(Machine.instance_id))).scalars()
+                open_events = select(FailureEvent.id, FailureEvent.details).where(
+                    FailureEvent.state.in_((FailureState.DETECTED, FailureState.RECOVERING))
                 )
+                others = (await session.execute(open_events)).all()
+                bound = set(held) | replacement.claimed(d for i, d in others if i != action.event_id)
                 failed = next((m for m in machines if m.instance_id == action.machine.instance_id), None)
             if failed is not None and failed.state != MachineState.FAILED:
                 log.info("machine %d was reinstated: not replacing it", action.machine.rank)
