@@ -26,6 +26,13 @@ locally the iteration the lost machine's replicas are of. Aligned rounds therefo
 every machine agreed on, in two phases through the root (services/root/domain/replication.py): each machine
 proposes a future iteration (its newest commit plus a lead), adopts the largest one proposed, pins it the
 moment all its ranks committed it, and starts the round only when the root says every machine is ready on it.
+The lead follows what the machine observes: the iterations committed during AGREE_PERIODS of the root's
+answers (a proposal reaches the root with this machine's next heartbeat and each other machine with its
+next one), doubled after a miss (an agreed iteration overwritten before it could be pinned); so iterations
+far shorter than a heartbeat period still get agreed iterations pinned in time. When training stops
+committing (every rank waiting: a pause, a stalled collective), a future iteration would never come: each
+machine then proposes the newest iteration all its ranks hold, pinned at once, and adopts no target it has
+not reached, so the machines agree on the iteration they stopped at.
 The job's aligned iteration (the newest one every machine fully replicated and still keeps) stays pinned here
 and is the older replica slot on the holders: a machine whose newest fully replicated iteration is newer than
 it starts no round until the others catch up. Pins at any moment: the aligned iteration and one more (this
@@ -39,6 +46,7 @@ is pinned), rounds run free as described above.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -68,10 +76,21 @@ ALIGN_ENV = "CASTOR_REPLICATION_ALIGN"
 STREAMS = 2  # per peer: one TCP stream often cannot fill a fast link with a long round trip
 # A store of fewer slots cannot keep a pin and still let its training process rotate: nothing is pinned.
 PIN_MIN_SLOTS = 3
-# Aligned rounds: a proposal is this many iterations past the newest commit, doubled each time the agreed
-# iteration was overwritten before every local rank's copy could be pinned (the root's answer came too late).
+# Aligned rounds: a proposal leads the newest commit by the iterations committed while it travels to every
+# machine and back (AGREE_PERIODS of the root's answers, at the observed commit rate), at least LEAD; the
+# lead is doubled each time the agreed iteration was overwritten before every local rank's copy could be
+# pinned (the root's answer came too late anyway) and eases off by a quarter with each one pinned in time.
 LEAD = 2
 LEAD_MAX = 1 << 12
+# A proposal goes up with this machine's next heartbeat and reaches each other machine with its next one: two
+# heartbeat periods at worst, and half a period more for jitter.
+AGREE_PERIODS = 2.5
+PACE_WINDOW = 32  # commits (of one local rank) and answers from the root the paces are measured over
+# Training has stopped (every rank waits: a pause, a stalled collective, the end) when no local rank committed
+# for this long: at least STALL_MIN_S, two heartbeat periods and STALL_ITERATIONS of the observed iterations.
+# A proposal in the future would then never be committed: the machines agree on the newest they all hold.
+STALL_MIN_S = 1.0
+STALL_ITERATIONS = 4
 
 
 def version(manifest: Manifest) -> Version:
@@ -94,6 +113,7 @@ class ReplicationStats:
     skipped: int = 0  # commits no completed round replicated (the rounds skip the ones in between)
     failed: int = 0
     aborted: int = 0  # rounds given up: the training process needed a slot back, or a peer refused
+    missed: int = 0  # agreed iterations overwritten here before every local rank's copy could be pinned
     rounds: int = 0  # rounds completed: an iteration every local rank has on every peer
     bytes_sent: int = 0
     last_lag_s: float | None = None  # from the commit to the last peer's verified replica, last round
@@ -246,7 +266,13 @@ class Replicator:
         # "" adopted, "pinned" (every rank), "running", "done" (this machine replicated it)
         self._next_state = ""
         self._go = False
-        self._lead = LEAD
+        self._lead = LEAD  # the backoff after misses; a proposal leads by at least the observed need
+        # The paces a proposal's lead follows: (time.monotonic(), iteration) of one local rank's commits, the
+        # time of the root's answers (heartbeat responses), and of this machine's last commit.
+        self._commit_times: deque[tuple[float, int]] = deque(maxlen=PACE_WINDOW)
+        self._answer_times: deque[float] = deque(maxlen=PACE_WINDOW // 4)
+        self._last_commit_at: float | None = None
+        self._newest_common: int | None = None  # the newest iteration every local rank committed, last step
         self._generation = 1  # of the newest local commits: proposals are of this history
         self._coordinator = threading.Thread(target=self._coordinate, name="castor-replication", daemon=True)
         count = default_streams() if streams is None else max(1, streams)
@@ -284,6 +310,12 @@ class Replicator:
         with self.condition:
             self._ranks.add(rank)
             self._noticed += 1
+            now = time.monotonic()
+            self._last_commit_at = now
+            if rank == min(self._ranks):  # one rank's commits give the commit rate
+                if self._commit_times and iteration <= self._commit_times[-1][1]:
+                    self._commit_times.clear()  # a rollback: the pace starts again
+                self._commit_times.append((now, iteration))
             if iteration == self._next and self._next_state == "" and rank not in self._next_pins:
                 # The agreed iteration: pinned at once, before the training process rotates past it.
                 self._pin_next(rank)
@@ -296,6 +328,7 @@ class Replicator:
         with self.condition:
             self._aligning = True
             self._job_aligned = aligned
+            self._answer_times.append(time.monotonic())
             # The job caught up (a newer aligned iteration), or no longer has one (a machine joined with
             # nothing replicated): the older aligned iteration can go, except while a recovery collects.
             if self._floor and not self._paused:
@@ -310,6 +343,9 @@ class Replicator:
                 and target != self._next
                 and self._next_state in ("", "pinned")
                 and (self._next is None or target > self._next)
+                # Training stopped: an iteration it has not reached would never be committed here. This
+                # machine keeps proposing the newest it holds until the others propose the same.
+                and not (self._stalled() and (self._newest_common is None or target > self._newest_common))
             ):
                 self._drop_next()
                 self._next = target  # the largest proposal: adopted, pinned when committed
@@ -460,6 +496,36 @@ class Replicator:
     def _local_ranks(self) -> list[int]:
         return sorted(self._ranks | set(self.holdings.ranks("local")))
 
+    def _iteration_s(self) -> float | None:
+        """Seconds per iteration, over the last PACE_WINDOW commits of one local rank."""
+        if len(self._commit_times) < 2:
+            return None
+        (first, low), (last, high) = self._commit_times[0], self._commit_times[-1]
+        return (last - first) / (high - low) if high > low and last > first else None
+
+    def _answer_period_s(self) -> float | None:
+        """Seconds between the root's answers (the heartbeat period and its round trip), lately."""
+        if len(self._answer_times) < 2:
+            return None
+        return (self._answer_times[-1] - self._answer_times[0]) / (len(self._answer_times) - 1)
+
+    def _needed_lead(self) -> int:
+        """The iterations committed while a proposal reaches every machine: AGREE_PERIODS heartbeat periods at
+        the observed commit rate (LEAD until both paces are known)."""
+        iteration_s, period_s = self._iteration_s(), self._answer_period_s()
+        if iteration_s is None or period_s is None:
+            return LEAD
+        return min(LEAD_MAX, max(LEAD, math.ceil(AGREE_PERIODS * period_s / iteration_s) + 1))
+
+    def _stalled(self) -> bool:
+        """Whether training stopped committing here (see STALL_MIN_S)."""
+        if self._last_commit_at is None:
+            return False
+        quiet_s = max(
+            STALL_MIN_S, 2 * (self._answer_period_s() or 0.0), STALL_ITERATIONS * (self._iteration_s() or 0.0)
+        )
+        return time.monotonic() - self._last_commit_at > quiet_s
+
     def _pin_next(self, rank: int) -> None:
         assert self._next is not None
         try:
@@ -507,7 +573,23 @@ class Replicator:
                 "a training process needs the slot pinned ahead for iteration %s: unpinned", self._next
             )
             self._drop_next()  # training first; the next proposal leads by more
-            self._lead = min(LEAD_MAX, self._lead * 2)
+            self._lead = min(LEAD_MAX, max(self._lead, self._needed_lead()) * 2)
+        held = min(m.iteration for m in newest.values()) if newest and len(newest) == len(ranks) else None
+        self._newest_common = held
+        stalled = self._stalled()
+        if (
+            stalled
+            and self._next is not None
+            and self._next_state == ""
+            and held is not None
+            and self._next > held
+        ):
+            # Training stopped short of the agreed iteration: it would never come. Agree on one every machine
+            # holds instead (each proposes its newest; the others' future proposals are not adopted).
+            log.info(
+                "training stopped at iteration %d short of iteration %d: proposing %d", held, self._next, held
+            )
+            self._drop_next()
         if self._next is not None and self._next_state == "":
             for rank in ranks:
                 if self._next is not None and rank not in self._next_pins and rank in newest:
@@ -522,14 +604,22 @@ class Replicator:
                     self._next,
                 )
                 self._drop_next()
-                self._lead = min(LEAD_MAX, self._lead * 2)
+                self.stats.missed += 1
+                self._lead = min(LEAD_MAX, max(self._lead, self._needed_lead()) * 2)
         ahead = (
             self._pinned_version is not None
             and self._job_aligned is not None
             and self._pinned_version[1] > self._job_aligned
         )
-        if self._next is None and not ahead and newest and len(newest) == len(ranks):
-            self._next = min(m.iteration for m in newest.values()) + self._lead
+        if self._next is None and not ahead and held is not None:
+            if not stalled:
+                self._next = held + max(self._lead, self._needed_lead())
+            elif self._job_aligned is None or held > self._job_aligned:
+                # Training stopped: the newest iteration every local rank holds, pinned at once.
+                self._next = held
+                for rank in ranks:
+                    if self._next is not None and self._next_state == "" and rank not in self._next_pins:
+                        self._pin_next(rank)
 
     def _start_aligned(self) -> _Round | None:
         """The agreed iteration's round, once the root said every machine pinned it."""
