@@ -53,6 +53,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -497,11 +498,12 @@ class Replicator:
         return sorted(self._ranks | set(self.holdings.ranks("local")))
 
     def _iteration_s(self) -> float | None:
-        """Seconds per iteration, over the last PACE_WINDOW commits of one local rank."""
-        if len(self._commit_times) < 2:
-            return None
-        (first, low), (last, high) = self._commit_times[0], self._commit_times[-1]
-        return (last - first) / (high - low) if high > low and last > first else None
+        """Seconds per iteration: the median over the last PACE_WINDOW commits of one local rank (a pause
+        in between, training waiting, does not make iterations look longer)."""
+        paces = sorted(
+            (t1 - t0) / (i1 - i0) for (t0, i0), (t1, i1) in pairwise(self._commit_times) if i1 > i0
+        )
+        return paces[len(paces) // 2] if paces else None
 
     def _answer_period_s(self) -> float | None:
         """Seconds between the root's answers (the heartbeat period and its round trip), lately."""
