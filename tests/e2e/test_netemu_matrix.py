@@ -20,9 +20,9 @@ interval from its API (the agents' heartbeats: iterations between the last two f
 checkpoints) while training runs and asserts every value is at least 3.
 
 Replication runs free (each machine replicates its newest commit once its previous round is done), not
-aligned (CASTOR_REPLICATION_ALIGN=1): with iterations this short the aligned rounds never completed here
-(every agreed iteration was overwritten before each machine pinned it). So the machine loss strikes once
-the pause iteration is replicated everywhere, which free rounds reach while the ranks wait."""
+aligned (CASTOR_REPLICATION_ALIGN=1): one aligned cycle takes about 25 of these short iterations here
+(docs/architecture.md), more than the stretch this test samples intervals over. So the machine loss
+strikes once the pause iteration is replicated everywhere, which free rounds reach while the ranks wait."""
 
 from __future__ import annotations
 
