@@ -216,6 +216,34 @@ async def resumed_from(session: AsyncSession, job_id: uuid.UUID) -> dict[int, in
     return {plan.generation: plan.iteration for plan in plans if plan.status == PlanStatus.READY}
 
 
+async def resumed_since(session: AsyncSession, job_id: uuid.UUID, generation: int) -> dict[int, int | None]:
+    """`resumed_from` for the released plans newer than `generation` only, without their per-rank sources
+    (the persist schedule's check after a recovery, on heartbeat paths)."""
+    query = select(RecoveryPlan.generation, RecoveryPlan.iteration).where(
+        RecoveryPlan.job_id == job_id,
+        RecoveryPlan.generation > generation,
+        RecoveryPlan.status == PlanStatus.READY,
+    )
+    return {g: i for g, i in (await session.execute(query)).all()}
+
+
+async def persisted_shard_count(
+    session: AsyncSession, job_id: uuid.UUID, iteration: int, generation: int
+) -> int:
+    """How many ranks' shards of `iteration` written in `generation` the root recorded."""
+    query = (
+        select(func.count())
+        .select_from(PersistedShard)
+        .join(PersistedCheckpoint, PersistedShard.checkpoint_id == PersistedCheckpoint.id)
+        .where(
+            PersistedCheckpoint.job_id == job_id,
+            PersistedCheckpoint.iteration == iteration,
+            PersistedShard.generation == generation,
+        )
+    )
+    return int((await session.execute(query)).scalar_one())
+
+
 async def list_persisted(session: AsyncSession, job_id: uuid.UUID) -> Sequence[PersistedCheckpoint]:
     query = (
         select(PersistedCheckpoint)

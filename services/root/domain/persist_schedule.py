@@ -5,13 +5,24 @@ that gives no complete persisted checkpoint: an upload slower than K iterations 
 multiple, a skipped save leaves a hole, and ranks end up with shards of different iterations. So the root
 chooses one iteration for the whole job and announces it to every machine (the directive, and REST
 heartbeat answers); every agent persists exactly that iteration for all its ranks. The next one is announced
-only when the current one is complete (every rank's shard on the current timeline) or given up: a recovery
-opened a newer plan generation since it was announced, or a machine reports that a rank of it cannot
-persist it any more (it was past it when it heard, and the copy is gone).
+only when the current one is complete (every rank's shard on the current timeline) or given up: a machine
+reports that a rank of it cannot persist it any more (it was past it when it heard, and the copy is gone),
+or a recovery (a newer plan generation) left it nothing to finish with.
+
+A recovery does not give a target up by itself: a checkpoint of an iteration is the same bytes whatever
+generation trains on from it, so shards of the target already uploaded stay valid as long as no generation
+since the announcement resumed from before it (`recovery.on_timeline`). The target (with the generation it
+was announced in: the copies the ranks hold and upload are that generation's commits) is kept when it is
+still on the timeline and the ranks can still finish it: some already uploaded it, or the recovery restored
+exactly that iteration (every rank holds it then). Otherwise (a rollback before it, or restored past it with
+nothing uploaded: most ranks no longer hold it) a new one is chosen in the new generation. A job recovering
+more often than a persist round takes would otherwise never complete a persisted checkpoint.
 
 A new target is the first multiple of K past the newest iteration any machine reported, plus a lead that
 covers how stale those reports are: the fastest rank's rate times the announcement's latency, so the
-fastest rank has not yet committed the target when it hears of it.
+fastest rank has not yet committed the target when it hears of it. It is also strictly past the iteration
+the current generation resumed from: that iteration's copies are an older generation's commits, which a
+target of this generation would never find.
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from services.root.domain.recovery import on_timeline
 
 
 @dataclass(frozen=True)
@@ -80,9 +93,42 @@ def missed(summaries: Iterable[Mapping[str, Any]], target: PersistTarget) -> boo
     return False
 
 
-def given_up(current: PersistTarget, generation: int, summaries: Iterable[Mapping[str, Any]]) -> bool:
-    """A recovery since the announcement (a newer plan generation), or a rank that cannot persist it."""
-    return current.generation != generation or missed(summaries, current)
+def on_timeline_of(
+    current: PersistTarget, generation: int, resumed_from: Mapping[int, int | None] | None
+) -> bool:
+    """Whether `current`'s shards belong to the history of `generation`: no generation after the
+    announcement's, up to `generation`, resumed from before it (unknown resume points: they did not)."""
+    if current.generation == generation:
+        return True
+    if resumed_from is None or current.generation > generation:
+        return False
+    since = {g: start for g, start in resumed_from.items() if current.generation < g <= generation}
+    return on_timeline(current.iteration, current.generation, since)
+
+
+def carried_over(
+    current: PersistTarget, generation: int, resumed_from: Mapping[int, int | None] | None, uploaded: int
+) -> bool:
+    """A target announced before a recovery that the ranks can still finish after it: on the timeline, and
+    either some ranks uploaded it already or the recovery restored exactly it (every rank holds it)."""
+    if current.generation == generation:
+        return True
+    if resumed_from is None or not on_timeline_of(current, generation, resumed_from):
+        return False
+    return uploaded > 0 or resumed_from.get(generation) == current.iteration
+
+
+def given_up(
+    current: PersistTarget,
+    generation: int,
+    summaries: Iterable[Mapping[str, Any]],
+    resumed_from: Mapping[int, int | None] | None = None,
+    uploaded: int = 0,
+) -> bool:
+    """A rank that cannot persist it, or a recovery since the announcement that left it nothing to finish
+    with (`resumed_from`: each released generation's restored iteration, None: from scratch; `uploaded`:
+    the ranks whose shard of it, of its generation, the root recorded)."""
+    return not carried_over(current, generation, resumed_from, uploaded) or missed(summaries, current)
 
 
 def next_target(
@@ -93,17 +139,28 @@ def next_target(
     summaries: Iterable[Mapping[str, Any]],
     latency_s: float,
     complete: bool = False,
+    resumed_from: Mapping[int, int | None] | None = None,
+    uploaded: int = 0,
 ) -> PersistTarget | None:
     """The target to announce now: `current` while it is in progress, else a new one (None: the job has no
-    persistent tier). `complete`: every rank persisted `current`."""
+    persistent tier). `complete`: every rank persisted `current`. `resumed_from` and `uploaded`: see
+    given_up (needed only once a recovery opened a generation newer than `current`'s)."""
     if every <= 0:
         return None
     summaries = list(summaries)
-    if current is not None and not complete and not given_up(current, generation, summaries):
+    if (
+        current is not None
+        and not complete
+        and not given_up(current, generation, summaries, resumed_from, uploaded)
+    ):
         return current
-    newest = newest_reported(summaries)
-    if current is not None and current.generation == generation:
+    floors = [newest_reported(summaries)]
+    if current is not None and on_timeline_of(current, generation, resumed_from):
         # Completed (or missed) in this history: its iteration was committed, whatever stale reports say.
-        newest = current.iteration if newest is None else max(newest, current.iteration)
+        floors.append(current.iteration)
+    if resumed_from is not None:
+        # Never at or before the restore point: those copies are an older generation's commits.
+        floors.append(resumed_from.get(generation))
+    newest = max((f for f in floors if f is not None), default=None)
     lead = lead_iterations(fastest_rate(summaries), latency_s)
     return PersistTarget(first_multiple_after((newest or 0) + lead, every), generation)

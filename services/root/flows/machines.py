@@ -244,7 +244,7 @@ async def record_heartbeat(
             for m in await repo.live_machines(session, job.id)
         ]
         _refresh_job_counters(job, live)
-        schedule_persist(session, job, [m.summary for m in live], generation, latency_s)
+        await schedule_persist(session, job, [m.summary for m in live], generation, latency_s)
         await session.flush()
         # Replication rounds aligned across machines: the answer every agent acts on (domain.replication).
         alignment = replication_alignment(m.summary for m in live)
@@ -282,7 +282,7 @@ async def record_summary(
         live = list(await repo.live_machines(session, job.id))
         _refresh_job_counters(job, live)
         generation = await repo.latest_generation(session, job.id)
-        schedule_persist(session, job, [m.summary for m in live], generation, persist_latency_s(None))
+        await schedule_persist(session, job, [m.summary for m in live], generation, persist_latency_s(None))
     else:
         refresh_counters_soon(session, job_id, persist_latency_s(None))
 
@@ -332,7 +332,7 @@ async def _refresh_counters(engine: AsyncEngine, job_id: uuid.UUID, latency_s: f
                 summaries = await repo.live_summaries(session, job_id)
                 _refresh_job_counters(job, [_Summary(s) for s in summaries])
                 generation = await repo.latest_generation(session, job_id)
-                schedule_persist(session, job, summaries, generation, latency_s)
+                await schedule_persist(session, job, summaries, generation, latency_s)
     except Exception as exc:  # the next heartbeat schedules another
         log.warning("refreshing the counters of job %s failed: %s", job_id, exc)
 
@@ -393,7 +393,7 @@ def persist_latency_s(settings: Settings | None) -> float:
     return settings.heartbeat_interval_s + ANNOUNCE_S
 
 
-def schedule_persist(
+async def schedule_persist(
     session: AsyncSession,
     job: Job,
     summaries: Sequence[dict[str, Any]],
@@ -404,7 +404,7 @@ def schedule_persist(
 ) -> None:
     """Announce the next iteration every rank persists when the current one is complete (`complete`) or
     given up, or none was announced yet; nothing while the job is not training (a recovery under way: its
-    new generation gives the current target up once it runs)."""
+    new generation decides once it runs whether the current target is kept, see domain.persist_schedule)."""
     if job.persist_every <= 0 or job.state != JobState.RUNNING or generation is None:
         return
     current = (
@@ -412,6 +412,12 @@ def schedule_persist(
         if job.persist_iteration is not None and job.persist_generation is not None
         else None
     )
+    resumed_from, uploaded = None, 0
+    if current is not None and current.generation != generation:
+        # A recovery since the announcement: the target stays if its shards are still on the timeline and
+        # the ranks can finish it (two small queries, only until the target is kept complete or replaced).
+        resumed_from = await repo.resumed_since(session, job.id, current.generation)
+        uploaded = await repo.persisted_shard_count(session, job.id, current.iteration, current.generation)
     target = next_target(
         current,
         every=job.persist_every,
@@ -419,6 +425,8 @@ def schedule_persist(
         summaries=summaries,
         latency_s=latency_s,
         complete=complete,
+        resumed_from=resumed_from,
+        uploaded=uploaded,
     )
     if target is None or target == current:
         return

@@ -88,7 +88,7 @@ async def record_persisted(
     # This report completed the checkpoint: retention runs once per completed checkpoint, and the next
     # iteration to persist is announced if this was the announced one.
     if job.persist_iteration == report.iteration and job.persist_generation == report.generation:
-        schedule_persist(
+        await schedule_persist(
             session,
             job,
             await repo.live_summaries(session, job.id),

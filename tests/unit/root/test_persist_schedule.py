@@ -90,3 +90,100 @@ def test_a_missed_target_is_given_up_only_for_its_own_generation() -> None:
     assert next_target(current, every=10, generation=2, summaries=missed, latency_s=0) == PersistTarget(50, 2)
     stale = [summary(41), summary(47, missed=(40, 1))]  # a report about the previous history's 40
     assert next_target(current, every=10, generation=2, summaries=stale, latency_s=0) is current
+
+
+# -- a recovery (a newer plan generation) and the pending target (issue 13: a job recovering more often than a
+# persist round takes never completed a persisted checkpoint, every recovery gave its target up) ---------
+
+
+def test_a_target_the_recovery_restored_at_or_past_is_kept_when_ranks_uploaded_it() -> None:
+    """Restored to 45 in generation 2 with some shards of 40 (generation 1) uploaded: those shards stay on
+    the timeline (a checkpoint of an iteration is the same bytes whatever generation), so the remaining
+    ranks persist 40 too instead of the whole job starting over on a new target."""
+    current = PersistTarget(40, 1)
+    reports = [summary(46), summary(47)]
+    kept = next_target(
+        current,
+        every=10,
+        generation=2,
+        summaries=reports,
+        latency_s=0,
+        resumed_from={1: None, 2: 45},
+        uploaded=3,
+    )
+    assert kept == current
+
+
+def test_a_target_the_recovery_restored_exactly_is_kept_even_with_nothing_uploaded() -> None:
+    """Restored to the target itself: every rank holds it (the restored copy is that generation's commit)."""
+    current = PersistTarget(40, 1)
+    kept = next_target(
+        current, every=10, generation=2, summaries=[summary(40)], latency_s=0, resumed_from={1: None, 2: 40}
+    )
+    assert kept == current
+
+
+def test_a_kept_target_survives_several_recoveries_that_stay_past_it() -> None:
+    current = PersistTarget(40, 1)
+    timeline = {1: None, 2: 45, 3: 42}
+    assert (
+        next_target(
+            current,
+            every=10,
+            generation=3,
+            summaries=[summary(43)],
+            latency_s=0,
+            resumed_from=timeline,
+            uploaded=1,
+        )
+        == current
+    )
+    # One generation in between rolled back before 40: its shards of 40 are off the timeline.
+    timeline = {1: None, 2: 35, 3: 42}
+    after = next_target(
+        current,
+        every=10,
+        generation=3,
+        summaries=[summary(43)],
+        latency_s=0,
+        resumed_from=timeline,
+        uploaded=1,
+    )
+    assert after == PersistTarget(50, 3)
+
+
+def test_a_kept_target_completes_or_is_missed_and_the_next_is_past_the_restore_point() -> None:
+    current = PersistTarget(40, 1)
+    timeline = {1: None, 2: 57}
+    stale = [summary(44)]  # reports from before the restore
+    for outcome in ({"complete": True}, {"summaries": [summary(44, missed=(40, 1))]}):
+        kwargs: dict = {"summaries": stale, **outcome}
+        after = next_target(
+            current, every=10, generation=2, latency_s=0, resumed_from=timeline, uploaded=2, **kwargs
+        )
+        assert after == PersistTarget(60, 2), outcome
+
+
+def test_a_target_past_the_restore_point_is_chosen_again_past_the_restore_point() -> None:
+    """Rolled back to 20, before the target 40: its shards are of the abandoned history. The new target is
+    of the new generation and strictly past what the new generation restored, even on stale reports."""
+    current = PersistTarget(40, 1)
+    after = next_target(
+        current, every=10, generation=2, summaries=[summary(12)], latency_s=0, resumed_from={1: None, 2: 20}
+    )
+    assert after == PersistTarget(30, 2)
+    # A target at the restore point would be held only as the older generation's copy: never announced.
+    after = next_target(
+        current, every=10, generation=2, summaries=[summary(3)], latency_s=0, resumed_from={1: None, 2: 30}
+    )
+    assert after == PersistTarget(40, 2)
+
+
+def test_restored_past_the_target_with_nothing_uploaded_moves_on_past_the_restore_point() -> None:
+    """Nothing of 40 was uploaded and the ranks restored 45: most no longer hold 40, nothing is lost by
+    choosing again."""
+    current = PersistTarget(40, 1)
+    after = next_target(
+        current, every=10, generation=2, summaries=[summary(41)], latency_s=0, resumed_from={1: None, 2: 45}
+    )
+    assert after == PersistTarget(50, 2)

@@ -1,0 +1,87 @@
+"""The persist schedule across a recovery (issue 13, item 2), on Postgres and SQLite: a target some ranks
+already uploaded is kept by a recovery that restored an iteration at or past it (its shards stay on the
+timeline), so the job completes it instead of starting a new persist round at every recovery; a rollback
+before it chooses a new target of the new generation, past the restored iteration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from tests.integration.conftest import create_job
+from tests.integration.web.scenario import Scenario
+
+K = 10
+
+
+async def persisting(client: httpx.AsyncClient) -> tuple[Scenario, int]:
+    """Two machines at iteration 3 and the iteration the root announced for every rank (generation 1)."""
+    scenario = Scenario(client, await create_job(client, machines=2, replicas=2, persist_every=K))
+    await scenario.register(["i-0", "i-1"])
+    await scenario.heartbeat(3)
+    announced = await persist_schedule(scenario)
+    assert announced["generation"] == 1 and announced["iteration"] % K == 0 and announced["iteration"] > 3
+    return scenario, int(announced["iteration"])
+
+
+async def persist_schedule(scenario: Scenario) -> dict[str, Any]:
+    directive = await scenario.client.get(
+        f"/api/v1/worker/jobs/{scenario.id}/directive", headers=scenario.worker
+    )
+    assert directive.status_code == 200, directive.text
+    persist = directive.json()["persist"]
+    assert isinstance(persist, dict)
+    return persist
+
+
+async def report_persisted(scenario: Scenario, rank: int, iteration: int, generation: int) -> None:
+    body = {
+        "instance_id": scenario.instances[rank],
+        "rank": rank,
+        "iteration": iteration,
+        "generation": generation,
+        "key": f"castor/{scenario.id}/iteration-{iteration}/rank-{rank}/gen-{generation}",
+        "digest": f"{rank:02d}" * 8,
+        "nbytes": 64,
+    }
+    await scenario.post(f"/machines/{rank}/persisted", body, 204)
+
+
+async def test_a_recovery_past_a_half_uploaded_target_keeps_it_and_the_job_completes_it(
+    client: httpx.AsyncClient,
+) -> None:
+    scenario, target = await persisting(client)
+    await report_persisted(scenario, 0, target, 1)  # rank 0 uploaded it; rank 1's upload was under way
+    await scenario.heartbeat(target + 2)
+    await scenario.kill_process(1)
+    await scenario.recover(target + 2)  # generation 2 resumes from past the target
+    await scenario.heartbeat(target + 3)
+
+    # Before: given up at the recovery ({"iteration": the next multiple, "generation": 2}), rank 0's upload
+    # wasted; a job recovering more often than a persist round takes never completed one.
+    kept = await persist_schedule(scenario)
+    assert (kept["iteration"], kept["generation"]) == (target, 1), kept
+
+    await report_persisted(scenario, 1, target, 1)  # rank 1 still held its commit of it
+    checkpoints = await scenario.api("/checkpoints")
+    assert [(c["iteration"], c["complete"]) for c in checkpoints] == [(target, True)]
+    following = await persist_schedule(scenario)
+    assert following["generation"] == 2 and following["iteration"] % K == 0
+    assert following["iteration"] > target + 2, "past the iteration generation 2 resumed from"
+
+
+async def test_a_rollback_before_the_target_chooses_one_of_the_new_history_past_the_restore_point(
+    client: httpx.AsyncClient,
+) -> None:
+    scenario, target = await persisting(client)
+    await report_persisted(scenario, 0, target, 1)
+    restored = target - 3  # generation 2 resumes from before the target: rank 0's shard is of another history
+    await scenario.heartbeat(target + 1)
+    await scenario.kill_process(1)
+    await scenario.recover(restored)
+    await scenario.heartbeat(restored + 1)
+
+    chosen = await persist_schedule(scenario)
+    assert chosen["generation"] == 2 and chosen["iteration"] % K == 0
+    assert chosen["iteration"] > restored
