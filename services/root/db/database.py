@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -26,7 +27,14 @@ log = logging.getLogger(__name__)
 # content, e.g. an address, which the next read must show). SQLite (embedded mode) has one process: no
 # channel.
 CHANGES_CHANNEL = "castor_changes"
-ORIGIN = uuid.uuid4().hex[:12]
+_TOKEN = uuid.uuid4().hex[:12]
+
+
+def origin() -> str:
+    """This process's name on the channel (its pid too: a process forked after import is another one)."""
+    return f"{os.getpid()}.{_TOKEN}"
+
+
 CHANGED_JOBS = "changed_jobs"
 LISTEN_RETRY_S = (0.5, 1.0, 2.0, 5.0)
 LISTEN_CHECK_S, LISTEN_CHECK_TIMEOUT_S = 15.0, 5.0
@@ -54,7 +62,7 @@ def _announce_changes(sync_session: Session) -> None:
     for job_id, wake in sorted(changed.items(), key=lambda item: str(item[0])):
         sync_session.execute(
             text("SELECT pg_notify(:channel, :payload)"),
-            {"channel": CHANGES_CHANNEL, "payload": f"{job_id} {ORIGIN} {int(wake)}"},
+            {"channel": CHANGES_CHANNEL, "payload": f"{job_id} {origin()} {int(wake)}"},
         )
 
 
@@ -141,8 +149,8 @@ class Database:
             failures += 1
 
     def _heard(self, _connection: Any, _pid: int, _channel: str, payload: str) -> None:
-        job, origin, wake = [*payload.split(" "), "", ""][:3]
-        if origin == ORIGIN or self._on_change is None:
+        job, sender, wake = [*payload.split(" "), "", ""][:3]
+        if sender == origin() or self._on_change is None:
             return  # this process's own commit: its after_commit has already told the caller
         try:
             job_id = uuid.UUID(job)
