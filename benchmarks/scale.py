@@ -8,15 +8,20 @@ printed is JSON.
 The root runs as in production (`python -m services.cli serve`, one uvicorn process, REST heartbeats) on a
 throwaway Postgres started the way the tests start it (tests/harness.py). The machines are asyncio tasks in
 this process (no torch, no shared memory, no data plane), each speaking the worker API as an agent does
-(worker_lib.client.RootClient over one shared connection pool): register; long-poll the directive; report
-`restored` and `resumed` for the first plan; heartbeat every interval with a summary of its P ranks whose
-iterations advance; re-fetch the directive every PEERS_REFRESH_S as an agent refreshes its peers.
+(worker_lib.client.RootClient over one shared connection pool): register; long-poll its machine's directive
+(`machine=`, as an agent does); report `restored` and `resumed` for the first plan; heartbeat every
+interval with a summary of its P ranks whose iterations advance; re-fetch the directive every
+PEERS_REFRESH_S as an agent refreshes its peers.
 
 Scenarios, in order:
 * register all: every machine registers at once; `register_all_s` until the last one got its rank;
+  `start_directives_s` from then (the last registration releases the first plan) until every machine's
+  long poll has answered with it (`directives_s` of the issue, for the first plan: no recovery is run);
+  `directive_bytes` the largest directive a machine was sent;
 * steady state (--steady seconds): heartbeats and progress; `heartbeat_p50_ms`/`heartbeat_p99_ms` as the
   machines see them (send to answer, this process's own event-loop lag included), `false_positives` the
-  failure events recorded meanwhile (none is expected);
+  failure events recorded meanwhile (none is expected), `root_cpu_pct` the root process's CPU use (100: one
+  core busy);
 * pages: `job_page_ms` (the job's status page, signed in) and `metrics_ms` (/metrics) with every machine
   registered and --past-failures recovered failures in the database (median of 5 each);
 * one machine lost: one machine stops heartbeating; `detect_s` from its last answered heartbeat to the
@@ -72,6 +77,8 @@ class Stats:
     heartbeat_ms: list[float] = field(default_factory=list)
     progress_ms: list[float] = field(default_factory=list)
     directive_ms: list[float] = field(default_factory=list)
+    directive_bytes: int | None = None
+    ready_at: list[float] = field(default_factory=list)  # monotonic: each machine's first ready directive
     errors: dict[str, int] = field(default_factory=dict)
     recording: bool = False
 
@@ -119,14 +126,14 @@ class SimulatedMachine:
         )
 
     async def directive(self, after: int, wait_s: float) -> dict[str, Any]:
-        """The directive's leading fields only. A real agent parses the whole directive (every machine and
-        every rank's source: about a megabyte at 1,000 x 8) on its own host; a thousand of them parsed in
-        this one process would make the harness, not the root, the bottleneck."""
+        """The directive's leading fields only. A real agent parses the whole of its machine's directive on
+        its own host (an older root answers with the whole job's: about a megabyte at 1,000 x 8); a thousand
+        of them parsed in this one process would make the harness, not the root, the bottleneck."""
         url = f"{self.client.urls[0]}/api/v1/worker/jobs/{self.client.job_id}/directive"
         for attempt in range(30):
             try:
                 response = await self.client._http.get(
-                    url, params={"after": after, "wait": wait_s}, timeout=wait_s + 30
+                    url, params={"after": after, "wait": wait_s, "machine": self.rank}, timeout=wait_s + 30
                 )
                 if response.status_code < 500:
                     break
@@ -137,6 +144,7 @@ class SimulatedMachine:
             await asyncio.sleep(1)
         if response.status_code >= 400:
             raise RootRejected(response.status_code, "http_error", response.text[:200])
+        self.stats.directive_bytes = max(self.stats.directive_bytes or 0, len(response.content))
         head = response.content[:400].decode(errors="replace")
         fields = {key: DIRECTIVE_FIELDS[key].search(head) for key in DIRECTIVE_FIELDS}
         if not all(fields.values()):
@@ -173,6 +181,8 @@ class SimulatedMachine:
                 continue
             revision = max(revision, directive["revision"])
             if directive["status"] == "ready" and directive["generation"] != generation:
+                if generation is None:
+                    self.stats.ready_at.append(time.monotonic())
                 generation = directive["generation"]
                 for event in ("restored", "resumed"):
                     body = {"instance_id": self.instance_id, "generation": generation, "event": event}
@@ -194,6 +204,12 @@ class SimulatedMachine:
             except (RootRejected, RootUnavailable) as exc:
                 self.stats.error(f"peers: {type(exc).__name__}")
             await asyncio.sleep(PEERS_REFRESH_S)
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user and system CPU time so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def quantile(values: list[float], q: float) -> float | None:
@@ -312,7 +328,8 @@ async def run(args: argparse.Namespace, server: harness.Postgres, database: str,
                 )
 
             await asyncio.gather(*(join(m) for m in machines))
-            register_all_s = time.monotonic() - started
+            registered = time.monotonic()
+            register_all_s = registered - started
             print(
                 f"registered {args.machines} machines in {register_all_s:.1f}s", file=sys.stderr, flush=True
             )
@@ -327,12 +344,19 @@ async def run(args: argparse.Namespace, server: harness.Postgres, database: str,
                 file=sys.stderr,
                 flush=True,
             )
+            start_directives_s = (
+                round(max(stats.ready_at) - registered, 2) if len(stats.ready_at) == args.machines else None
+            )
             await asyncio.sleep(args.interval)
             # -- steady state
             before = len(await failures_of(admin, url, job_id))
             stats.recording = True
             print(f"steady state for {args.steady:.0f}s", file=sys.stderr, flush=True)
+            cpu_before, wall_before = cpu_seconds(args.root_pid), time.monotonic()
             await asyncio.sleep(args.steady)
+            root_cpu_pct = round(
+                100 * (cpu_seconds(args.root_pid) - cpu_before) / (time.monotonic() - wall_before), 1
+            )
             stats.recording = False
             false_positives = len(await failures_of(admin, url, job_id)) - before
             # -- pages, with every machine and the past failures in the database
@@ -365,12 +389,15 @@ async def run(args: argparse.Namespace, server: harness.Postgres, database: str,
                 "heartbeat_timeout_s": args.timeout,
                 "steady_s": args.steady,
                 "register_all_s": round(register_all_s, 2),
+                "start_directives_s": start_directives_s,
+                "directive_bytes": stats.directive_bytes,
                 "heartbeats": len(stats.heartbeat_ms),
                 "heartbeats_per_s": round(len(stats.heartbeat_ms) / args.steady, 1),
                 "heartbeat_p50_ms": quantile(stats.heartbeat_ms, 0.5),
                 "heartbeat_p99_ms": quantile(stats.heartbeat_ms, 0.99),
                 "progress_p99_ms": quantile(stats.progress_ms, 0.99),
                 "peers_directive_p99_ms": quantile(stats.directive_ms, 0.99),
+                "root_cpu_pct": root_cpu_pct,
                 "false_positives": false_positives,
                 "detect_s": detect_s,
                 "past_failures": args.past_failures,
@@ -409,6 +436,7 @@ def main() -> None:
         workdir = Path(tmp)
         database = "castor_scale"
         process, url = start_root(workdir, server.create_database(database), args)
+        args.root_pid = process.pid
         try:
             figures = asyncio.run(run(args, server, database, url))
         except BaseException:
