@@ -344,6 +344,15 @@ async def run(args: argparse.Namespace, server: harness.Postgres, database: str,
                 file=sys.stderr,
                 flush=True,
             )
+            print(
+                "first plan reached the machines after (s, quartiles):",
+                [
+                    round(quantile([t - registered for t in stats.ready_at], q) or 0, 2)
+                    for q in (0.25, 0.5, 0.75, 1)
+                ],
+                file=sys.stderr,
+                flush=True,
+            )
             start_directives_s = (
                 round(max(stats.ready_at) - registered, 2) if len(stats.ready_at) == args.machines else None
             )
