@@ -11,6 +11,7 @@ import pytest
 from services.root import schemas
 from services.root.db.models import FailureEvent, FailureKind, FailureState
 from services.root.domain import phases
+from services.root.web.formatting import duration
 
 T0 = datetime(2026, 1, 1, 3, 0, 0, tzinfo=UTC)
 
@@ -70,3 +71,21 @@ def test_the_cli_computes_the_phases_the_pages_show(row: FailureEvent) -> None:
 
 def test_a_failure_without_a_detection_time_has_no_phases() -> None:
     assert phases.failure_phases({"kind": "software", "state": "detected"}) == []
+
+
+def test_the_api_reports_the_phase_durations_the_pages_show() -> None:
+    """The API's phase seconds are the pages' float, not a copy rounded first: a resume phase of 0.1052 s
+    read 'resume 0.10 s' from the API (0.105 after rounding to ms, then to 2 decimals) while the failure
+    page, formatting the same phase once, showed 'resume 0.11 s' (CI saw that mismatch once)."""
+    row = event(
+        FailureKind.SOFTWARE,
+        FailureState.RECOVERED,
+        classified_at=at(2.5),
+        restored_at=at(7.25),
+        resumed_at=at(7.3552),
+    )
+    pages = phases.phases(row, at(40), finished=True)
+    api = schemas.FailureOut.model_validate(row).phases
+    assert [(p.name, p.seconds) for p in api] == [(p.name, p.seconds) for p in pages]
+    assert [duration(p.seconds) for p in api] == [duration(p.seconds) for p in pages]
+    assert duration(api[-1].seconds) == "0.11 s"
