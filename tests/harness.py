@@ -27,14 +27,76 @@ def free_port() -> int:
 
 
 def wait_for_port(port: int, process: subprocess.Popen[bytes] | None = None, timeout: float = 30) -> None:
+    """Wait until something listens on 127.0.0.1:port; given the process that should, until it (or one of
+    its children) does. A bare connect is not enough there: free_port() only finds a port that was free a
+    moment ago, and another test's server that took it meanwhile would pass for ours."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"process exited with {process.returncode} before listening on {port}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return
+        if process is not None and _proc_readable(process.pid):
+            if _listens(process.pid, port):
+                return
+        else:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
         time.sleep(0.05)
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+def _proc_readable(pid: int) -> bool:
+    try:
+        os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    return True
+
+
+_TCP_LISTEN = "0A"
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether pid or a descendant holds a TCP socket listening on port (read from /proc, in the
+    process's own network namespace)."""
+    for member in _process_tree(pid):
+        with contextlib.suppress(OSError):
+            held = set()
+            for fd in os.listdir(f"/proc/{member}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{member}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        held.add(target[len("socket:[") : -1])
+            if held & _listening_inodes(member, port):
+                return True
+    return False
+
+
+def _listening_inodes(pid: int, port: int) -> set[str]:
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as rows:
+            next(rows, None)  # header
+            for row in rows:
+                fields = row.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == _TCP_LISTEN and int(local.rsplit(":", 1)[1], 16) == port:
+                    inodes.add(inode)
+    return inodes
+
+
+def _process_tree(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as stat:
+                # The parent pid is the second field after the parenthesised command name.
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry))
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children.get(parent, [])]
+        tree.extend(frontier)
+    return tree
 
 
 def stop_process(process: subprocess.Popen[bytes], timeout: float = 10) -> None:
