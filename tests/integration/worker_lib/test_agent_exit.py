@@ -36,7 +36,7 @@ async def test_a_spare_still_importing_is_killed_not_waited_for(
     (tmp_path / "castor_test_endless_import.py").write_text(SLOW_MODULE.format(marker=str(marker)))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setenv("CASTOR_PRELOAD", "castor_test_endless_import")
-    group = WorkerGroup(asyncio.Queue[ProcessExit]())
+    group = WorkerGroup(asyncio.Queue[ProcessExit](), pid_dir=tmp_path / "pids")
     await group.prewarm(1)
     spare = group._spares[0]
     try:
@@ -52,9 +52,11 @@ async def test_a_spare_still_importing_is_killed_not_waited_for(
             await spare.wait()
 
 
-async def test_a_warm_spare_still_exits_on_its_empty_order(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_warm_spare_still_exits_on_its_empty_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("CASTOR_PRELOAD", "json")
-    group = WorkerGroup(asyncio.Queue[ProcessExit]())
+    group = WorkerGroup(asyncio.Queue[ProcessExit](), pid_dir=tmp_path / "pids")
     await group.prewarm(1)
     spare = group._spares[0]
     await until(lambda: group.warm_spares == 1, "the spare to be warm")

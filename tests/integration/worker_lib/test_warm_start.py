@@ -60,7 +60,8 @@ def spec(command: list[str], extra_env: dict[str, str] | None = None) -> LaunchS
 async def run_once(command: list[str], extra_env: dict[str, str] | None = None, warm: bool = True) -> dict:
     """Start `command` once through a WorkerGroup with a warm spare ready; what the script reported."""
     exits: asyncio.Queue[ProcessExit] = asyncio.Queue()
-    group = WorkerGroup(exits, warm=warm)
+    # The error files go beside the script's report (tmp_path), not into a temp dir nobody removes.
+    group = WorkerGroup(exits, warm=warm, pid_dir=Path(command[-1]).parent / "pids")
     await group.prewarm(1)
     try:
         await group.start(spec(command, extra_env))
