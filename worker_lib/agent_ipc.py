@@ -15,6 +15,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
+from worker_lib.agent.stacks import install_stack_dump
 from worker_lib.store.manifest import JsonValue
 
 SHM_DIR_ENV = "CASTOR_SHM_DIR"
@@ -59,6 +60,9 @@ class AgentNotifier:
 
     @classmethod
     def from_environment(cls, rank: int, directory: Path) -> AgentNotifier:
+        # A process the agent started cold (not from a warm spare) lets its hang watchdog ask for its stacks
+        # from here on.
+        install_stack_dump()
         return cls(os.environ.get(NOTIFY_ENV), rank, directory)
 
     def notify(

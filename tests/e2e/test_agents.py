@@ -170,3 +170,28 @@ def test_a_signalled_agent_forwards_it_to_training_and_exits_with_its_status(
     assert "received SIGTERM: stopping training" in log and "RUNNING -> STOPPING" in log, log
     with pytest.raises(ProcessLookupError):
         os.kill(trainer, 0)
+
+
+def test_a_hung_training_process_is_stopped_with_its_stacks_and_the_job_recovers(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Rank 1 stops in an endless wait after committing iteration 4 (alive, silent; rank 0 then blocks in
+    the next all-reduce, for gloo's 30 minutes). Machine 1's hang watchdog (3 s here) asks it for its stacks,
+    kills it and reports a failure that says why and where it hung; the job recovers from memory and
+    completes. Machine 0's watchdog is off, so the only hang reported is rank 1's."""
+    cluster.start_root(**QUIET_HEARTBEATS)
+    job = cluster.create_job(machines=2, replicas=2)
+    command = cluster.training_command(tmp_path / "logs", iterations=12, sleep=0.1, hang_at=4)
+    cluster.start_machine(0, command, rank=0, extra_args=["--hang-timeout=0"])
+    cluster.start_machine(1, command, rank=1, extra_args=["--hang-timeout=3"])
+    assert cluster.wait_for_machines(timeout=240) == [0, 0], cluster.logs()
+
+    (failure,) = cluster.api("GET", f"/api/v1/jobs/{job['id']}/failures")
+    assert failure["kind"] == "software" and failure["rank"] == 1, failure
+    assert "hang watchdog" in failure["cause"] and "after iteration 4" in failure["cause"], failure["cause"]
+    error = failure["details"]["error"]
+    assert error["type"] == "Hung"
+    assert "_stuck_in_a_deadlock" in error["traceback"], "the hung process's own stack, from faulthandler"
+    restarts = [e for e in read_events(tmp_path / "logs")[1] if e["event"] == "start"]
+    assert [e["restored"] for e in restarts] == [None, 4], "resumed from the iteration it hung after"
+    assert cluster.api("GET", f"/api/v1/jobs/{job['id']}")["state"] == "completed"

@@ -40,6 +40,7 @@ from worker_lib.agent.states import (
     Fact,
     ForwardSignal,
     HeartbeatReplaced,
+    Hung,
     JobDeleted,
     PauseReplication,
     Prewarm,
@@ -57,11 +58,13 @@ from worker_lib.agent.states import (
     StartDone,
     StartFailed,
     StartWorkers,
+    StopHung,
     StopWorkers,
     UpdateAddresses,
     check_transition,
     decide,
 )
+from worker_lib.agent.watchdog import HangPolicy, HangWatch
 from worker_lib.api.shared import PlanSource
 from worker_lib.api.worker import DirectiveOut
 from worker_lib.client import RootClient, RootRejected, RootUnavailable
@@ -89,6 +92,8 @@ class AgentConfig:
     keep_shm: bool = False  # keep the checkpoints in shared memory after the job completed or was stopped
     warm_start: bool = True  # keep warm interpreters (torch imported) ready for (re)starts
     extra_env: dict[str, str] = field(default_factory=dict)
+    # A training process that commits no checkpoint for this long is stopped (watchdog.py): auto by default.
+    hang: HangPolicy = field(default_factory=HangPolicy)
 
     def resolved_shm_root(self) -> Path:
         return self.shm_root or Path("/dev/shm/castor") / self.job_id / self.instance_id
@@ -141,6 +146,8 @@ class Agent:
         self.job_over = False  # completed or stopped: nothing will ever restore from this memory again
         self.done: asyncio.Future[int] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        # The running generation's commits, for the hang watchdog; None while no training runs here.
+        self._hang_watch: HangWatch | None = None
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -166,6 +173,7 @@ class Agent:
                 asyncio.create_task(self._heartbeats(), name="heartbeats"),
                 asyncio.create_task(self._watch_directives(), name="directives"),
                 asyncio.create_task(self._watch_exits(), name="exits"),
+                asyncio.create_task(self._watch_hangs(), name="hangs"),
             ]
             try:
                 watched: set[asyncio.Future[Any]] = {self.done, *tasks}
@@ -276,6 +284,9 @@ class Agent:
                 self._in_background(self._progress(generation, event, details))
             case Prewarm():
                 self._in_background(self.workers.prewarm(self.machine.procs))
+            case StopHung(rank=rank, reason=reason):
+                log.error("%s; collecting its stacks, then killing it", reason)
+                self._in_background(self._stop_hung(rank, reason))
             case _:
                 return False
         return True
@@ -286,6 +297,7 @@ class Agent:
             return None
         match action:
             case StopWorkers():
+                self._hang_watch = None
                 await self.workers.stop(self.config.stop_grace_s)
             case ReportInventory(generation=generation):
                 await self._report_inventory(generation)
@@ -299,6 +311,7 @@ class Agent:
                     return RestoreFailed(generation, str(exc))
                 return RestoreDone(generation, iteration, restored, directive)
             case StartWorkers(generation=generation, directive=directive, restored=restored):
+                self._hang_watch = HangWatch(self.config.hang, generation)
                 try:
                     await self.workers.start(self._launch_spec(directive))
                 except Exception as exc:  # e.g. the training command does not exist
@@ -432,7 +445,22 @@ class Agent:
 
     def _on_commit(self, rank: int, iteration: int) -> None:
         """A local rank committed a checkpoint (the machine services' notify socket)."""
+        if self._hang_watch is not None:
+            self._hang_watch.committed(rank, iteration, time.monotonic())
         self._facts.put_nowait(Committed(rank, iteration))
+
+    async def _watch_hangs(self) -> None:
+        """The hang watchdog: each local rank silent past its limit, as a fact (once per stall)."""
+        while True:
+            watch = self._hang_watch
+            await asyncio.sleep(1.0 if watch is None else watch.next_check_in(time.monotonic()))
+            if watch is not None and watch is self._hang_watch:
+                for overdue in watch.overdue(time.monotonic()):
+                    self._facts.put_nowait(Hung(watch.generation, overdue.rank, overdue.describe()))
+
+    async def _stop_hung(self, rank: int, reason: str) -> None:
+        if not await self.workers.stop_hung(rank, reason):
+            log.info("rank %d ended before the hang watchdog stopped it", rank)
 
     async def _progress(self, generation: int, event: str, details: dict[str, Any]) -> None:
         try:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from worker_lib.agent.agent import Agent, AgentConfig
+from worker_lib.agent.watchdog import AUTO_FACTOR, AUTO_FLOOR_S, HangPolicy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +83,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="start training processes cold (no warm interpreters with torch imported)",
     )
+    parser.add_argument(
+        "--hang-timeout",
+        type=_hang_policy,
+        default=env("CASTOR_HANG_TIMEOUT", "auto"),
+        help="stop a training process that commits no checkpoint for this many seconds, so the job recovers; "
+        f"'auto' (default): {AUTO_FACTOR:g} x its longest gap between commits, at least {AUTO_FLOOR_S:g} s; "
+        "0: never [CASTOR_HANG_TIMEOUT]",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
+
+
+def _hang_policy(text: str) -> HangPolicy:
+    try:
+        return HangPolicy.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def worker_token(args: argparse.Namespace) -> str | None:
@@ -134,5 +150,6 @@ def run(args: argparse.Namespace) -> int:
         shm_root=args.shm_dir,
         keep_shm=args.keep_shm,
         warm_start=args.warm_start,
+        hang=args.hang_timeout,
     )
     return asyncio.run(Agent(config).run())

@@ -13,6 +13,9 @@ Like torchrun, each process gets TORCHELASTIC_ERROR_FILE, a file of its own: an 
 process whose entry point is wrapped in torch.distributed.elastic's `@record` (or any process started from
 a warm spare, which wraps the script itself) is written there as JSON (type and message, the traceback),
 and the exit report carries it to the root (see read_error_file).
+
+Each process also gets CASTOR_STACKS_FILE (see stacks.py): where it writes its threads' stacks on SIGUSR1,
+which the hang watchdog asks for before it kills a process that stopped committing (see stop_hung).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from worker_lib.agent import die_with_parent
+from worker_lib.agent.stacks import STACKS_FILE_ENV, STACKS_SIGNAL
 from worker_lib.agent.stale import record_pid
 from worker_lib.agent.warm import READY_FD_ENV
 
@@ -107,6 +111,35 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 # frames, where the exception was raised), within what the root's API accepts.
 ERROR_MESSAGE_CHARS = 2000
 ERROR_TRACEBACK_CHARS = 8000
+
+
+def hang_error(reason: str, stacks: Path) -> dict[str, str]:
+    """The exit report's error for a process the hang watchdog stopped: why, and where each thread was."""
+    try:
+        dump = stacks.read_text(errors="replace")
+    except OSError:
+        dump = ""
+    # faulthandler lists the most recent call first: the head is where the process is stuck.
+    return {
+        "type": "Hung",
+        "message": f"Hung: {reason}"[:ERROR_MESSAGE_CHARS],
+        "traceback": dump[:ERROR_TRACEBACK_CHARS] or "(no stacks: the process did not answer SIGUSR1)",
+    }
+
+
+async def _until_written(path: Path, timeout_s: float) -> None:
+    """Until `path` is non-empty and stopped growing (faulthandler's dump is done), or `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    deadline, size = loop.time() + timeout_s, -1
+    while loop.time() < deadline:
+        try:
+            current = os.stat(path).st_size  # a local stat: no need for a thread
+        except OSError:
+            current = 0
+        if current > 0 and current == size:
+            return
+        size = current
+        await asyncio.sleep(0.1)
 
 
 def read_error_file(path: Path) -> dict[str, str] | None:
@@ -222,6 +255,8 @@ class WorkerGroup:
         # Each process's TORCHELASTIC_ERROR_FILE lies here: beside pids/, or (no machine directory, as in
         # some tests) a temporary directory made at the first launch.
         self._error_dir = pid_dir.parent / "errors" if pid_dir else None
+        # Processes the hang watchdog stopped (local rank -> the reason): their exit reports say so.
+        self._hung: dict[int, str] = {}
 
     @property
     def error_dir(self) -> Path:
@@ -231,6 +266,9 @@ class WorkerGroup:
 
     def error_file(self, spec: LaunchSpec, local_rank: int) -> Path:
         return self.error_dir / f"generation-{spec.generation}-rank-{spec.global_rank(local_rank)}.json"
+
+    def stacks_file(self, spec: LaunchSpec, local_rank: int) -> Path:
+        return self.error_dir / f"generation-{spec.generation}-rank-{spec.global_rank(local_rank)}.stacks"
 
     @property
     def warm_spares(self) -> int:
@@ -298,6 +336,7 @@ class WorkerGroup:
         self.error_dir.mkdir(parents=True, exist_ok=True)
         error_file.unlink(missing_ok=True)
         env[ERROR_FILE_ENV] = str(error_file)
+        env[STACKS_FILE_ENV] = str(self.stacks_file(spec, local_rank))
         spares = [p for p in self._spares if p.returncode is None]
         arguments = await self.warm_arguments(spec.command, env) if spares else None
         if spares and arguments is None:
@@ -355,6 +394,7 @@ class WorkerGroup:
     async def start(self, spec: LaunchSpec) -> None:
         await self.stop()
         self.spec, self._stopping, self._warm_starts = spec, False, 0
+        self._hung.clear()
         for local_rank in range(spec.procs_per_machine):
             process = await self._launch(spec, local_rank)
             self._processes[local_rank] = process
@@ -375,11 +415,31 @@ class WorkerGroup:
     async def _watch(self, spec: LaunchSpec, local_rank: int, process: asyncio.subprocess.Process) -> None:
         code = await process.wait()
         error = read_error_file(self.error_file(spec, local_rank)) if code != 0 else None
+        if local_rank in self._hung and self.spec is spec:
+            error = hang_error(self._hung.pop(local_rank), self.stacks_file(spec, local_rank))
         await self.exits.put(
             ProcessExit(
                 spec.generation, local_rank, spec.global_rank(local_rank), code, self._stopping, error
             )
         )
+
+    async def stop_hung(self, global_rank: int, reason: str, dump_wait_s: float = 3.0) -> bool:
+        """Kill the process of `global_rank` that the hang watchdog found silent, after asking it for its
+        stacks (SIGUSR1; up to `dump_wait_s` for the dump to be written). Its exit is then reported as a
+        failure (not an expected stop) with `reason` and the stacks. False: it is not running."""
+        spec = self.spec
+        local_rank = None if spec is None else global_rank - spec.machine_rank * spec.procs_per_machine
+        process = self._processes.get(local_rank) if local_rank is not None else None
+        if spec is None or local_rank is None or process is None or process.returncode is not None:
+            return False
+        self._hung[local_rank] = reason
+        stacks = self.stacks_file(spec, local_rank)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, STACKS_SIGNAL)
+        await _until_written(stacks, dump_wait_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        return True
 
     def signal(self, signum: int) -> None:
         for process in self._processes.values():

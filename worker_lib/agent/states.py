@@ -150,6 +150,15 @@ class Committed:
     iteration: int
 
 
+@dataclass(frozen=True)
+class Hung:
+    """The hang watchdog (watchdog.py) found a local rank of `generation` silent past its limit."""
+
+    generation: int
+    rank: int
+    reason: str
+
+
 # Outcomes of the agent's own actions, decided on at once (before any other fact).
 @dataclass(frozen=True)
 class RestoreDone:
@@ -185,6 +194,7 @@ Fact = (
     | Signalled
     | ProcessExited
     | Committed
+    | Hung
     | RestoreDone
     | RestoreFailed
     | StartDone
@@ -256,6 +266,15 @@ class ReportProgress:
 
 
 @dataclass(frozen=True)
+class StopHung:
+    """Ask the hung process for its stacks, then kill it (in the background); its exit is reported as a
+    failure, with the reason, and the root recovers."""
+
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class ReportExit:
     """Report a process's exit to the root (in the background)."""
 
@@ -296,6 +315,7 @@ Action = (
     | Restore
     | StartWorkers
     | ReportProgress
+    | StopHung
     | ReportExit
     | ReportFinished
     | Prewarm
@@ -340,6 +360,8 @@ def _decide(status: AgentStatus, fact: Fact) -> Decision:
             return _on_exit(status, fact)
         case Committed(rank=rank, iteration=iteration):
             return _on_commit(status, rank, iteration)
+        case Hung():
+            return _on_hang(status, fact)
         case RestoreDone() | RestoreFailed() | StartDone() | StartFailed():
             return _on_outcome(status, fact)
     raise TypeError(f"not a fact: {fact!r}")
@@ -397,6 +419,18 @@ def _on_exit(status: AgentStatus, fact: ProcessExited) -> Decision:
             if status.state in (S.RESUMING, S.RUNNING):
                 status = _to(status, S.FINISHED)
     return Decision(status, tuple(actions))
+
+
+def _on_hang(status: AgentStatus, fact: Hung) -> Decision:
+    """A rank of the training that runs here stopped committing: stop it, so its exit starts a recovery.
+    Not once a recovery, a signal or the end has taken over (the processes are being stopped anyway), nor
+    for a rank that already exited cleanly."""
+    training = status.state in (S.RESUMING, S.RUNNING)
+    if not training or fact.generation != status.generation or fact.rank in status.clean:
+        return Decision(status)
+    if fact.rank not in status.local_ranks:
+        return Decision(status)
+    return Decision(status, (StopHung(fact.rank, fact.reason),))
 
 
 def _on_commit(status: AgentStatus, rank: int, iteration: int) -> Decision:

@@ -22,7 +22,7 @@ import runpy
 import sys
 from collections.abc import Callable
 
-from worker_lib.agent import die_with_parent
+from worker_lib.agent import die_with_parent, stacks
 
 DEFAULT_PRELOAD = "torch,torch.distributed,torch.nn.parallel,torch._dynamo"
 READY_FD_ENV = "CASTOR_WARM_READY_FD"
@@ -44,6 +44,7 @@ def main() -> None:
     order = json.loads(line)
     os.environ.clear()
     os.environ.update(order["env"])
+    stacks.install_stack_dump()  # the hang watchdog's evidence, before the script runs
     os.chdir(order["cwd"])
     argv: list[str] = order["argv"]
     recorded(run, argv)

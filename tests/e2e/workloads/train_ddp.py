@@ -24,6 +24,11 @@ from torch.nn.parallel import DistributedDataParallel
 from worker_lib import Checkpointer, attach
 
 
+def _stuck_in_a_deadlock() -> None:
+    while True:
+        time.sleep(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iterations", type=int, default=20)
@@ -32,6 +37,9 @@ def main() -> None:
     parser.add_argument("--log-dir", type=Path, required=True)
     parser.add_argument("--embedded", action="store_true", help="plain torchrun: attach to Castor here")
     parser.add_argument("--crash-at", type=int, default=None, help="rank 1 exits once at this iteration")
+    parser.add_argument(
+        "--hang-at", type=int, default=None, help="rank 1 hangs once after committing this iteration"
+    )
     parser.add_argument(
         "--collective-timeout-s",
         type=float,
@@ -96,6 +104,11 @@ def main() -> None:
             if args.crash_at == iteration and rank == 1 and not crash_marker.exists():
                 crash_marker.touch()
                 os._exit(17)  # a software failure, once
+            hang_marker = args.log_dir / "hung"
+            if args.hang_at == iteration and rank == 1 and not hang_marker.exists():
+                hang_marker.touch()
+                _stuck_in_a_deadlock()  # alive, silent: only a hang watchdog ends it (the others block in
+                # the next all-reduce)
     # A rank still here a minute later (a hang at the end) dumps every thread's stack into its log.
     faulthandler.dump_traceback_later(60)
     dist.barrier()

@@ -19,6 +19,7 @@ from worker_lib.agent.states import (
     Fact,
     ForwardSignal,
     HeartbeatReplaced,
+    Hung,
     IllegalTransition,
     JobDeleted,
     PauseReplication,
@@ -38,6 +39,7 @@ from worker_lib.agent.states import (
     StartDone,
     StartFailed,
     StartWorkers,
+    StopHung,
     StopWorkers,
     UpdateAddresses,
     check_transition,
@@ -127,6 +129,7 @@ def sample_facts() -> list[Fact]:
         exited(2, 0),
         exited(3, 1),
         Committed(2, 9),
+        Hung(1, 2, "rank 2 is silent"),
         RestoreDone(2, 7, {}),
         RestoreFailed(2, "gone"),
         StartDone(2, {}),
@@ -307,3 +310,26 @@ def test_a_signal_is_forwarded_and_no_training_starts_again_while_the_agent_stop
     assert step(status, RestoreFailed(2, "gone"))[0].state is S.STOPPING
     # The job's end still decides the exit code.
     assert step(status, directive("finished", 1, job_state="completed"))[0].state is S.STOPPED
+
+
+# -- decide: the hang watchdog -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", [S.RUNNING, S.RESUMING])
+def test_a_hung_rank_of_the_running_generation_is_stopped(state: AgentState) -> None:
+    status = replace(running(generation=3), state=state)
+    assert step(status, Hung(3, 2, "rank 2 is silent")) == (status, (StopHung(2, "rank 2 is silent"),))
+
+
+@pytest.mark.parametrize(
+    ("status", "fact"),
+    [
+        (running(generation=3), Hung(2, 2, "an older generation's rank")),
+        (replace(running(generation=3), state=S.COLLECTING), Hung(3, 2, "a recovery stops it anyway")),
+        (replace(running(generation=3), state=S.STOPPING), Hung(3, 2, "a signal stops it anyway")),
+        (replace(running(generation=3), clean=frozenset({2})), Hung(3, 2, "it already exited cleanly")),
+        (running(generation=3), Hung(3, 7, "not a rank of this machine")),
+    ],
+)
+def test_a_hang_is_not_acted_on_once_nothing_trains_as_that_rank(status: AgentStatus, fact: Hung) -> None:
+    assert step(status, fact) == (status, ())
