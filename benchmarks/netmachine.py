@@ -90,12 +90,20 @@ def train(args: argparse.Namespace) -> None:
 
 
 def agent(args: argparse.Namespace) -> None:
+    import logging
+
     from worker_lib.agent.dataplane import DataPlaneServer, data_plane_key
     from worker_lib.agent.holdings import Holdings
     from worker_lib.agent.pacing import Pacer
     from worker_lib.agent.replication import Replicator
 
     root = Path(args.root)
+    logging.basicConfig(
+        filename=root / "agent.log",
+        level=logging.INFO,
+        format="%(asctime)s %(threadName)s %(name)s %(message)s",
+    )
+    logging.getLogger("worker_lib.agent.replication").setLevel(logging.DEBUG)  # the rounds' steps
     key = data_plane_key(args.token)
     holdings = Holdings(root)
     holdings.prepare_local([args.rank], 4)
@@ -120,7 +128,7 @@ def agent(args: argparse.Namespace) -> None:
     replicator.start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
-    rounds: list[tuple[float, int | None, int | None, str]] = []
+    rounds: list[tuple[float, int | None, int | None, str, float | None]] = []
     seen: int | None = None
     summary_file, alignment_file = root / "summary.json", root / "alignment.json"
     aligned_at = 0.0
@@ -133,7 +141,7 @@ def agent(args: argparse.Namespace) -> None:
         stats = replicator.stats
         if stats.replicated_iteration != seen:
             seen = stats.replicated_iteration
-            rounds.append((time.monotonic(), seen, stats.interval, phase))
+            rounds.append((time.monotonic(), seen, stats.interval, phase, stats.last_round_s))
         if args.align:
             summary = {**replicator.summary(), "local": {str(args.rank): None}}
             temporary = summary_file.with_suffix(".tmp")
@@ -287,6 +295,9 @@ def drive(
                     lost = rng.randrange(n)
                     aligned = said.aligned_iteration if said is not None else None
                     outcome: dict[str, Any] = {"machine": lost, "iteration": aligned, "from_peer": False}
+                    outcome["started"] = time.time()
+                    holder_log = roots[lost ^ 1] / "agent.log"
+                    log_offset = holder_log.stat().st_size if holder_log.exists() else 0
                     try:
                         if aligned is None:
                             raise LookupError("no aligned iteration")
@@ -307,6 +318,15 @@ def drive(
                         outcome.update(from_peer=True, digest_checked=aligned in own)
                     except Exception as exc:  # a loss that found no copy in memory: reported
                         outcome["error"] = f"{type(exc).__name__}: {exc}"
+                        outcome["at"] = time.time()
+                        with contextlib.suppress(Exception):
+                            replicas = Holdings(roots[lost ^ 1]).replica_store(lost).committed()
+                            outcome["peer_replicas_after"] = [m.iteration for m in replicas]
+                        with contextlib.suppress(OSError):  # what the holder's agent said meanwhile
+                            with holder_log.open() as file:
+                                file.seek(log_offset)
+                                said_lines = [line.rstrip() for line in file if "replication" not in line]
+                            outcome["holder_log"] = said_lines[-20:]
                     outcomes.append(outcome)
                     next_loss = time.monotonic() + rng.uniform(*loss_every_s)
             time.sleep(0.1)

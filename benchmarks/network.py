@@ -34,12 +34,27 @@ interleaved where the replication interval is measured and machines are lost at 
   checkpoint bytes / (idle fraction x link bandwidth x iteration time), rounded up, from the none blocks'
   measured idle fraction and iteration time and this run's link_gbps; checkpoint_vs_idle_capacity: the
   checkpoint over one iteration's idle capacity (3 to 10 by design).
+* tail_iteration_s, round_transfer_s, round_period_s, interval_transfer_iterations,
+  interval_wait_iterations: where an interval goes, from the agents' tail rounds: a round's transfer (its
+  pins taken to the last verified replica; Replicator.stats.last_round_s), the time between two rounds'
+  completions, and the two in tail iterations (the rest of a period is the wait for the next round: every
+  machine done, a proposal led by the lead, every machine's pin, the go).
+* profile_idle_fraction: the idle fraction of the profile the sender schedules by (the union of a window
+  of 8 iterations' busy spans: jitter between iterations makes it smaller than one iteration's idle
+  fraction); replication_interval_profile_bound: the bound with that idle fraction, mu (0.8) of it, and the
+  tail's iteration time: what the interleaved sender can achieve by design before any alignment wait.
 * machine_losses / peer_restores: at random instants of the tail a machine is declared lost and its rank's
   checkpoint of the job's aligned iteration is fetched from its peer's memory over the data plane (verified,
   and bit-exact against the lost machine's own copy) while every survivor still holds that iteration
   locally. The machine is not killed (the recovery of a killed machine on this cluster is
   tests/e2e/test_netemu_recovery.py's): what is counted is that a common iteration was in memory and came
-  back from the peer.
+  back from the peer. A loss that failed records its error, the holder's replicas of the lost rank after it
+  (`peer_replicas_after` in --raw) and what the holder's agent logged meanwhile (`holder_log`).
+
+    sudo .venv/bin/python benchmarks/network.py --interleave-only --cycles 1 --tail 80 --losses 16 --logs DIR
+
+runs only the interleaving part, sized by its flags, and keeps the agents' logs (the rounds' steps at DEBUG)
+and JSON in DIR.
 """
 
 from __future__ import annotations
@@ -154,7 +169,16 @@ def measure(rate_gbit: float, size: int, reps: int) -> dict[str, float | int]:
 SETTLE = 2  # iterations of each block left out: the previous policy's last piece may still be draining
 
 
-def interleaving(quick: bool, raw: str | None = None) -> dict[str, object]:
+def interleaving(
+    quick: bool,
+    raw: str | None = None,
+    *,
+    cycles: int | None = None,
+    tail: int | None = None,
+    losses: int | None = None,
+    machines: int | None = None,
+    logs: str | None = None,
+) -> dict[str, object]:
     import math
     import random
     import statistics
@@ -162,12 +186,16 @@ def interleaving(quick: bool, raw: str | None = None) -> dict[str, object]:
     sys.path.insert(0, str(REPO / "benchmarks"))
     import netmachine
 
-    from worker_lib.interleave import interval_bound, merge
+    from worker_lib.interleave import MU, IterationComm, interval_bound, merge, profile
 
     # Short blocks, many cycles: this host's load drifts over minutes, and a pair of blocks seconds apart
     # sees about the same load. A policy switch takes effect at the sender's next piece (2 MiB).
-    block, cycles, tail, losses = (6, 1, 14, 2) if quick else (6, 10, 70, 12)
-    machines = 2 if quick else 4  # --quick checks that it runs: half the processes to start
+    block, default_cycles, default_tail, default_losses = (6, 1, 14, 2) if quick else (6, 10, 70, 12)
+    cycles = default_cycles if cycles is None else cycles
+    tail = default_tail if tail is None else tail
+    losses = default_losses if losses is None else losses
+    if machines is None:
+        machines = 2 if quick else 4  # --quick checks that it runs: half the processes to start
     warmup = 12
     iterations = warmup + block * cycles * 3 + tail
     train_args = ["--iterations", str(iterations), "--warmup", str(warmup), "--block", str(block)]
@@ -186,6 +214,13 @@ def interleaving(quick: bool, raw: str | None = None) -> dict[str, object]:
             loss_every_s=(0.5, 2.0),
             seed=random.randrange(1 << 30),
         )
+        if logs:  # the agents' logs (and their JSON), kept for a look at what went wrong
+            Path(logs).mkdir(parents=True, exist_ok=True)
+            for index in range(machines):
+                for name in ("agent.log", "agent.json", "train.json"):
+                    source = Path(scratch) / f"m{index}" / name
+                    if source.exists():
+                        (Path(logs) / f"m{index}-{name}").write_bytes(source.read_bytes())
     if raw:
         Path(raw).write_text(json.dumps(out))
     times = out["train"][0]["times"]  # every rank waits for the same all-reduces: rank 0's will do
@@ -226,6 +261,44 @@ def interleaving(quick: bool, raw: str | None = None) -> dict[str, object]:
             if previous[3] == current[3] == "tail" and current[2]:
                 intervals.append(current[2])
     figures["replication_interval"] = statistics.median(intervals) if intervals else None
+    # Where an interval's time goes: the rounds' transfers (start to the last verified replica) and the
+    # wait between one round's end and the next one's start (every machine done, a proposal, its lead).
+    transfers, periods = [], []
+    for agent in out["agents"]:
+        tail_rounds = [r for r in agent["rounds"] if r[3] == "tail" and r[1] is not None]
+        transfers += [r[4] for r in tail_rounds if len(r) > 4 and r[4] is not None]
+        periods += [b[0] - a[0] for a, b in itertools.pairwise(tail_rounds)]
+    tail_iteration_s = statistics.median(t for _, phase, t in times if phase == "tail")
+    figures["tail_iteration_s"] = round(tail_iteration_s, 4)
+    if transfers and periods:
+        transfer_s, period_s = statistics.median(transfers), statistics.median(periods)
+        figures["round_transfer_s"] = round(transfer_s, 3)
+        figures["round_period_s"] = round(period_s, 3)
+        figures["interval_transfer_iterations"] = round(transfer_s / tail_iteration_s, 2)
+        figures["interval_wait_iterations"] = round(max(0.0, period_s - transfer_s) / tail_iteration_s, 2)
+    # The idle time the sender schedules by: the profile training publishes (the union of a window's busy
+    # spans, worker_lib.interleave.profile), which jitter between iterations shrinks below one iteration's.
+    window = 8  # netmachine.py train --profile-window
+    history = []
+    for index in range(len(starts) - 1):
+        begin, end = starts[index], starts[index + 1]
+        window_busy = tuple(
+            (max(s, begin) - begin, min(e, end) - begin) for s, e in spans if e > begin and s < end
+        )
+        history.append(IterationComm(end - begin, window_busy))
+    profiled = [
+        found.idle_fraction
+        for index in range(window, len(history))
+        if index < len(times)
+        and times[index][1] == "tail"
+        and (found := profile(history[index - window : index])) is not None
+    ]
+    if profiled:
+        profile_idle = statistics.median(profiled)
+        figures["profile_idle_fraction"] = round(profile_idle, 3)
+        figures["replication_interval_profile_bound"] = interval_bound(
+            checkpoint_bytes, MU * profile_idle, bandwidth, tail_iteration_s
+        )
     figures["replication_intervals"] = sorted(intervals)
     figures["replication_interval_bound"] = interval_bound(
         checkpoint_bytes, idle_fraction, bandwidth, iteration_s
@@ -251,6 +324,14 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="48 MiB checkpoints at 1 Gbit/s only")
     parser.add_argument("--raw", help="write the interleaving run's raw JSON (times, spans, windows) here")
+    parser.add_argument(
+        "--interleave-only", action="store_true", help="skip the link and replica-transfer measurements"
+    )
+    parser.add_argument("--cycles", type=int, help="cycles of none/eager/interleaved blocks (10; --quick 1)")
+    parser.add_argument("--tail", type=int, help="iterations of the tail under interleaved (70; --quick 14)")
+    parser.add_argument("--losses", type=int, help="machine losses in the tail (12; --quick 2)")
+    parser.add_argument("--machines", type=int, help="machines of the interleaving run (4; --quick 2)")
+    parser.add_argument("--logs", help="copy the agents' logs and JSON into this directory")
     args = parser.parse_args()
     reason = netemu.unavailable()
     if reason:
@@ -259,10 +340,21 @@ def main() -> None:
     size = 48 * MiB if args.quick else 512 * MiB
     reps = 2
     results: dict[str, object] = {"rate_gbit": 1.0, "reps": reps, "statistic": "best"}
-    results.update(measure(1.0, size, reps))
-    if not args.quick:
-        results.update({f"{k}_10": v for k, v in measure(10.0, size, reps).items()})
-    results.update(interleaving(args.quick, args.raw))
+    if not args.interleave_only:
+        results.update(measure(1.0, size, reps))
+        if not args.quick:
+            results.update({f"{k}_10": v for k, v in measure(10.0, size, reps).items()})
+    results.update(
+        interleaving(
+            args.quick,
+            args.raw,
+            cycles=args.cycles,
+            tail=args.tail,
+            losses=args.losses,
+            machines=args.machines,
+            logs=args.logs,
+        )
+    )
     for key, value in results.items():
         print(f"{key:32s} {value:.3f}" if isinstance(value, float) else f"{key:32s} {value}")
     results.pop("replication_intervals", None)

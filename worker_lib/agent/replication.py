@@ -118,6 +118,9 @@ class ReplicationStats:
     rounds: int = 0  # rounds completed: an iteration every local rank has on every peer
     bytes_sent: int = 0
     last_lag_s: float | None = None  # from the commit to the last peer's verified replica, last round
+    # From the last completed round's start (its pins taken) to the last peer's verified replica: the
+    # transfer itself; the rest of an interval is the wait for the next round (alignment, the lead).
+    last_round_s: float | None = None
     replicated: dict[int, int] = field(default_factory=dict)  # rank -> newest iteration every peer holds
     replicated_iteration: int | None = None  # the newest fully replicated iteration (pinned)
     interval: int | None = None  # iterations between the last two fully replicated ones (same history)
@@ -133,6 +136,7 @@ class _Round:
     left: set[tuple[int, int]]  # (machine, rank) not yet verified and committed by the peer
     committed_at: float
     aborted: str | None = None
+    started_at: float = field(default_factory=time.monotonic)
 
     @property
     def iteration(self) -> int:
@@ -350,7 +354,10 @@ class Replicator:
             ):
                 self._drop_next()
                 self._next = target  # the largest proposal: adopted, pinned when committed
+                log.debug("adopted iteration %d (aligned %s)", target, aligned)
             if go and target is not None and target == self._next:
+                if not self._go:
+                    log.debug("go for iteration %d", target)
                 self._go = True
             self.condition.notify_all()
 
@@ -547,6 +554,7 @@ class Replicator:
         if ranks and all(r in self._next_pins for r in ranks):
             if len({version(p.manifest) for p in self._next_pins.values()}) == 1:
                 self._next_state = "pinned"
+                log.debug("iteration %d pinned for every local rank", self._next)
                 self._lead = max(LEAD, self._lead * 3 // 4)
             else:  # ranks of different histories (a rollback under way): propose anew
                 self._drop_next()
@@ -616,6 +624,7 @@ class Replicator:
         if self._next is None and not ahead and held is not None:
             if not stalled:
                 self._next = held + max(self._lead, self._needed_lead())
+                log.debug("proposing iteration %d (newest common %d, lead %d)", self._next, held, self._lead)
             elif self._job_aligned is None or held > self._job_aligned:
                 # Training stopped: the newest iteration every local rank holds, pinned at once.
                 self._next = held
@@ -633,6 +642,7 @@ class Replicator:
         if any(self.holdings.local_store(rank).writer_waiting() for rank in ranks):
             return None
         pins, self._next_pins, self._next_state = dict(self._next_pins), {}, "running"
+        log.debug("aligned round of iteration %d started", self._next)
         chosen = version(next(iter(pins.values())).manifest)
         self._rounds += 1
         return self._new_round(chosen, pins, ranks, min(p.manifest.committed_at for p in pins.values()))
@@ -707,8 +717,10 @@ class Replicator:
         if previous is not None and previous[0] == current.version[0]:
             stats.interval = current.iteration - previous[1]
         stats.replicated_iteration = current.iteration
+        log.debug("round of iteration %d complete (interval %s)", current.iteration, stats.interval)
         stats.replicated_at = time.time()
         stats.last_lag_s = max(0.0, stats.replicated_at - current.committed_at)
+        stats.last_round_s = time.monotonic() - current.started_at
         stats.rounds += 1
         for rank in current.pins:
             stats.replicated[rank] = current.iteration

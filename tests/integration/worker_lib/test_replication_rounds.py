@@ -139,6 +139,7 @@ def test_a_transfer_slower_than_the_commit_rate_completes_and_the_replicated_ite
         assert replicator.stats.interval is not None and replicator.stats.interval >= STRIPES, (
             "a round spans a commit per stripe: the achieved interval shows it"
         )
+        assert replicator.stats.last_round_s is not None and replicator.stats.last_round_s > 0
         assert checkpointer.stats.saves_skipped == 0
     finally:
         gate.release()
