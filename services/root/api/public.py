@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, BackgroundTasks, Path, Query, Response, status
 
@@ -10,9 +10,11 @@ from services.root import schemas
 from services.root.api.deps import AdminDep, AdminJobDep, SessionDep, StateDep
 from services.root.clients import JobInfo
 from services.root.db import repository as repo
-from services.root.db.models import JobState
+from services.root.db.models import FailureEvent, JobState
 from services.root.errors import Invalid, NotFound, error_responses
 from services.root.flows import jobs as job_flows
+from services.root.flows import recovery
+from services.root.schemas.shared import readable_json
 
 # 503: the request's transaction lost a race inside the database and was rolled back (retry it).
 router = APIRouter(prefix="/api/v1", tags=["jobs"], responses=error_responses(401, 403, 422, 503))
@@ -122,10 +124,21 @@ async def get_placement(job: AdminJobDep, db: SessionDep) -> schemas.PlacementOu
 async def list_failures(job: AdminJobDep, db: SessionDep) -> list[schemas.FailureOut]:
     """Failure events, newest first."""
     numbers = await repo.failure_numbers(db, job.id)
-    return [
-        schemas.FailureOut.model_validate(f).model_copy(update={"number": numbers.get(f.id)})
-        for f in await repo.list_failures(db, job.id)
-    ]
+    events = await repo.list_failures(db, job.id)
+    notes = await recovery.progress_notes(db, job.id, [f.plan_id for f in events])
+    return [_failure_out(f, numbers, notes) for f in events]
+
+
+def _failure_out(
+    event: FailureEvent, numbers: dict[int, int], notes: dict[int, dict[str, dict[str, Any]]]
+) -> schemas.FailureOut:
+    """A failure as the API shows it: its number in the job, and its plan's progress reports in its
+    details (flows.recovery.progress_notes), read through the same JSON guard as the rest."""
+    out = schemas.FailureOut.model_validate(event)
+    update: dict[str, Any] = {"number": numbers.get(event.id)}
+    if event.plan_id in notes:
+        update["details"] = readable_json(recovery.with_progress(event, notes))
+    return out.model_copy(update=update)
 
 
 @router.get(
@@ -141,7 +154,7 @@ async def get_failure(
     if event is None:
         raise NotFound(f"job {job.id} has no failure {failure_id}", code="failure_not_found")
     numbers = await repo.failure_numbers(db, job.id)
-    return schemas.FailureOut.model_validate(event).model_copy(update={"number": numbers.get(event.id)})
+    return _failure_out(event, numbers, await recovery.progress_notes(db, job.id, [event.plan_id]))
 
 
 @router.get(

@@ -66,7 +66,7 @@ async def report_exit(
 
 
 @router.get("/recovery-plan", response_model=schemas.RecoveryPlanOut)
-async def current_recovery_plan(job: WorkerJobDep, db: SessionDep) -> schemas.RecoveryPlanOut:
+async def current_recovery_plan(job: WorkerJobUnlockedDep, db: SessionDep) -> schemas.RecoveryPlanOut:
     """The newest recovery plan: the iteration every rank resumes from and where each rank gets it."""
     plan = await repo.latest_plan(db, job.id)
     if plan is None:
@@ -103,10 +103,11 @@ async def get_directive(
     "/machines/{rank}/progress", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(409)
 )
 async def report_progress(
-    rank: RankPath, body: schemas.ProgressReport, job: WorkerJobDep, db: SessionDep
+    rank: RankPath, body: schemas.ProgressReport, job_id: AuthorizedJobIdDep, state: StateDep
 ) -> Response:
-    """This machine's progress through the current plan (restored, resumed, finished)."""
-    await recovery.record_progress(db, job, rank, body)
+    """This machine's progress through the current plan (restored, resumed, finished). It writes this
+    machine's own rows only and locks nothing shared; the job completes with the last machine finished."""
+    await recovery.record_progress(state.database, job_id, rank, body)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -114,9 +115,10 @@ async def report_progress(
     "/machines/{rank}/inventory", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(409)
 )
 async def report_inventory(
-    rank: RankPath, body: schemas.InventoryReport, job: WorkerJobDep, db: SessionDep
+    rank: RankPath, body: schemas.InventoryReport, job: WorkerJobUnlockedDep, db: SessionDep
 ) -> Response:
-    """What this machine holds, checksums verified, for the recovery being planned."""
+    """What this machine holds, checksums verified, for the recovery being planned (its own row only:
+    nothing shared is locked)."""
     await recovery.record_inventory(db, job, rank, body)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 

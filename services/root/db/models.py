@@ -213,6 +213,30 @@ class Machine(Base):
     job: Mapped[Job] = relationship(back_populates="machines")
 
 
+class RankProgress(Base):
+    """One machine rank's progress through one plan generation: when its "restored" and "resumed" reports
+    arrived and what its restore reported (tier, seconds, bytes per rank). Written only by that machine's
+    own reports (an upsert on the unique key), so a thousand reports after a recovery lock nothing shared;
+    the recovery's failure events show them (flows.recovery.progress_notes), and the leader's step reads
+    the last report's time from them to end the restore and resume phases.
+
+    No foreign key to the job: on Postgres, inserting a row that references the job takes a KEY SHARE lock
+    on the job's row, which waits behind the leader's SELECT ... FOR UPDATE of it. A deleted job's rows are
+    deleted with it (repository.delete_job)."""
+
+    __tablename__ = "rank_progress"
+    __table_args__ = (UniqueConstraint("job_id", "generation", "rank"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[uuid.UUID]
+    generation: Mapped[int]
+    rank: Mapped[int]  # the machine's rank
+    restored_at: Mapped[datetime | None] = mapped_column(default=None)  # its first "restored" report
+    resumed_at: Mapped[datetime | None] = mapped_column(default=None)  # its first "resumed" report
+    # The details of its newest "restored" report (per training rank: tier, seconds, bytes, ...).
+    restore: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
 class PlacementGroupRow(Base):
     __tablename__ = "placement_groups"
     __table_args__ = (UniqueConstraint("job_id", "index"),)

@@ -9,18 +9,21 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 from sqlalchemy import case, delete, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
 from services.root.db.models import (
     FailureEvent,
     Job,
+    JobState,
     Machine,
     MachineState,
     PersistedCheckpoint,
     PersistedShard,
     PlacementGroupRow,
     PlanStatus,
+    RankProgress,
     RecoveryPlan,
 )
 
@@ -48,6 +51,7 @@ async def list_jobs(
 
 
 async def delete_job(session: AsyncSession, job: Job) -> None:
+    await session.execute(delete(RankProgress).where(RankProgress.job_id == job.id))  # no foreign key
     await session.execute(delete(Job).where(Job.id == job.id))
 
 
@@ -294,3 +298,133 @@ async def persisted_checkpoint(
         .where(PersistedCheckpoint.job_id == job_id, PersistedCheckpoint.iteration == iteration)
     )
     return (await session.execute(query)).scalar_one_or_none()
+
+
+# -- what agents report during a recovery: each report writes its own machine's row and its own progress
+# row, and locks nothing shared (not the job row: a thousand machines report at once after a recovery) ---
+
+
+async def mark_machine(
+    session: AsyncSession, job_id: uuid.UUID, rank: int, instance_id: str, **values: Any
+) -> int | None:
+    """Set `values` on the live machine `instance_id` at `rank` in one statement (its row only); its id,
+    or None when no live machine matches."""
+    query = (
+        update(Machine)
+        .where(
+            Machine.job_id == job_id,
+            Machine.instance_id == instance_id,
+            Machine.rank == rank,
+            Machine.state != MachineState.REPLACED,
+        )
+        .values(**values)
+        .returning(Machine.id)
+        .execution_options(synchronize_session=False)
+    )
+    return (await session.execute(query)).scalar_one_or_none()
+
+
+async def note_progress(
+    session: AsyncSession,
+    job_id: uuid.UUID,
+    generation: int,
+    rank: int,
+    *,
+    restored_at: datetime | None = None,
+    resumed_at: datetime | None = None,
+    restore: dict[str, Any] | None = None,
+) -> None:
+    """Machine `rank`'s report for plan `generation`, in its own row (an upsert on the unique key): the
+    first "restored" and "resumed" report times stay (a retry does not move them), the newest restore
+    details replace the previous."""
+    dialect = session.bind.dialect.name if session.bind is not None else "postgresql"
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    values: dict[str, Any] = {"restored_at": restored_at, "resumed_at": resumed_at, "restore": restore}
+    values = {key: value for key, value in values.items() if value is not None}
+    if not values:
+        return
+    statement = insert(RankProgress).values(
+        job_id=job_id, generation=generation, rank=rank, **{"restore": {}, **values}
+    )
+    new = statement.excluded
+    changes: dict[str, Any] = {
+        "restored_at": func.coalesce(RankProgress.restored_at, new.restored_at),
+        "resumed_at": func.coalesce(RankProgress.resumed_at, new.resumed_at),
+        "restore": new.restore,
+    }
+    upsert = statement.on_conflict_do_update(
+        index_elements=[RankProgress.job_id, RankProgress.generation, RankProgress.rank],
+        set_={key: changes[key] for key in values},
+    )
+    await session.execute(upsert)
+
+
+async def last_progress(
+    session: AsyncSession, job_id: uuid.UUID, generation: int, *, resumed: bool
+) -> datetime | None:
+    """When the last machine's first "restored" (or `resumed`) report for `generation` arrived."""
+    column = RankProgress.resumed_at if resumed else RankProgress.restored_at
+    query = select(func.max(column)).where(
+        RankProgress.job_id == job_id, RankProgress.generation == generation
+    )
+    found: datetime | None = (await session.execute(query)).scalar_one_or_none()
+    return found
+
+
+async def plan_progress(
+    session: AsyncSession, job_id: uuid.UUID, plan_ids: Sequence[int]
+) -> list[tuple[int, RankProgress]]:
+    """The progress rows of the plans `plan_ids` (by plan id), for the failure events recovered by them."""
+    if not plan_ids:
+        return []
+    query = (
+        select(RecoveryPlan.id, RankProgress)
+        .join(
+            RecoveryPlan,
+            (RecoveryPlan.job_id == RankProgress.job_id)
+            & (RecoveryPlan.generation == RankProgress.generation),
+        )
+        .where(RankProgress.job_id == job_id, RecoveryPlan.id.in_(list(plan_ids)))
+        .order_by(RankProgress.rank)
+    )
+    return [(plan_id, row) for plan_id, row in (await session.execute(query)).all()]
+
+
+async def unfinished_machines(session: AsyncSession, job_id: uuid.UUID, generation: int) -> int:
+    """How many live machines have not reported "finished" for `generation`."""
+    query = (
+        select(func.count())
+        .select_from(Machine)
+        .where(
+            Machine.job_id == job_id,
+            Machine.state != MachineState.REPLACED,
+            (Machine.finished_generation.is_(None)) | (Machine.finished_generation != generation),
+        )
+    )
+    return int((await session.execute(query)).scalar_one())
+
+
+async def complete_job(session: AsyncSession, job_id: uuid.UUID, at: datetime) -> bool:
+    """Mark a running job completed, its directive's revision moved, in one conditional statement: of
+    several callers at once exactly one gets True (the row's lock orders them; the later ones find the
+    job no longer running)."""
+    query = (
+        update(Job)
+        .where(Job.id == job_id, Job.state == JobState.RUNNING)
+        .values(state=JobState.COMPLETED, finished_at=at, directive_revision=Job.directive_revision + 1)
+        .returning(Job.id)
+        .execution_options(synchronize_session=False)
+    )
+    return (await session.execute(query)).scalar_one_or_none() is not None
+
+
+async def latest_plan_status(session: AsyncSession, job_id: uuid.UUID) -> tuple[int, str] | None:
+    """The newest plan's generation and status, without its per-rank sources."""
+    query = (
+        select(RecoveryPlan.generation, RecoveryPlan.status)
+        .where(RecoveryPlan.job_id == job_id)
+        .order_by(RecoveryPlan.generation.desc())
+        .limit(1)
+    )
+    found = (await session.execute(query)).first()
+    return (found[0], found[1]) if found is not None else None

@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.root import schemas
 from services.root.clients import JobInfo, MachineInfo, ReplacementCancelled
 from services.root.db import repository as repo
+from services.root.db.database import Database, mark_changed
 from services.root.db.models import (
     FailureEvent,
     FailureKind,
@@ -41,9 +42,9 @@ from services.root.db.models import (
     utcnow,
 )
 from services.root.domain import persisted, recovery_states
-from services.root.domain.phases import parse_timestamp
 from services.root.domain.recovery import MemoryCopy, PersistedShard, plan_recovery
 from services.root.domain.recovery_states import RecoveryState
+from services.root.errors import Conflict, NotFound
 from services.root.flows.directives import directive_changed
 from services.root.flows.failures import machine_lost
 from services.root.flows.machines import live_machine_at
@@ -153,12 +154,17 @@ async def _step(
             lost.append(await machine_lost(session, job, machine, "did not report its inventory in time"))
 
     elif state in (RecoveryState.PLANNED, RecoveryState.RESUMING):
-        if all(m.restored_generation == plan.generation for m in live):
-            restored = _last_report(events, RESTORED_AT, now)
+        # The machines' own rows say who restored and resumed; their progress rows (read after them, so
+        # every report they count is there) say when the last report arrived.
+        if all(m.restored_generation == plan.generation for m in live) and any(
+            e.restored_at is None for e in events
+        ):
+            restored = await _last_report(session, job, plan.generation, now, resumed=False)
             for event in events:
                 event.restored_at = event.restored_at or restored
         if all(m.resumed_generation == plan.generation for m in live):
-            _finish_recovery(job, plan, events, _last_report(events, RESUMED_AT, now))
+            resumed = await _last_report(session, job, plan.generation, now, resumed=True)
+            _finish_recovery(job, plan, events, resumed)
         elif plan.ready_at and now - plan.ready_at > timedelta(seconds=settings.restore_timeout_s):
             for machine in live:
                 if machine.resumed_generation != plan.generation:
@@ -436,23 +442,47 @@ def _give_up(session: AsyncSession, job: Job, events: list[FailureEvent], now: d
     log.error("job %s: %s", job.name, why)
 
 
-# Event details keys: when each machine's "restored" and "resumed" reports arrived (machine rank -> ISO
-# time). A phase ends at the last machine's report, not at the leader's next pass, which trails it.
+# How the API and the pages show a recovery's progress reports on its failure events (the keys their
+# details carried before the reports got rows of their own, migration 0008): machine rank -> when its
+# "restored" and "resumed" reports arrived (ISO time), and the details of its restore.
 RESTORED_AT = "restored_reported_at"
 RESUMED_AT = "resumed_reported_at"
+RESTORE = "restore"
 
 
-def _now_iso() -> str:
-    return utcnow().isoformat()
+async def _last_report(
+    session: AsyncSession, job: Job, generation: int, now: datetime, *, resumed: bool
+) -> datetime:
+    """When the last machine's first "restored" (`resumed`: "resumed") report of `generation` arrived: a
+    phase ends at the last machine's report, not at the leader's next pass, which trails it (`now` if none
+    was recorded)."""
+    return await repo.last_progress(session, job.id, generation, resumed=resumed) or now
 
 
-def _last_report(events: list[FailureEvent], key: str, now: datetime) -> datetime:
-    """The latest report time noted under `key` on the recovery's events (`now` if none was noted: a
-    recovery that began before this was recorded)."""
-    times = [
-        parse_timestamp(value) for event in events for value in (event.details or {}).get(key, {}).values()
-    ]
-    return max((t for t in times if t is not None), default=now)
+async def progress_notes(
+    session: AsyncSession, job_id: uuid.UUID, plan_ids: Collection[int | None]
+) -> dict[int, dict[str, dict[str, Any]]]:
+    """Per plan id, its machines' progress reports as the failure events' details show them: RESTORED_AT,
+    RESUMED_AT and RESTORE, each machine rank (a string) -> its value; a plan with no report is absent."""
+    notes: dict[int, dict[str, dict[str, Any]]] = {}
+    wanted = sorted({plan_id for plan_id in plan_ids if plan_id is not None})
+    for plan_id, row in await repo.plan_progress(session, job_id, wanted):
+        note = notes.setdefault(plan_id, {})
+        rank = str(row.rank)
+        if row.restored_at is not None:
+            note.setdefault(RESTORED_AT, {})[rank] = row.restored_at.isoformat()
+            note.setdefault(RESTORE, {})[rank] = row.restore
+        if row.resumed_at is not None:
+            note.setdefault(RESUMED_AT, {})[rank] = row.resumed_at.isoformat()
+    return notes
+
+
+def with_progress(event: FailureEvent, notes: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The event's details with its plan's progress reports (progress_notes) merged in."""
+    details = dict(event.details or {})
+    if event.plan_id is not None:
+        details.update(notes.get(event.plan_id, {}))
+    return details
 
 
 def _finish_recovery(job: Job, plan: RecoveryPlan, events: list[FailureEvent], now: datetime) -> None:
@@ -476,57 +506,83 @@ def _finish_recovery(job: Job, plan: RecoveryPlan, events: list[FailureEvent], n
 async def record_inventory(
     session: AsyncSession, job: Job, rank: int, report: schemas.InventoryReport
 ) -> None:
-    machine = await live_machine_at(session, job, rank, report.instance_id)
-    plan = await repo.latest_plan(session, job.id)
-    if plan is None or plan.generation != report.generation or plan.status != PlanStatus.COLLECTING:
+    """A machine's inventory for the recovery being collected: its own row, one statement, nothing shared
+    locked (the job row is read, not locked). A report that races the plan's decision is harmless: the
+    leader decides only once every machine's inventory of the generation is in, read from these rows."""
+    latest = await repo.latest_plan_status(session, job.id)
+    if latest is None or latest != (report.generation, PlanStatus.COLLECTING):
+        await live_machine_at(session, job, rank, report.instance_id)  # a zombie still gets its 409
         return  # a late report for a recovery that has moved on
-    machine.inventory = {"holdings": [h.model_dump() for h in report.holdings]}
-    machine.inventory_generation = report.generation
+    values: dict[str, Any] = {
+        "inventory": {"holdings": [h.model_dump() for h in report.holdings]},
+        "inventory_generation": report.generation,
+    }
     if report.rendezvous_port is not None:
-        machine.rendezvous_port = report.rendezvous_port
+        values["rendezvous_port"] = report.rendezvous_port
+    if await repo.mark_machine(session, job.id, rank, report.instance_id, **values) is None:
+        await live_machine_at(session, job, rank, report.instance_id)  # says why (409)
+        raise Conflict(f"instance {report.instance_id!r} is not machine {rank}", code="not_registered")
 
 
-async def record_progress(session: AsyncSession, job: Job, rank: int, report: schemas.ProgressReport) -> None:
-    """An agent's progress through the current plan; when every machine's processes finished cleanly, the
-    job is complete."""
-    machine = await live_machine_at(session, job, rank, report.instance_id)
-    if report.event == "restored":
-        if machine.restored_generation != report.generation:  # the first report counts, not a retry
-            await _note_on_events(session, job, report.generation, RESTORED_AT, {str(rank): _now_iso()})
-        machine.restored_generation = report.generation
-        await _note_on_events(session, job, report.generation, "restore", {str(rank): report.details})
-    elif report.event == "resumed":
-        if machine.resumed_generation != report.generation:
-            await _note_on_events(session, job, report.generation, RESUMED_AT, {str(rank): _now_iso()})
-        machine.resumed_generation = report.generation
-    elif report.event == "restore_failed":
-        now = utcnow()
-        session.add(
-            FailureEvent(
-                job_id=job.id,
-                machine_id=machine.id,
-                rank=rank,
-                kind=FailureKind.UNKNOWN,
-                detected_at=now,
-                classified_at=now,
-                cause=f"machine {rank} could not restore: {report.details.get('error', '?')}"[:500],
-                details=report.details,
-            )
-        )
-    elif report.event == "finished":
-        machine.finished_generation = report.generation
-        live = await repo.live_machines(session, job.id)
-        if job.state == JobState.RUNNING and all(m.finished_generation == report.generation for m in live):
-            job.state, job.finished_at = JobState.COMPLETED, utcnow()
-            directive_changed(session, job)
-    await session.flush()
-
-
-async def _note_on_events(
-    session: AsyncSession, job: Job, generation: int, key: str, value: dict[str, Any]
+async def record_progress(
+    database: Database, job_id: uuid.UUID, rank: int, report: schemas.ProgressReport
 ) -> None:
-    plan = await repo.latest_plan(session, job.id)
-    if plan is None or plan.generation != generation:
-        return
-    for event in await repo.failures_of_plan(session, plan.id):
-        event.details = {**event.details, key: {**event.details.get(key, {}), **value}}
+    """An agent's progress through the current plan. "restored" and "resumed" write this machine's row and
+    its progress row for the generation, and lock nothing shared: no job row, no failure event (the pages
+    and the leader read the progress rows). "finished" does the same, commits, and then completes the job
+    when every live machine finished: a conditional UPDATE of the job row, so of several last reports at
+    once exactly one completes it. A transaction of its own per step (hence the database, not a session).
+    """
+    async with database.session() as session:
+        job = await repo.get_job(session, job_id)
+        if job is None:
+            raise NotFound(f"job {job_id} does not exist", code="job_not_found")
+        if report.event == "restore_failed":
+            await _restore_failed(session, job, rank, report)
+            return
+        now = utcnow()
+        column = {
+            "restored": "restored_generation",
+            "resumed": "resumed_generation",
+            "finished": "finished_generation",
+        }[report.event]
+        values = {column: report.generation}
+        if await repo.mark_machine(session, job.id, rank, report.instance_id, **values) is None:
+            await live_machine_at(session, job, rank, report.instance_id)  # says why (409)
+            raise Conflict(f"instance {report.instance_id!r} is not machine {rank}", code="not_registered")
+        if report.event == "restored":
+            await repo.note_progress(
+                session, job.id, report.generation, rank, restored_at=now, restore=report.details
+            )
+        elif report.event == "resumed":
+            await repo.note_progress(session, job.id, report.generation, rank, resumed_at=now)
+        running = job.state == JobState.RUNNING
+    if report.event == "finished" and running:
+        # After this machine's row committed: of the last machines reporting at once, at least the one
+        # that commits last sees every machine finished, and the conditional UPDATE lets one of them win.
+        async with database.session() as session:
+            if await repo.unfinished_machines(session, job_id, report.generation) == 0 and (
+                await repo.complete_job(session, job_id, utcnow())
+            ):
+                mark_changed(session, job_id)  # the directive says finished: wake the long polls
+                log.info("job %s: every machine finished; the job is complete", job.name)
+
+
+async def _restore_failed(session: AsyncSession, job: Job, rank: int, report: schemas.ProgressReport) -> None:
+    """A source could not deliver: a failure of its own, recorded under the job row's lock as the other
+    writers of a job's failure events do (rare: not a hot path)."""
+    await repo.get_job(session, job.id, for_update=True)
+    machine = await live_machine_at(session, job, rank, report.instance_id)
+    now = utcnow()
+    session.add(
+        FailureEvent(
+            job_id=job.id,
+            machine_id=machine.id,
+            rank=rank,
+            kind=FailureKind.UNKNOWN,
+            detected_at=now,
+            classified_at=now,
+            cause=f"machine {rank} could not restore: {report.details.get('error', '?')}"[:500],
+            details=report.details,
+        )
+    )

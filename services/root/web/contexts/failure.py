@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.root.db import repository as repo
 from services.root.db.models import FailureEvent, Job, Machine, RecoveryPlan
 from services.root.domain import phases
+from services.root.flows import recovery
 from services.root.web.contexts.common import (
     CLASSIFICATION,
     LIVE_JOB_STATES,
@@ -162,7 +163,8 @@ async def failure_page(
     now = now or datetime.now(UTC)
     numbers = await repo.failure_numbers(session, job.id)
     row = failure_row(job.id, event, now, numbers.get(event.id))
-    details = event.details or {}
+    # With the machines' progress reports of its plan (their own rows), as the API shows it.
+    details = recovery.with_progress(event, await recovery.progress_notes(session, job.id, [event.plan_id]))
     machines = await repo.all_machines(session, job.id)
     by_id = {m.id: m for m in machines}
     by_instance = {m.instance_id: m for m in machines}

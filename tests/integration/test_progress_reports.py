@@ -1,0 +1,193 @@
+"""Progress and inventory reports off the job row (issue 13): a report writes its own machine's row and its
+own progress row, locks nothing shared (it goes through while another transaction holds the job row) and
+touches no failure event; the failure still shows every machine's report times and restore details, its
+phases end at the last machine's report; the last machines' "finished" reports at once complete the job
+exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import event, select
+
+from services.root.db.models import Job, RankProgress
+from tests.integration.conftest import admin
+from tests.integration.web.scenario import Scenario, eventually, running_job
+
+MACHINES = 4
+
+
+def holdings(rank: int, iteration: int) -> list[dict[str, Any]]:
+    peer = rank ^ 1
+    return [
+        {"rank": r, "iteration": iteration, "tier": tier, "digest": f"{r:02d}" * 8, "data_bytes": 64}
+        | {"verified": True}
+        for r, tier in ((rank, "local"), (peer, "replica"))
+    ]
+
+
+def inventory(job: Scenario, rank: int) -> dict[str, Any]:
+    return {"instance_id": job.instances[rank], "generation": 2, "holdings": holdings(rank, 20)}
+
+
+def restored(job: Scenario, rank: int) -> dict[str, Any]:
+    details = {str(rank): {"tier": "local", "seconds": 0.25 + rank, "source": rank}}
+    return {"instance_id": job.instances[rank], "generation": 2, "event": "restored", "details": details}
+
+
+def resumed(job: Scenario, rank: int) -> dict[str, Any]:
+    return {"instance_id": job.instances[rank], "generation": 2, "event": "resumed"}
+
+
+async def crashed(client: httpx.AsyncClient) -> tuple[Scenario, int]:
+    """A running job whose process on machine 1 crashed: its recovery (generation 2) is collecting."""
+    job = await running_job(client, MACHINES)
+    failure_id = await job.kill_process(1)
+    await job.plan(2, "collecting")
+    return job, failure_id
+
+
+async def statements_of(root_app: FastAPI, *requests: Callable[[], Awaitable[Any]]) -> list[str]:
+    """The SQL the requests ran, at once, each in a task of its own (their statements only: not the
+    leader's meanwhile; the in-process transport runs a request in the task that sends it)."""
+    statements: list[str] = []
+    tasks: set[asyncio.Task[Any] | None] = set()
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if asyncio.current_task() in tasks:
+            statements.append(" ".join(statement.split()).lower())
+
+    async def run(request: Callable[[], Awaitable[Any]]) -> None:
+        tasks.add(asyncio.current_task())
+        await request()
+
+    engine = root_app.state.castor.database.engine.sync_engine
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        await asyncio.gather(*(asyncio.create_task(run(request)) for request in requests))
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    return statements
+
+
+async def test_reports_go_through_while_the_job_row_is_locked(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    database = root_app.state.castor.database
+    if database.is_sqlite:
+        pytest.skip("SQLite has no row locks: one writer at a time")
+    job, failure_id = await crashed(client)
+    lock = select(Job).where(Job.id == uuid.UUID(job.id)).with_for_update()
+    async with database.session() as session:
+        await session.execute(lock)
+        # Before: every report took this lock first, and waited here until the holder committed.
+        for rank in range(MACHINES):
+            await asyncio.wait_for(job.post(f"/machines/{rank}/inventory", inventory(job, rank), 204), 30)
+    await job.plan(2, "ready")
+    async with database.session() as session:
+        await session.execute(lock)
+        for rank in range(MACHINES):
+            await asyncio.wait_for(job.post(f"/machines/{rank}/progress", restored(job, rank), 204), 30)
+        for rank in range(MACHINES - 1):
+            await asyncio.wait_for(job.post(f"/machines/{rank}/progress", resumed(job, rank), 204), 30)
+    await job.post(f"/machines/{MACHINES - 1}/progress", resumed(job, MACHINES - 1), 204)
+
+    async def recovered() -> dict[str, Any] | None:
+        found: dict[str, Any] = await job.api(f"/failures/{failure_id}")
+        return found if found["state"] == "recovered" else None
+
+    failure = await eventually(recovered, "the failure to be recovered")
+    details = failure["details"]
+    assert (
+        sorted(details["restored_reported_at"])
+        == sorted(details["resumed_reported_at"])
+        == ["0", "1", "2", "3"]
+    )
+    assert details["restore"]["2"] == {"2": {"tier": "local", "seconds": 2.25, "source": 2}}
+    last_resumed = max(datetime.fromisoformat(t) for t in details["resumed_reported_at"].values())
+    assert datetime.fromisoformat(failure["resumed_at"]) == last_resumed
+    last_restored = max(datetime.fromisoformat(t) for t in details["restored_reported_at"].values())
+    assert datetime.fromisoformat(failure["restored_at"]) == last_restored
+
+
+async def test_a_report_writes_only_its_own_rows(client: httpx.AsyncClient, root_app: FastAPI) -> None:
+    job, failure_id = await crashed(client)
+    inventory_sql = await statements_of(
+        root_app, lambda: job.post("/machines/0/inventory", inventory(job, 0), 204)
+    )
+    for rank in range(1, MACHINES):
+        await job.post(f"/machines/{rank}/inventory", inventory(job, rank), 204)
+    await job.plan(2, "ready")
+    restored_sql = await statements_of(
+        root_app, lambda: job.post("/machines/2/progress", restored(job, 2), 204)
+    )
+    retried_sql = await statements_of(
+        root_app, lambda: job.post("/machines/2/progress", restored(job, 2), 204)
+    )
+    resumed_sql = await statements_of(
+        root_app, lambda: job.post("/machines/2/progress", resumed(job, 2), 204)
+    )
+
+    for statements in (inventory_sql, restored_sql, retried_sql, resumed_sql):
+        assert statements, "the request ran in this task"
+        assert not [s for s in statements if "for update" in s], statements
+        assert not [s for s in statements if "failure_events" in s], "no failure event is read or written"
+        assert not [s for s in statements if "sources" in s], "the plan's per-rank sources stay unread"
+        writes = [s for s in statements if s.startswith(("update", "insert", "delete"))]
+        assert writes and all(
+            s.startswith(("update machines", "insert into rank_progress")) for s in writes
+        ), writes
+        assert all("update machines" not in s or "where machines.job_id" in s for s in writes), writes
+
+    # The retry moved nothing: the first report's time stays.
+    failure = await job.api(f"/failures/{failure_id}")
+    async with root_app.state.castor.database.session() as session:
+        rows = (await session.execute(select(RankProgress).where(RankProgress.rank == 2))).scalars().all()
+    assert [(r.generation, r.restore) for r in rows] == [
+        (2, {"2": {"tier": "local", "seconds": 2.25, "source": 2}})
+    ]
+    row = rows[0]
+    assert row.restored_at is not None and row.resumed_at is not None
+    assert failure["details"]["restored_reported_at"] == {"2": row.restored_at.isoformat()}
+    assert failure["details"]["resumed_reported_at"] == {"2": row.resumed_at.isoformat()}
+    assert failure["restored_at"] is None, "three machines have not restored yet"
+
+    # The rows go with their job (they have no foreign key to cascade from).
+    assert (await job.client.delete(f"/api/v1/jobs/{job.id}", headers=admin())).status_code == 204
+    async with root_app.state.castor.database.session() as session:
+        assert not (await session.execute(select(RankProgress.id))).all()
+
+
+async def test_the_last_finished_reports_at_once_complete_the_job_exactly_once(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    machines = 8
+    job = await running_job(client, machines)
+    directive = await client.get(f"/api/v1/worker/jobs/{job.id}/directive", headers=job.worker)
+    revision = directive.json()["revision"]
+    for rank in range(machines - 4):
+        body = {"instance_id": job.instances[rank], "generation": 1, "event": "finished"}
+        await job.post(f"/machines/{rank}/progress", body, 204)
+    assert (await job.api(""))["state"] == "running", "half the machines are still training"
+
+    def finished(rank: int) -> Callable[[], Awaitable[Any]]:
+        body = {"instance_id": job.instances[rank], "generation": 1, "event": "finished"}
+        return lambda: job.post(f"/machines/{rank}/progress", body, 204)
+
+    statements = await statements_of(root_app, *(finished(rank) for rank in range(machines - 4, machines)))
+    assert [s for s in statements if s.startswith("update jobs")], "one of them tried to complete the job"
+    assert not [s for s in statements if "for update" in s], "no report waits for the job row's lock"
+    fetched = await job.api("")
+    assert fetched["state"] == "completed" and fetched["finished_at"] is not None
+    done = await client.get(
+        f"/api/v1/worker/jobs/{job.id}/directive", params={"after": revision}, headers=job.worker
+    )
+    assert done.json()["status"] == "finished"
+    assert done.json()["revision"] == revision + 1, "the job was completed once: one new revision"
