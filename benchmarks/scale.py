@@ -4,51 +4,78 @@ printed is JSON.
     .venv/bin/python benchmarks/scale.py                       # 1,000 machines x 8 processes, 10 min steady
     .venv/bin/python benchmarks/scale.py --machines 200 --steady 60
     .venv/bin/python benchmarks/scale.py --quick               # 50 machines, 5 s steady: checks that it runs
+    .venv/bin/python benchmarks/scale.py --machines 100 --steady 30 --etcd --group-loss --process-exit \
+        --leader-kill                                          # every scenario, agents on etcd leases
 
-The root runs as in production (`python -m services.cli serve`, one uvicorn process, REST heartbeats) on a
-throwaway Postgres started the way the tests start it (tests/harness.py). The machines are asyncio tasks in
-this process (no torch, no shared memory, no data plane), each speaking the worker API as an agent does
-(worker_lib.client.RootClient over one shared connection pool): register; long-poll its machine's directive
-(`machine=`, as an agent does); report `restored` and `resumed` for the first plan; heartbeat every
-interval with a summary of its P ranks whose iterations advance; re-fetch the directive every
-PEERS_REFRESH_S as an agent refreshes its peers.
+The root runs as in production (`python -m services.cli serve`, one uvicorn process) on a throwaway Postgres
+started the way the tests start it (tests/harness.py), and with --etcd on a throwaway etcd started the way
+the tests start it (--heartbeat-interval=50 --election-timeout=500, periodic auto-compaction). The machines
+are asyncio tasks in this process (no torch, no shared memory, no data plane), each speaking the worker API
+as an agent does (worker_lib.client.RootClient over one shared connection pool, failing over between root
+replicas): register; long-poll its machine's directive (`machine=`, as an agent does); report its inventory
+when a recovery collects (its ranks at the iteration of the failure, and the replicas its placement gives
+it), `restored` and `resumed` when a plan is ready; heartbeat every interval with a summary of its P ranks
+whose iterations advance (REST, or with --etcd as an agent does: its own etcd lease, refreshed and its key
+put every interval, over a pool of etcd connections); re-fetch the directive every PEERS_REFRESH_S as an
+agent refreshes its peers.
 
 Scenarios, in order:
 * register all: every machine registers at once; `register_all_s` until the last one got its rank;
   `start_directives_s` from then (the last registration releases the first plan) until every machine's
-  long poll has answered with it (`directives_s` of the issue, for the first plan: no recovery is run);
-  `directive_bytes` the largest directive a machine was sent;
+  long poll has answered with it; `directive_bytes` the largest directive a machine was sent;
 * steady state (--steady seconds): heartbeats and progress; `heartbeat_p50_ms`/`heartbeat_p99_ms` as the
-  machines see them (send to answer, this process's own event-loop lag included), `false_positives` the
-  failure events recorded meanwhile (none is expected), `root_cpu_pct` the root process's CPU use (100: one
-  core busy);
+  machines see them (send to answer, this process's own event-loop lag included; with --etcd a lease
+  refresh and the key's put), `false_positives` the failure events recorded meanwhile (none is expected),
+  `root_cpu_pct` the root processes' CPU use (100: one core busy);
 * pages: `job_page_ms` (the job's status page, signed in) and `metrics_ms` (/metrics) with every machine
   registered and --past-failures recovered failures in the database (median of 5 each);
-* one machine lost: one machine stops heartbeating; `detect_s` from its last answered heartbeat to the
-  failure event's detection (the heartbeat timeout, and the suspect grace after it, bound it from below).
+* one machine lost: one machine stops heartbeating (with --etcd: stops refreshing its lease); `suspect_s`
+  from its last heartbeat (lease refresh) to the root suspecting it, `detect_s` to the failure event (the
+  suspect grace, --suspect-grace, after the suspicion: a silent machine is declared lost on a second signal
+  or after the grace). The harness then registers a replacement at once (the cloud's launch, excluded:
+  `replaced_s` is how long the harness took), and times the recovery: `plan_ready_s` from the failure's
+  detection to its plan ready (every inventory in), `directives_s` from the plan ready to every machine's
+  long poll answering with it, `recovery_s` the root's (detection to every machine resumed);
+* --group-loss: every machine of one placement group stops at once (no replica of its ranks survives);
+  `group_*` figures as above, and `group_tier` the slowest tier its plan restores from;
+* --process-exit: one training process of one machine exits (its agent reports it); `exit_detect_s` from
+  the report sent to the failure event, `exit_*` as above;
+* --leader-kill: two root replicas on the same Postgres (and etcd, with --etcd) elect a leader; one machine
+  stops, and once its failure is recorded the leader's process is killed (SIGKILL) before the replacement
+  registers; `failover_elected_s` from the kill to the new leader raising the fencing epoch, `failover_s`
+  to the new leader continuing the recovery (its first recovery write: the plan collecting or ready),
+  `failover_*` as above.
+With --etcd, `etcd_db_growth_mb` is how much etcd's database file grew over the run, `etcd_db_in_use_mb`
+what it uses at the end (auto-compaction frees history; the file does not shrink without a defrag).
 
 --interval and --timeout set the root's REST heartbeat interval and timeout (defaults: the root's, 1 s and
-3 s); at 1,000 machines on a 2-core host a longer interval is what the host can carry (README, "Scale").
+3 s); at 1,000 machines on a 2-core host a longer interval is what the host can carry (docs/figures.md,
+"Scale"). --lease-ttl sets the agents' etcd lease TTL (the root's CASTOR_LEASE_TTL_S; agents refresh it
+every min(interval, TTL / 3)).
 
-Not simulated (see the README's "Scale"): etcd leases (the REST heartbeat mode only), recoveries after the
-loss, persisted shards.
+Not simulated: the data plane (no checkpoint moves; restores are reported at once), persisted shards (a
+group loss has no persistent copy to restore from), the cloud's replacement (the harness registers one).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import json
 import os
 import random
 import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -60,11 +87,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests import harness  # noqa: E402
-from worker_lib.api.worker import RegisterResponse  # noqa: E402
+from worker_lib.api.worker import HeartbeatConfig, RegisterResponse  # noqa: E402
 from worker_lib.client import RootClient, RootRejected, RootUnavailable  # noqa: E402
 
 ADMIN_TOKEN = "castor-admin.scale-benchmark"
 PEERS_REFRESH_S = 10.0  # worker_lib.agent.services.PEERS_REFRESH_S
+MACHINES_PER_ETCD_CONNECTION = 25
 DIRECTIVE_FIELDS = {
     "revision": re.compile(r'"revision":\s*(-?\d+)'),
     "status": re.compile(r'"status":\s*"(\w+)"'),
@@ -79,17 +107,36 @@ class Stats:
     directive_ms: list[float] = field(default_factory=list)
     directive_bytes: int | None = None
     ready_at: list[float] = field(default_factory=list)  # monotonic: each machine's first ready directive
+    # generation -> wall clock of each machine's long poll answering with that generation's ready plan
+    ready_wall: dict[int, list[float]] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     recording: bool = False
+    started: float = field(default_factory=time.monotonic)
+    frozen: int | None = None  # the iteration every machine holds at the failure being simulated
+    replicas_of: dict[int, list[int]] = field(
+        default_factory=dict
+    )  # machine -> machines it holds replicas of
 
     def error(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
+
+    def iteration(self) -> int:
+        """Every rank's newest iteration: the ranks of a job advance together."""
+        return int((time.monotonic() - self.started) * 2)
 
 
 class SimulatedMachine:
     """One machine's agent, as far as the root can tell: its requests, at an agent's pace."""
 
-    def __init__(self, rank: int, client: RootClient, procs: int, interval_s: float, stats: Stats):
+    def __init__(
+        self,
+        rank: int,
+        client: RootClient,
+        procs: int,
+        interval_s: float,
+        stats: Stats,
+        instance_id: str | None = None,
+    ):
         self.rank, self.client, self.procs, self.interval_s, self.stats = (
             rank,
             client,
@@ -97,13 +144,22 @@ class SimulatedMachine:
             interval_s,
             stats,
         )
-        self.instance_id = f"sim-{rank:05d}"
+        self.instance_id = instance_id or f"sim-{rank:05d}"
+        self.replacement = instance_id is not None  # a fresh machine: its memory is empty
         self.alive = True
-        self.last_answered = 0.0  # wall clock of the last heartbeat the root answered
-        self.started = time.monotonic()
+        self.last_answered = 0.0  # wall clock of the last heartbeat the root answered (lease refresh sent)
+        self.trained = 1  # the generation whose training made what it holds
+        self.config: HeartbeatConfig | None = None
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def stop(self) -> None:
+        """The machine dies: its loops end and its requests in flight are dropped."""
+        self.alive = False
+        for task in self.tasks:
+            task.cancel()
 
     def summary(self) -> dict[str, Any]:
-        iteration = int((time.monotonic() - self.started) * 2)
+        iteration = self.stats.iteration()
         ranks = range(self.rank * self.procs, (self.rank + 1) * self.procs)
         return {
             "local": {str(r): iteration for r in ranks},
@@ -115,8 +171,30 @@ class SimulatedMachine:
             "save_calls": {str(r): iteration for r in ranks},
         }
 
+    def holdings(self) -> list[dict[str, Any]]:
+        """What its inventory reports: its own ranks and the replicas it holds, at the failure's iteration
+        (a replacement holds nothing)."""
+        if self.replacement and self.trained == 1:
+            return []
+        iteration = self.stats.frozen if self.stats.frozen is not None else self.stats.iteration()
+        found = []
+        for machine in [self.rank, *self.stats.replicas_of.get(self.rank, [])]:
+            for rank in range(machine * self.procs, (machine + 1) * self.procs):
+                found.append(
+                    {
+                        "rank": rank,
+                        "iteration": iteration,
+                        "tier": "local" if machine == self.rank else "replica",
+                        "digest": f"{rank:08x}{iteration:08x}",
+                        "data_bytes": 1 << 20,
+                        "verified": True,
+                        "generation": self.trained,
+                    }
+                )
+        return found
+
     async def register(self) -> RegisterResponse:
-        return await self.client.register(
+        registered = await self.client.register(
             instance_id=self.instance_id,
             address="127.0.0.1",
             data_port=20000 + self.rank % 40000,
@@ -124,13 +202,25 @@ class SimulatedMachine:
             rank=self.rank,
             rendezvous_port=30000 + self.rank % 30000,
         )
+        self.config = registered.heartbeat
+        return registered
+
+    def work(self, etcd: Any = None) -> list[Coroutine[Any, Any, None]]:
+        """The agent's loops: heartbeats (REST, or its etcd lease over `etcd`), the directive long poll and
+        the peers' refresh."""
+        beats = (
+            self.lease(etcd) if self.config is not None and self.config.mode == "etcd" else self.heartbeats()
+        )
+        return [beats, self.directives(), self.peer_refreshes()]
 
     async def directive(self, after: int, wait_s: float) -> dict[str, Any]:
         """The directive's leading fields only. A real agent parses the whole of its machine's directive on
         its own host (an older root answers with the whole job's: about a megabyte at 1,000 x 8); a thousand
         of them parsed in this one process would make the harness, not the root, the bottleneck."""
-        url = f"{self.client.urls[0]}/api/v1/worker/jobs/{self.client.job_id}/directive"
         for attempt in range(30):
+            url = (
+                f"{self.client.urls[self.client._current]}/api/v1/worker/jobs/{self.client.job_id}/directive"
+            )
             try:
                 response = await self.client._http.get(
                     url, params={"after": after, "wait": wait_s, "machine": self.rank}, timeout=wait_s + 30
@@ -141,7 +231,10 @@ class SimulatedMachine:
                 pass
             if attempt == 29:
                 raise RootUnavailable(f"no directive after {attempt + 1} attempts")
-            await asyncio.sleep(1)
+            # The next replica at once, as RootClient does; a pause once each was tried.
+            self.client._current = (self.client._current + 1) % len(self.client.urls)
+            if (attempt + 1) % len(self.client.urls) == 0:
+                await asyncio.sleep(1)
         if response.status_code >= 400:
             raise RootRejected(response.status_code, "http_error", response.text[:200])
         self.stats.directive_bytes = max(self.stats.directive_bytes or 0, len(response.content))
@@ -169,9 +262,46 @@ class SimulatedMachine:
                 self.stats.error(f"heartbeat: {type(exc).__name__}")
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - sent)))
 
+    async def lease(self, etcd: Any) -> None:
+        """etcd mode, as worker_lib.agent.heartbeat.etcd_heartbeats: a lease of the root's TTL, refreshed
+        every interval, the key put (on the lease) whenever the summary changed. The agent's own connection
+        is one of a shared pool here."""
+        import aetcd
+
+        assert self.config is not None and self.config.etcd_key is not None
+        key, interval = self.config.etcd_key.encode(), self.config.interval_s
+        ttl = max(1, round(self.config.timeout_s))
+        lease: Any = None
+        last: bytes | None = None
+        await asyncio.sleep(random.random() * interval)
+        while self.alive:
+            sent, sent_wall = time.monotonic(), time.time()
+            try:
+                if lease is None:
+                    lease, last = await etcd.lease(ttl), None
+                refreshed = await lease.refresh()
+                if getattr(refreshed, "TTL", 1) <= 0:
+                    lease = None  # it lapsed: a new one, at once
+                    self.stats.error("lease lapsed")
+                    continue
+                if self.alive:
+                    self.last_answered = sent_wall
+                value = json.dumps(self.summary(), sort_keys=True).encode()
+                if value != last:
+                    await etcd.put(key, value, lease=lease)
+                    last = value
+                if self.stats.recording:
+                    self.stats.heartbeat_ms.append((time.monotonic() - sent) * 1000)
+            except (aetcd.exceptions.ClientError, OSError) as exc:
+                self.stats.error(f"lease: {type(exc).__name__}")
+                lease = None
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - sent)))
+
     async def directives(self) -> None:
-        """The agent's directive long poll; on the first ready plan, `restored` then `resumed`."""
+        """The agent's directive long poll: on a recovery collecting, its inventory; on a ready plan,
+        `restored` then `resumed`."""
         revision, generation = -1, None
+        collected: set[int] = set()
         while self.alive:
             try:
                 directive = await self.directive(after=revision, wait_s=10)
@@ -179,11 +309,26 @@ class SimulatedMachine:
                 self.stats.error(f"directive: {type(exc).__name__}")
                 await asyncio.sleep(1)
                 continue
+            if not self.alive:
+                return
             revision = max(revision, directive["revision"])
+            if directive["status"] == "collecting" and directive["generation"] not in collected:
+                collected.add(directive["generation"])
+                body = {
+                    "instance_id": self.instance_id,
+                    "generation": directive["generation"],
+                    "holdings": self.holdings(),
+                    "rendezvous_port": 30000 + self.rank % 30000,
+                }
+                try:
+                    await self.client.report_inventory(self.rank, body)
+                except (RootRejected, RootUnavailable) as exc:
+                    self.stats.error(f"inventory: {type(exc).__name__}")
             if directive["status"] == "ready" and directive["generation"] != generation:
                 if generation is None:
                     self.stats.ready_at.append(time.monotonic())
                 generation = directive["generation"]
+                self.stats.ready_wall.setdefault(generation, []).append(time.time())
                 for event in ("restored", "resumed"):
                     body = {"instance_id": self.instance_id, "generation": generation, "event": event}
                     sent = time.monotonic()
@@ -192,6 +337,7 @@ class SimulatedMachine:
                         self.stats.progress_ms.append((time.monotonic() - sent) * 1000)
                     except (RootRejected, RootUnavailable) as exc:
                         self.stats.error(f"progress: {type(exc).__name__}")
+                self.trained = generation
 
     async def peer_refreshes(self) -> None:
         await asyncio.sleep(random.random() * PEERS_REFRESH_S)
@@ -220,19 +366,24 @@ def quantile(values: list[float], q: float) -> float | None:
 
 
 def start_root(
-    workdir: Path, database_url: str, args: argparse.Namespace
+    workdir: Path, database_url: str, args: argparse.Namespace, name: str = "root"
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = harness.free_port()
     env = {
         **os.environ,
-        "CASTOR_STATE_DIR": str(workdir / "root-state"),
+        "CASTOR_STATE_DIR": str(workdir / f"{name}-state"),
         "CASTOR_DATABASE_URL": database_url,
         "CASTOR_ADMIN_TOKEN": ADMIN_TOKEN,
         "CASTOR_PORT": str(port),
         "CASTOR_HEARTBEAT_INTERVAL_S": str(args.interval),
         "CASTOR_HEARTBEAT_TIMEOUT_S": str(args.timeout),
     }
-    log = (workdir / "root.log").open("wb")
+    if args.etcd_endpoint:
+        env["CASTOR_ETCD_ENDPOINTS"] = args.etcd_endpoint
+        env["CASTOR_LEASE_TTL_S"] = str(args.lease_ttl)
+    if args.suspect_grace is not None:
+        env["CASTOR_SUSPECT_GRACE_S"] = str(args.suspect_grace)
+    log = (workdir / f"{name}.log").open("wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "serve"],
         cwd=REPO,
@@ -240,8 +391,513 @@ def start_root(
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    harness.wait_for_port(port, process, timeout=120)
+    try:
+        harness.wait_for_port(port, process, timeout=120)
+    except BaseException:
+        harness.stop_process(process)
+        raise
     return process, f"http://127.0.0.1:{port}"
+
+
+def etcd_db_bytes(endpoint: str) -> tuple[int, int | None]:
+    """etcd's database file size and the part of it in use (bytes)."""
+    found = subprocess.run(
+        ["etcdctl", f"--endpoints={endpoint}", "endpoint", "status", "-w", "json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    status = json.loads(found.stdout)[0]["Status"]
+    return int(status["dbSize"]), status.get("dbSizeInUse")
+
+
+def mb(size: float | None) -> float | None:
+    return None if size is None else round(size / 1e6, 2)
+
+
+class Run:
+    """One benchmark run: the job, its simulated machines and the scenarios."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        server: harness.Postgres,
+        database: str,
+        roots: list[tuple[subprocess.Popen[bytes], str]],
+    ):
+        self.args, self.server, self.database, self.roots = args, server, database, roots
+        self.url = roots[0][1]  # the admin's replica (a live one)
+        self.stats = Stats()
+        self.machines: list[SimulatedMachine] = []
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.etcd_clients: list[Any] = []
+        self.figures: dict[str, Any] = {}
+
+    # -- helpers
+
+    def sql(self, query: str) -> list[list[str]]:
+        found = subprocess.run(
+            [
+                "psql",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(self.server.port),
+                "-U",
+                "postgres",
+                "-d",
+                self.database,
+                "-AtF",
+                "|",
+                "-c",
+                query,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        return [line.split("|") for line in found.stdout.splitlines() if line]
+
+    async def failures(self) -> list[dict[str, Any]]:
+        for attempt in range(
+            10
+        ):  # an overloaded root drops a connection now and then: the figure is not that
+            try:
+                response = await self.admin.get(f"{self.url}/api/v1/jobs/{self.job_id}/failures")
+                response.raise_for_status()
+                break
+            except httpx.HTTPError:
+                if attempt == 9:
+                    raise
+                await asyncio.sleep(1)
+        body = response.json()
+        return list(body["items"] if isinstance(body, dict) else body)
+
+    async def until(self, what: str, check: Callable[[], Awaitable[Any]], timeout_s: float) -> Any:
+        """`check()`'s first truthy answer, polled every 0.2 s for at most `timeout_s` (None after)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = await check()
+            if found:
+                return found
+            await asyncio.sleep(0.2)
+        print(f"gave up waiting for {what} after {timeout_s:.0f}s", file=sys.stderr, flush=True)
+        return None
+
+    def start(self, machine: SimulatedMachine) -> None:
+        etcd = self.etcd_clients[machine.rank % len(self.etcd_clients)] if self.etcd_clients else None
+        machine.tasks = [asyncio.create_task(work) for work in machine.work(etcd)]
+        self.tasks.extend(machine.tasks)
+
+    # -- the run
+
+    async def run(self) -> dict[str, Any]:
+        args = self.args
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        async with httpx.AsyncClient(headers=headers, timeout=60) as self.admin:
+            name = f"scale-{uuid.uuid4().hex[:6]}"
+            body = {"name": name, "machines": args.machines, "procs_per_machine": args.procs, "replicas": 2}
+            created = (await self.admin.post(f"{self.url}/api/v1/jobs", json=body)).raise_for_status().json()
+            self.job_id, token = created["id"], created["worker_token"]
+            limits = httpx.Limits(
+                max_connections=3 * args.machines + 50, max_keepalive_connections=3 * args.machines
+            )
+            shared = httpx.AsyncClient(
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=httpx.Timeout(30.0, connect=10.0),
+                limits=limits,
+            )
+            # One client, copied per machine (each copy keeps its own replica index), over one pool: a
+            # thousand pools (and TLS contexts) would measure this process, not the root.
+            urls = [url for _, url in self.roots]
+            self.base = RootClient(urls, self.job_id, token, timeout_s=30.0, retry_for_s=900.0)
+            await self.base._http.aclose()
+            self.base._http = shared
+            self.machines = [self.machine(rank) for rank in range(args.machines)]
+            if args.etcd_endpoint:
+                import aetcd
+
+                host, _, port = args.etcd_endpoint.partition(":")
+                self.etcd_clients = [
+                    aetcd.Client(host, int(port), timeout=5)
+                    for _ in range(max(1, -(-args.machines // MACHINES_PER_ETCD_CONNECTION)))
+                ]
+            try:
+                await self.scenarios()
+                return self.figures
+            finally:
+                for machine in self.machines:
+                    machine.alive = False
+                for task in self.tasks:
+                    task.cancel()
+                await asyncio.gather(*self.tasks, return_exceptions=True)
+                for client in self.etcd_clients:
+                    with contextlib.suppress(Exception):
+                        await client.close()
+                await shared.aclose()
+
+    def machine(self, rank: int, instance_id: str | None = None) -> SimulatedMachine:
+        client = copy.copy(self.base)
+        # Machines spread over the replicas (each fails over to the others), as agents given every URL.
+        shift = rank % len(client.urls)
+        client.urls = client.urls[shift:] + client.urls[:shift]
+        return SimulatedMachine(rank, client, self.args.procs, self.args.interval, self.stats, instance_id)
+
+    async def scenarios(self) -> None:
+        args, stats = self.args, self.stats
+        db_start = etcd_db_bytes(args.etcd_endpoint)[0] if args.etcd_endpoint else None
+        # -- register all
+        started = time.monotonic()
+
+        async def join(machine: SimulatedMachine) -> None:
+            registered = await machine.register()
+            if not stats.replicas_of:
+                for placed in registered.placement.ranks:
+                    for holder in placed.holders:
+                        if holder != placed.rank:
+                            stats.replicas_of.setdefault(holder, []).append(placed.rank)
+            # As an agent: heartbeats and the directive from its registration on (a machine registered
+            # early and silent until the last one registered would be suspect at the start).
+            self.start(machine)
+
+        await asyncio.gather(*(join(m) for m in self.machines))
+        registered = time.monotonic()
+        register_all_s = registered - started
+        print(f"registered {args.machines} machines in {register_all_s:.1f}s", file=sys.stderr, flush=True)
+        # Every machine resumed before the steady state counts.
+        deadline = time.monotonic() + max(120.0, args.machines * 0.5)
+        while time.monotonic() < deadline:
+            if len(stats.progress_ms) >= 2 * args.machines:
+                break
+            await asyncio.sleep(0.5)
+        print(
+            f"{len(stats.progress_ms)} progress reports after {time.monotonic() - started:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
+        print(
+            "first plan reached the machines after (s, quartiles):",
+            [
+                round(quantile([t - registered for t in stats.ready_at], q) or 0, 2)
+                for q in (0.25, 0.5, 0.75, 1)
+            ],
+            file=sys.stderr,
+            flush=True,
+        )
+        start_directives_s = (
+            round(max(stats.ready_at) - registered, 2) if len(stats.ready_at) == args.machines else None
+        )
+        await asyncio.sleep(args.interval)
+        # -- steady state
+        before = len(await self.failures())
+        stats.recording = True
+        print(f"steady state for {args.steady:.0f}s", file=sys.stderr, flush=True)
+        pids = [process.pid for process, _ in self.roots]
+        cpu_before, wall_before = sum(map(cpu_seconds, pids)), time.monotonic()
+        await asyncio.sleep(args.steady)
+        root_cpu_pct = round(
+            100 * (sum(map(cpu_seconds, pids)) - cpu_before) / (time.monotonic() - wall_before), 1
+        )
+        stats.recording = False
+        false_positives = len(await self.failures()) - before
+        heartbeats = list(stats.heartbeat_ms)
+        # -- pages, with every machine and the past failures in the database
+        add_past_failures(self.server, self.database, self.job_id, args.past_failures)
+        login = await self.admin.post(f"{self.url}/login", data={"token": ADMIN_TOKEN, "next": "/"})
+        if login.status_code not in (200, 303):
+            raise RuntimeError(f"login failed: {login.status_code}")
+        job_page_ms = await timed_get(self.admin, f"{self.url}/jobs/{self.job_id}", cookies=login.cookies)
+        metrics_ms = await timed_get(self.admin, f"{self.url}/metrics")
+        print(f"pages done: {stats.errors}", file=sys.stderr, flush=True)
+        self.figures.update(
+            {
+                "machines": args.machines,
+                "procs_per_machine": args.procs,
+                "heartbeats_via": "etcd" if args.etcd_endpoint else "rest",
+                "root_replicas": len(self.roots),
+                "heartbeat_interval_s": args.interval,
+                "heartbeat_timeout_s": args.timeout,
+                "lease_ttl_s": args.lease_ttl if args.etcd_endpoint else None,
+                "suspect_grace_s": args.suspect_grace,
+                "steady_s": args.steady,
+                "register_all_s": round(register_all_s, 2),
+                "start_directives_s": start_directives_s,
+                "directive_bytes": stats.directive_bytes,
+                "heartbeats": len(heartbeats),
+                "heartbeats_per_s": round(len(heartbeats) / args.steady, 1),
+                "heartbeat_p50_ms": quantile(heartbeats, 0.5),
+                "heartbeat_p99_ms": quantile(heartbeats, 0.99),
+                "progress_p99_ms": quantile(stats.progress_ms, 0.99),
+                "peers_directive_p99_ms": quantile(stats.directive_ms, 0.99),
+                "root_cpu_pct": root_cpu_pct,
+                "false_positives": false_positives,
+                "past_failures": args.past_failures,
+                "job_page_ms": job_page_ms,
+                "metrics_ms": metrics_ms,
+            }
+        )
+        if args.no_loss:
+            scenarios: list[tuple[str, Callable[[], Awaitable[dict[str, Any]]]]] = []
+        else:
+            # -- failures, one after the other, each recovered before the next
+            scenarios = [("", lambda: self.lose([self.machines[args.machines // 2]], ""))]
+        if args.group_loss:
+            scenarios.append(("group_", lambda: self.lose(self.a_group(), "group_")))
+        if args.process_exit:
+            scenarios.append(("exit_", self.process_exit))
+        if args.leader_kill:
+            scenarios.append(
+                ("failover_", lambda: self.lose([self.a_machine(avoid=0)], "failover_", kill_leader=True))
+            )
+        for prefix, scenario in scenarios:
+            try:
+                self.figures.update(await scenario())
+            except Exception as exc:  # the other scenarios' figures still count; this one says why not
+                print(f"{prefix or 'machine_'}scenario failed: {exc!r}", file=sys.stderr, flush=True)
+                self.figures[f"{prefix}error"] = repr(exc)[:300]
+        if args.etcd_endpoint:
+            size, in_use = etcd_db_bytes(args.etcd_endpoint)
+            self.figures["etcd_db_growth_mb"] = mb(size - (db_start or 0))
+            self.figures["etcd_db_in_use_mb"] = mb(in_use)
+        self.figures["errors"] = stats.errors
+
+    def live(self) -> list[SimulatedMachine]:
+        return [m for m in self.machines if m.alive]
+
+    def a_machine(self, avoid: int) -> SimulatedMachine:
+        """A live original machine other than machine `avoid` and those already lost."""
+        candidates = [m for m in self.live() if m.rank != avoid and not m.replacement]
+        return candidates[len(candidates) // 3]
+
+    def a_group(self) -> list[SimulatedMachine]:
+        """Every machine of one placement group (machine 0's excluded, and any already replaced)."""
+        holders: dict[int, set[int]] = {}
+        for machine, held in self.stats.replicas_of.items():
+            holders.setdefault(machine, {machine}).update(held)
+        by_rank = {m.rank: m for m in self.live()}
+        for members in sorted(holders.values(), key=min, reverse=True):
+            if 0 not in members and all(r in by_rank and not by_rank[r].replacement for r in members):
+                return [by_rank[r] for r in sorted(members)]
+        return [self.a_machine(avoid=0)]
+
+    async def leader(self) -> int | None:
+        """The index of the root replica that leads (None: none says so)."""
+        for index, (process, url) in enumerate(self.roots):
+            if process.poll() is not None:
+                continue
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                if (await self.admin.get(f"{url}/healthz", timeout=5)).json().get("leader"):
+                    return index
+        return None
+
+    def plan_after(self, generation: int) -> tuple[int, float | None, float, int | None] | None:
+        """The newest plan past `generation`: (generation, ready_at or None, created_at, iteration)."""
+        rows = self.sql(
+            "SELECT generation, extract(epoch from ready_at), extract(epoch from created_at), iteration "
+            f"FROM recovery_plans WHERE job_id = '{self.job_id}' AND generation > {generation} "
+            "ORDER BY generation DESC LIMIT 1"
+        )
+        if not rows:
+            return None
+        gen, ready, created, iteration = rows[0]
+        return (
+            int(gen),
+            float(ready) if ready else None,
+            float(created),
+            int(iteration) if iteration else None,
+        )
+
+    def generation(self) -> int:
+        rows = self.sql(
+            f"SELECT coalesce(max(generation), 0) FROM recovery_plans WHERE job_id = '{self.job_id}'"
+        )
+        return int(rows[0][0])
+
+    async def lose(
+        self, victims: list[SimulatedMachine], prefix: str, *, kill_leader: bool = False
+    ) -> dict[str, Any]:
+        """Machines lost at once (they stop heartbeating, or stop refreshing their leases), replaced by the
+        harness as soon as each failure is recorded; then the recovery, timed."""
+        print(
+            f"{prefix or 'machine_'}lost: machines {[m.rank for m in victims]}", file=sys.stderr, flush=True
+        )
+        known = {f["id"] for f in await self.failures()}
+        generation = self.generation()
+        self.stats.frozen = self.stats.iteration()
+        for victim in victims:
+            victim.stop()
+        ranks = {v.rank: v for v in victims}
+        found: dict[int, dict[str, Any]] = {}
+        figures: dict[str, Any] = {}
+        replaced_at: list[float] = []
+        reinstated: list[int] = []
+        killed_at: float | None = None
+        grace = self.args.suspect_grace if self.args.suspect_grace is not None else 10.0
+        wait_s = max(self.args.timeout, self.args.lease_ttl) + grace + 120
+
+        async def recorded() -> bool:
+            nonlocal killed_at
+            for failure in await self.failures():
+                if failure["id"] in known or failure["rank"] not in ranks or failure["rank"] in found:
+                    continue
+                found[failure["rank"]] = failure
+                if kill_leader and killed_at is None:
+                    killed_at = await self.kill_leader()
+                # The cloud's replacement, at once: a fresh machine registers for the rank.
+                replacement = self.machine(
+                    failure["rank"], f"{ranks[failure['rank']].instance_id}-r{generation}"
+                )
+                try:
+                    await replacement.register()
+                except RootRejected as exc:
+                    # The root reinstated the machine: a heartbeat it sent before it stopped arrived after
+                    # its failure was recorded. Its next failure is the one to wait for.
+                    print(f"machine {failure['rank']} reinstated: {exc}", file=sys.stderr, flush=True)
+                    reinstated.append(failure["rank"])
+                    known.add(failure["id"])
+                    del found[failure["rank"]]
+                    continue
+                replaced_at.append(time.time())
+                self.machines[replacement.rank] = replacement
+                self.start(replacement)
+            return len(found) == len(ranks)
+
+        await self.until(f"{prefix}failures recorded", recorded, wait_s)
+        if not found:
+            return {f"{prefix}detect_s": None}
+        detected = min(datetime.fromisoformat(f["detected_at"]).timestamp() for f in found.values())
+        last_seen = max(v.last_answered for v in victims)
+        suspected = [
+            datetime.fromisoformat(f["details"]["suspected_at"]).timestamp()
+            for f in found.values()
+            if f["details"].get("suspected_at")
+        ]
+        figures[f"{prefix}detect_s"] = round(
+            max(
+                datetime.fromisoformat(f["detected_at"]).timestamp() - ranks[r].last_answered
+                for r, f in found.items()
+            ),
+            2,
+        )
+        figures[f"{prefix}suspect_s"] = round(max(suspected) - last_seen, 2) if suspected else None
+        figures[f"{prefix}reinstated"] = len(reinstated)
+        figures[f"{prefix}replaced_s"] = round(max(replaced_at) - detected, 2) if replaced_at else None
+        if kill_leader:
+            figures.update(await self.failover(killed_at, generation))
+        figures.update(await self.recovery(prefix, generation, detected, list(found.values())))
+        return figures
+
+    async def kill_leader(self) -> float | None:
+        index = await self.leader()
+        if index is None:
+            print("no leader to kill", file=sys.stderr, flush=True)
+            return None
+        process, url = self.roots[index]
+        killed = time.time()
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+        survivors = [u for p, u in self.roots if p.poll() is None]
+        self.url = survivors[0]
+        print(f"killed the leader {url} (pid {process.pid})", file=sys.stderr, flush=True)
+        return killed
+
+    async def failover(self, killed: float | None, generation: int) -> dict[str, Any]:
+        if killed is None:
+            return {"failover_s": None}
+
+        async def elected() -> float | None:
+            rows = self.sql("SELECT extract(epoch from updated_at) FROM leader_epoch WHERE id = 1")
+            return float(rows[0][0]) if rows and float(rows[0][0]) > killed else None
+
+        async def continued() -> float | None:
+            plan = self.plan_after(generation)
+            if plan is None:
+                return None
+            written = [t for t in (plan[2], plan[1]) if t is not None and t > killed]
+            return min(written) if written else None
+
+        epoch_at = await self.until("a new leader", elected, 60)
+        continued_at = await self.until("the new leader to continue the recovery", continued, 120)
+        return {
+            "failover_elected_s": round(epoch_at - killed, 2) if epoch_at else None,
+            "failover_s": round(continued_at - killed, 2) if continued_at else None,
+        }
+
+    async def process_exit(self) -> dict[str, Any]:
+        machine = self.a_machine(avoid=0)
+        print(f"exit_: a process of machine {machine.rank} exits", file=sys.stderr, flush=True)
+        known = {f["id"] for f in await self.failures()}
+        generation = self.generation()
+        self.stats.frozen = self.stats.iteration()
+        sent = time.time()
+        ack = await machine.client.report_exit(
+            machine.rank,
+            machine.instance_id,
+            local_rank=0,
+            global_rank=machine.rank * self.args.procs,
+            exit_code=1,
+        )
+
+        async def recorded() -> list[dict[str, Any]]:
+            return [f for f in await self.failures() if f["id"] not in known and f["rank"] == machine.rank]
+
+        found = await self.until("the exit's failure", recorded, 60)
+        if not found:
+            return {"exit_detect_s": None, "exit_failure_id": ack.failure_id}
+        detected = datetime.fromisoformat(found[0]["detected_at"]).timestamp()
+        figures = {"exit_detect_s": round(detected - sent, 2)}
+        figures.update(await self.recovery("exit_", generation, detected, found))
+        return figures
+
+    async def recovery(
+        self, prefix: str, generation: int, detected: float, failures: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """The recovery after the failures: the plan ready, every machine told, training resumed (one
+        deadline for all three)."""
+        deadline = time.monotonic() + 60.0 + float(self.args.machines) * 0.2
+
+        def timeout() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        async def ready() -> tuple[int, float | None, float, int | None] | None:
+            plan = self.plan_after(generation)
+            return plan if plan is not None and plan[1] is not None else None
+
+        plan = await self.until(f"{prefix}plan ready", ready, timeout())
+        if plan is None:
+            return {f"{prefix}plan_ready_s": None}
+        new_generation, ready_at, _, iteration = plan
+        assert ready_at is not None
+        live = len(self.live())
+        told = await self.until(
+            f"{prefix}every machine told",
+            lambda: _now(len(self.stats.ready_wall.get(new_generation, [])) >= live),
+            timeout(),
+        )
+        ids = {f["id"] for f in failures}
+
+        async def recovered() -> list[dict[str, Any]]:
+            done = [f for f in await self.failures() if f["id"] in ids and f.get("recovery_s") is not None]
+            return done if len(done) == len(ids) else []
+
+        done = await self.until(f"{prefix}training resumed", recovered, timeout())
+        answered = self.stats.ready_wall.get(new_generation, [])
+        print(
+            f"{prefix}generation {new_generation} ready at iteration {iteration}; told "
+            f"{len(answered)} of {live} machines",
+            file=sys.stderr,
+            flush=True,
+        )
+        return {
+            f"{prefix}plan_ready_s": round(ready_at - detected, 2),
+            f"{prefix}directives_s": round(max(answered) - ready_at, 2) if told else None,
+            f"{prefix}recovery_s": round(max(f["recovery_s"] for f in done), 2) if done else None,
+            f"{prefix}tier": done[0].get("tier") if done else None,
+        }
+
+
+async def _now(value: Any) -> Any:
+    return value
 
 
 def add_past_failures(server: harness.Postgres, database: str, job_id: str, count: int) -> None:
@@ -273,157 +929,7 @@ async def timed_get(http: httpx.AsyncClient, url: str, times: int = 5, **kwargs:
     return round(statistics.median(took), 1)
 
 
-async def failures_of(admin: httpx.AsyncClient, url: str, job_id: str) -> list[dict[str, Any]]:
-    for attempt in range(10):  # an overloaded root drops a connection now and then: the figure is not that
-        try:
-            response = await admin.get(f"{url}/api/v1/jobs/{job_id}/failures")
-            response.raise_for_status()
-            break
-        except httpx.HTTPError:
-            if attempt == 9:
-                raise
-            await asyncio.sleep(1)
-    body = response.json()
-    return list(body["items"] if isinstance(body, dict) else body)
-
-
-async def run(args: argparse.Namespace, server: harness.Postgres, database: str, url: str) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    async with httpx.AsyncClient(headers=headers, timeout=60) as admin:
-        name = f"scale-{uuid.uuid4().hex[:6]}"
-        body = {"name": name, "machines": args.machines, "procs_per_machine": args.procs, "replicas": 2}
-        created = (await admin.post(f"{url}/api/v1/jobs", json=body)).raise_for_status().json()
-        job_id, token = created["id"], created["worker_token"]
-
-        stats = Stats()
-        limits = httpx.Limits(
-            max_connections=3 * args.machines + 50, max_keepalive_connections=3 * args.machines
-        )
-        shared = httpx.AsyncClient(
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=httpx.Timeout(30.0, connect=10.0),
-            limits=limits,
-        )
-        # One client, copied per machine (each copy keeps its own replica index), over one pool: a thousand
-        # pools (and TLS contexts) would measure this process, not the root.
-        base = RootClient(url, job_id, token, timeout_s=30.0, retry_for_s=900.0)
-        await base._http.aclose()
-        base._http = shared
-        machines = [
-            SimulatedMachine(rank, copy.copy(base), args.procs, args.interval, stats)
-            for rank in range(args.machines)
-        ]
-        tasks: list[asyncio.Task[Any]] = []
-        try:
-            # -- register all
-            started = time.monotonic()
-
-            async def join(machine: SimulatedMachine) -> None:
-                await machine.register()
-                # As an agent: heartbeats and the directive from its registration on (a machine registered
-                # early and silent until the last one registered would be suspect at the start).
-                tasks.extend(
-                    asyncio.create_task(work)
-                    for work in (machine.heartbeats(), machine.directives(), machine.peer_refreshes())
-                )
-
-            await asyncio.gather(*(join(m) for m in machines))
-            registered = time.monotonic()
-            register_all_s = registered - started
-            print(
-                f"registered {args.machines} machines in {register_all_s:.1f}s", file=sys.stderr, flush=True
-            )
-            # Every machine resumed before the steady state counts.
-            deadline = time.monotonic() + max(120.0, args.machines * 0.5)
-            while time.monotonic() < deadline:
-                if len(stats.progress_ms) >= 2 * args.machines:
-                    break
-                await asyncio.sleep(0.5)
-            print(
-                f"{len(stats.progress_ms)} progress reports after {time.monotonic() - started:.1f}s",
-                file=sys.stderr,
-                flush=True,
-            )
-            print(
-                "first plan reached the machines after (s, quartiles):",
-                [
-                    round(quantile([t - registered for t in stats.ready_at], q) or 0, 2)
-                    for q in (0.25, 0.5, 0.75, 1)
-                ],
-                file=sys.stderr,
-                flush=True,
-            )
-            start_directives_s = (
-                round(max(stats.ready_at) - registered, 2) if len(stats.ready_at) == args.machines else None
-            )
-            await asyncio.sleep(args.interval)
-            # -- steady state
-            before = len(await failures_of(admin, url, job_id))
-            stats.recording = True
-            print(f"steady state for {args.steady:.0f}s", file=sys.stderr, flush=True)
-            cpu_before, wall_before = cpu_seconds(args.root_pid), time.monotonic()
-            await asyncio.sleep(args.steady)
-            root_cpu_pct = round(
-                100 * (cpu_seconds(args.root_pid) - cpu_before) / (time.monotonic() - wall_before), 1
-            )
-            stats.recording = False
-            false_positives = len(await failures_of(admin, url, job_id)) - before
-            # -- pages, with every machine and the past failures in the database
-            add_past_failures(server, database, job_id, args.past_failures)
-            login = await admin.post(f"{url}/login", data={"token": ADMIN_TOKEN, "next": "/"})
-            if login.status_code not in (200, 303):
-                raise RuntimeError(f"login failed: {login.status_code}")
-            job_page_ms = await timed_get(admin, f"{url}/jobs/{job_id}", cookies=login.cookies)
-            metrics_ms = await timed_get(admin, f"{url}/metrics")
-            print(f"pages done: {stats.errors}", file=sys.stderr, flush=True)
-            # -- one machine lost
-            known = {f["id"] for f in await failures_of(admin, url, job_id)}
-            victim = machines[args.machines // 2]
-            victim.alive = False
-            stopped = time.time()
-            detected: dict[str, Any] | None = None
-            while detected is None and time.time() - stopped < args.timeout + 120:
-                await asyncio.sleep(0.2)
-                fresh = [f for f in await failures_of(admin, url, job_id) if f["id"] not in known]
-                detected = next((f for f in fresh if f["rank"] == victim.rank), None)
-            detect_s = (
-                round(datetime.fromisoformat(detected["detected_at"]).timestamp() - victim.last_answered, 2)
-                if detected
-                else None
-            )
-            return {
-                "machines": args.machines,
-                "procs_per_machine": args.procs,
-                "heartbeat_interval_s": args.interval,
-                "heartbeat_timeout_s": args.timeout,
-                "steady_s": args.steady,
-                "register_all_s": round(register_all_s, 2),
-                "start_directives_s": start_directives_s,
-                "directive_bytes": stats.directive_bytes,
-                "heartbeats": len(stats.heartbeat_ms),
-                "heartbeats_per_s": round(len(stats.heartbeat_ms) / args.steady, 1),
-                "heartbeat_p50_ms": quantile(stats.heartbeat_ms, 0.5),
-                "heartbeat_p99_ms": quantile(stats.heartbeat_ms, 0.99),
-                "progress_p99_ms": quantile(stats.progress_ms, 0.99),
-                "peers_directive_p99_ms": quantile(stats.directive_ms, 0.99),
-                "root_cpu_pct": root_cpu_pct,
-                "false_positives": false_positives,
-                "detect_s": detect_s,
-                "past_failures": args.past_failures,
-                "job_page_ms": job_page_ms,
-                "metrics_ms": metrics_ms,
-                "errors": stats.errors,
-            }
-        finally:
-            for machine in machines:
-                machine.alive = False
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await shared.aclose()
-
-
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -438,21 +944,64 @@ def main() -> None:
     )
     parser.add_argument("--past-failures", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="50 machines, 5 s of steady state")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--etcd",
+        action="store_true",
+        help="the root in etcd mode: agents hold etcd leases (no REST heartbeats)",
+    )
+    parser.add_argument(
+        "--lease-ttl", type=int, default=1, help="etcd mode: the agents' lease TTL (s), as the root's default"
+    )
+    parser.add_argument(
+        "--suspect-grace",
+        type=float,
+        default=None,
+        help="the root's CASTOR_SUSPECT_GRACE_S (default: the root's, 10 s)",
+    )
+    parser.add_argument("--group-loss", action="store_true", help="also lose every machine of one group")
+    parser.add_argument("--process-exit", action="store_true", help="also one training process exits")
+    parser.add_argument(
+        "--leader-kill",
+        action="store_true",
+        help="two root replicas; also kill the leader in the middle of a machine's recovery",
+    )
+    parser.add_argument(
+        "--no-loss", action="store_true", help="stop after the pages: register and steady state only"
+    )
+    parser.add_argument("--log-dir", type=Path, default=None, help="keep the root replicas' logs here")
+    args = parser.parse_args(argv)
     if args.quick:
         args.machines, args.steady, args.past_failures = 50, 5.0, 20
-    with tempfile.TemporaryDirectory(prefix="castor-scale.") as tmp, harness.postgres() as server:
-        workdir = Path(tmp)
+    args.etcd_endpoint = None
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="castor-scale.")))
+        server = stack.enter_context(harness.postgres())
+        if args.etcd:
+            args.etcd_endpoint = stack.enter_context(harness.etcd()).endpoint
         database = "castor_scale"
-        process, url = start_root(workdir, server.create_database(database), args)
-        args.root_pid = process.pid
+        database_url = server.create_database(database)
+        roots: list[tuple[subprocess.Popen[bytes], str]] = []
         try:
-            figures = asyncio.run(run(args, server, database, url))
+            # One after the other: the first applies the migrations.
+            for index in range(2 if args.leader_kill else 1):
+                roots.append(start_root(workdir, database_url, args, f"root{index}"))
+            figures = asyncio.run(Run(args, server, database, roots).run())
         except BaseException:
-            print((workdir / "root.log").read_text()[-5000:], file=sys.stderr)
+            for log in sorted(workdir.glob("root*.log")):
+                print(f"--- {log.name}\n" + log.read_text()[-5000:], file=sys.stderr)
             raise
         finally:
-            harness.stop_process(process)
+            for process, _ in roots:
+                harness.stop_process(process)
+            if args.log_dir:
+                args.log_dir.mkdir(parents=True, exist_ok=True)
+                for log in workdir.glob("root*.log"):
+                    shutil.copy(log, args.log_dir / log.name)
     print(json.dumps(figures))
 
 

@@ -1,0 +1,69 @@
+"""benchmarks/scale.py's own logic, without a root: its flags, what a simulated machine's inventory holds and
+which machines a group loss stops (the e2e benchmark test runs its --quick mode against a real root)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
+
+
+@pytest.fixture(scope="module")
+def scale() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("castor_bench_scale", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_defaults_are_the_issues_size_and_the_failure_scenarios_are_opt_in(scale: ModuleType) -> None:
+    args = scale.parse_args([])
+    assert (args.machines, args.procs, args.steady, args.past_failures) == (1000, 8, 600.0, 100)
+    assert (args.interval, args.timeout, args.lease_ttl, args.suspect_grace) == (1.0, 3.0, 1, None)
+    assert not (args.etcd or args.group_loss or args.process_exit or args.leader_kill or args.no_loss)
+
+    quick = scale.parse_args(["--quick", "--etcd", "--group-loss", "--process-exit", "--leader-kill"])
+    assert (quick.machines, quick.steady, quick.past_failures) == (50, 5.0, 20)
+    assert quick.etcd and quick.group_loss and quick.process_exit and quick.leader_kill
+
+    tuned = scale.parse_args(["--machines", "100", "--lease-ttl", "2", "--suspect-grace", "0"])
+    assert (tuned.machines, tuned.lease_ttl, tuned.suspect_grace) == (100, 2, 0.0)
+
+
+def test_an_inventory_holds_the_machines_ranks_and_its_replicas_at_the_failures_iteration(
+    scale: ModuleType,
+) -> None:
+    stats = scale.Stats()
+    stats.replicas_of = {3: [2]}
+    stats.frozen = 41
+    machine = scale.SimulatedMachine(3, client=None, procs=2, interval_s=1.0, stats=stats)
+    held = {(h["rank"], h["tier"], h["iteration"]) for h in machine.holdings()}
+    assert held == {(6, "local", 41), (7, "local", 41), (4, "replica", 41), (5, "replica", 41)}
+    # The same checkpoint has the same digest on every machine holding it (the planner compares them).
+    other = scale.SimulatedMachine(2, client=None, procs=2, interval_s=1.0, stats=stats)
+    digests = {h["rank"]: h["digest"] for h in other.holdings()}
+    assert all(h["digest"] == digests[h["rank"]] for h in machine.holdings() if h["rank"] in digests)
+
+    fresh = scale.SimulatedMachine(3, client=None, procs=2, interval_s=1.0, stats=stats, instance_id="new")
+    assert fresh.holdings() == [], "a replacement's memory is empty until it trained"
+    fresh.trained = 2
+    assert {h["rank"] for h in fresh.holdings()} == {4, 5, 6, 7}
+
+
+def test_a_group_loss_stops_every_member_of_one_group_never_machine_0s(scale: ModuleType) -> None:
+    run: Any = scale.Run(scale.parse_args(["--machines", "6"]), None, "db", [(None, "http://root")])
+    run.stats.replicas_of = {0: [1], 1: [0], 2: [3], 3: [2], 4: [5], 5: [4]}
+    run.machines = [
+        scale.SimulatedMachine(r, client=None, procs=8, interval_s=1.0, stats=run.stats) for r in range(6)
+    ]
+    assert [m.rank for m in run.a_group()] == [4, 5]
+    run.machines[4].alive = False  # lost before: its group is not whole
+    assert [m.rank for m in run.a_group()] == [2, 3]
