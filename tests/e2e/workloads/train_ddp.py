@@ -41,6 +41,9 @@ def main() -> None:
         "--hang-at", type=int, default=None, help="rank 1 hangs once after committing this iteration"
     )
     parser.add_argument(
+        "--hang-file", type=Path, default=None, help="rank 1 hangs once after a commit once this file exists"
+    )
+    parser.add_argument(
         "--collective-timeout-s",
         type=float,
         default=None,
@@ -105,7 +108,8 @@ def main() -> None:
                 crash_marker.touch()
                 os._exit(17)  # a software failure, once
             hang_marker = args.log_dir / "hung"
-            if args.hang_at == iteration and rank == 1 and not hang_marker.exists():
+            hang_now = args.hang_at == iteration or (args.hang_file is not None and args.hang_file.exists())
+            if hang_now and rank == 1 and not hang_marker.exists():
                 hang_marker.touch()
                 _stuck_in_a_deadlock()  # alive, silent: only a hang watchdog ends it (the others block in
                 # the next all-reduce)
