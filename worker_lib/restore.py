@@ -214,7 +214,7 @@ class _Targets:
         self.dtensors[state.index] = target
 
     def module(self, state: Any, target: nn.Module, path: str, keys: Keys) -> None:
-        own = target.state_dict()
+        own = target.state_dict(keep_vars=True)  # no detach() per DTensor; tensor() takes them detached
         if not isinstance(state, dict) or own.keys() != state.keys():
             saved = state.keys() if isinstance(state, dict) else set()
             raise KeyError(
@@ -400,7 +400,7 @@ def _whole_region(entry: TensorEntry, dtype: torch.dtype) -> bool:
 
 def _flat_target(target: torch.Tensor, dtype: torch.dtype) -> bool:
     return (
-        target.device.type == "cpu"
+        target.is_cpu  # not device.type: it builds a torch.device, a microsecond per tensor
         and target.dtype == dtype
         and target.is_contiguous()
         and not has_lazy_bits(target)

@@ -88,15 +88,40 @@ def _live_spec(dtensor: Any) -> tuple[dict[str, JsonValue], Signature]:
     tensor of every save and of every restore into a live model. The cache holds the mesh, so its id is not
     reused while the entry lives.
     """
-    mesh = dtensor.device_mesh
-    key = (id(mesh), tuple(dtensor.placements), tuple(dtensor.shape), dtensor.stride())
+    # First by the identity of the DTensorSpec's parts (mesh, placements tuple, TensorMeta: immutable
+    # values, held by the entry so their ids are not reused), which needs no hashing of placements and
+    # shapes; then by value.
+    dtensor_spec = getattr(dtensor, "_spec", None)
+    parts = (getattr(dtensor_spec, "mesh", None), getattr(dtensor_spec, "placements", None))
+    meta = getattr(dtensor_spec, "tensor_meta", None)
+    identity = (id(parts[0]), id(parts[1]), id(meta))
+    known = _BY_IDENTITY.get(identity)
+    if known is not None and known[0] is parts[0] and known[1] is parts[1] and known[2] is meta:
+        return known[3], known[4]
+    mesh, placements, shape, stride = _layout(dtensor)
+    key = (id(mesh), placements, shape, stride)
     cached = _SPECS.get(key)
     if cached is None or cached[0] is not mesh:
         if len(_SPECS) > _CACHE_LIMIT:
             _SPECS.clear()
         spec = _placement_spec(mesh, key[1], key[2], key[3])
         cached = _SPECS[key] = (mesh, spec, spec_signature(spec))
+    if meta is not None:
+        if len(_BY_IDENTITY) > _IDENTITY_LIMIT:
+            _BY_IDENTITY.clear()
+        _BY_IDENTITY[identity] = (parts[0], parts[1], meta, cached[1], cached[2])
     return cached[1], cached[2]
+
+
+def _layout(dtensor: Any) -> tuple[Any, tuple[Any, ...], tuple[int, ...], tuple[int, ...]]:
+    """A DTensor's mesh, placements, global shape and stride, read from its DTensorSpec: `dtensor.shape`
+    and `dtensor.stride()` go through the tensor subclass's dispatch (15-25 us each here, against 0.2 us for
+    the spec's fields), twice per sharded tensor of every save and restore."""
+    spec: Any = getattr(dtensor, "_spec", None)
+    meta = getattr(spec, "tensor_meta", None)
+    if meta is not None:
+        return spec.mesh, tuple(spec.placements), tuple(meta.shape), tuple(meta.stride)
+    return dtensor.device_mesh, tuple(dtensor.placements), tuple(dtensor.shape), tuple(dtensor.stride())
 
 
 # A spec's identity for comparisons: every field a restore checks (mesh, placements, global shape, this
@@ -104,6 +129,9 @@ def _live_spec(dtensor: Any) -> tuple[dict[str, JsonValue], Signature]:
 Signature = tuple[Any, ...]
 
 _CACHE_LIMIT = 4096
+# One entry per DTensor (each has its own TensorMeta): room for the states of large models.
+_IDENTITY_LIMIT = 1 << 16
+_BY_IDENTITY: dict[tuple[int, int, int], tuple[Any, Any, Any, dict[str, JsonValue], Signature]] = {}
 _SPECS: dict[tuple[Any, ...], tuple[Any, dict[str, JsonValue], Signature]] = {}
 _MESH_SPECS: dict[int, tuple[Any, dict[str, JsonValue]]] = {}
 
@@ -115,17 +143,19 @@ def spec_signature(spec: dict[str, JsonValue]) -> Signature:
     microseconds per tensor, where walking the nested lists in Python cost ten times that."""
     mesh = spec["mesh"]
     assert isinstance(mesh, dict)
-    return (
+    # One repr() of them all: one C call per shard instead of eight.
+    fields = (
         mesh.get("device"),
-        repr(mesh.get("shape")),
-        repr(mesh.get("dims")),
-        repr(mesh.get("ranks")),
-        repr(spec["placements"]),
-        repr(spec["shape"]),
-        repr(spec.get("coordinate")),
-        repr(spec.get("offsets")),
-        repr(spec.get("local_shape")),
+        mesh.get("shape"),
+        mesh.get("dims"),
+        mesh.get("ranks"),
+        spec["placements"],
+        spec["shape"],
+        spec.get("coordinate"),
+        spec.get("offsets"),
+        spec.get("local_shape"),
     )
+    return (repr(fields),)
 
 
 def _placement_spec(

@@ -139,10 +139,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in checkpoint")
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {name!r} in checkpoint")
+        _DTYPES[name] = dtype
     return dtype
+
+
+_DTYPES: dict[str, torch.dtype] = {}
 
 
 def _storage_owners(tensors: Sequence[torch.Tensor]) -> list[int]:

@@ -126,7 +126,9 @@ class _Encoder:
     def _encode_container(self, value: object, path: str) -> JsonValue:
         if isinstance(value, nn.Module):
             self._flat.modules.append(value)
-            return {"module": self._encode_dict(value.state_dict(), path)}
+            # keep_vars: the parameters themselves, not a detach() of each (detaching a DTensor goes through
+            # its dispatch, tens of microseconds per tensor); encode() takes them outside autograd.
+            return {"module": self._encode_dict(value.state_dict(keep_vars=True), path)}
         if isinstance(value, torch.optim.Optimizer):
             return {"optimizer": self._encode_dict(value.state_dict(), path)}
         if isinstance(value, dict):

@@ -97,6 +97,37 @@ def test_restore_into_existing_tensors_of_any_layout(shm_dir: Path) -> None:
             assert restored.state[name][key].data_ptr() == tensor.data_ptr()
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_save_reads_the_tensors_it_is_given_after_they_were_replaced(shm_dir: Path, blocking: bool) -> None:
+    """A save reuses the previous save's copies into its slot only when every source is the same memory:
+    tensors replaced by others of the same dtype, shape and strides (the same layout), e.g. a parameter's
+    `.data` swapped or an optimizer state rebuilt, are read from their new memory."""
+    generator = torch.Generator().manual_seed(2)
+    model = nn.Linear(64, 32)
+    spans = random_tensor((8, 40), torch.float32, generator)
+    state: dict[str, Any] = {
+        "model": model,
+        "plain": torch.arange(1000.0),
+        "span": spans[:, :5],
+        "tied": spans,
+    }
+    with Checkpointer(shm_dir, slots=2, blocking=blocking) as checkpointer:
+        for iteration in range(1, 7):
+            if iteration > 2:  # every slot was written once: from here on the layout is the same
+                with torch.no_grad():
+                    model.weight.data = random_tensor((32, 64), torch.float32, generator)
+                    model.bias.add_(1.0)  # in place: the same memory, new values
+                state["plain"] = random_tensor((1000,), torch.float32, generator)
+                spans = random_tensor((8, 40), torch.float32, generator)
+                state["span"], state["tied"] = spans[:, :5], spans
+            checkpointer.save(iteration, state)
+            checkpointer.wait()
+            restored = checkpointer.restore()
+            assert restored is not None and restored.iteration == iteration
+            expected = {**state, "model": model.state_dict()}
+            assert_bit_equal(restored.state, expected)
+
+
 def test_restore_across_stripes_into_strided_and_other_dtype_targets(shm_dir: Path) -> None:
     # 12 MB matrices saved contiguous: stripe boundaries (2 MiB) fall inside 4000-byte rows, which a
     # strided target copies whole, so its two stripes are checked together before that row is copied.
