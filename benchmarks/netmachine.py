@@ -237,7 +237,7 @@ def drive(
     import subprocess
 
     from services.root.domain.replication import replication_alignment
-    from worker_lib.agent.dataplane import PeerConnection, data_plane_key
+    from worker_lib.agent.dataplane import data_plane_key, fetch
     from worker_lib.agent.holdings import Holdings
     from worker_lib.store.slots import SlotStore
 
@@ -311,8 +311,24 @@ def drive(
                         }
                         destination = SlotStore(scratch / "restored" / str(len(outcomes)), 2)
                         peer = machines[lost ^ 1]
-                        with PeerConnection(peer.address, PORT, key, "bench") as connection:
-                            manifest = connection.get(lost, destination, aligned, tier="replica")
+                        # As the agent restores (worker_lib/agent/agent.py): a transport failure is tried
+                        # again on a new connection.
+                        retried: list[str] = outcome.setdefault("retried", [])
+
+                        def on_retry(exc: Exception, retried: list[str] = retried) -> None:
+                            retried.append(f"{type(exc).__name__}: {exc}")
+
+                        manifest = fetch(
+                            peer.address,
+                            PORT,
+                            key,
+                            "bench",
+                            lost,
+                            destination,
+                            aligned,
+                            "replica",
+                            on_retry=on_retry,
+                        )
                         if aligned in own and own[aligned] != manifest.digest:
                             raise ValueError("the peer's replica is not the lost machine's checkpoint")
                         outcome.update(from_peer=True, digest_checked=aligned in own)

@@ -311,6 +311,9 @@ def interleaving(
     figures["machine_losses"] = len(out["losses"])
     figures["peer_restores"] = sum(1 for loss in out["losses"] if loss["from_peer"])
     figures["loss_errors"] = [loss["error"] for loss in out["losses"] if "error" in loss]
+    # Fetches that succeeded on a second connection (as the agent's restore does: a transport failure such
+    # as a handshake the peer dropped after its deadline on a loaded host is tried again), with why.
+    figures["loss_retries"] = [error for loss in out["losses"] for error in loss.get("retried", [])]
     windows = [w for agent in out["agents"] for w in agent["windows"]]
     figures["interleave_chunks"] = len(windows)
     if not math.isfinite(idle_fraction):

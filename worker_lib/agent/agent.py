@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from worker_lib.agent.address import default_address
-from worker_lib.agent.dataplane import PeerConnection
+from worker_lib.agent.dataplane import fetch
 from worker_lib.agent.heartbeat import REPLACED_CODES, Replaced
 from worker_lib.agent.holdings import Holdings
 from worker_lib.agent.launcher import LaunchSpec, ProcessExit, WorkerGroup
@@ -434,14 +434,18 @@ class Agent:
     def _fetch_from_peer(self, rank: int, iteration: int, source: PlanSource) -> None:
         if source.address is None or source.data_port is None:
             raise CheckpointNotFoundError(f"the plan names no data plane to fetch rank {rank} from")
-        with PeerConnection(source.address, source.data_port, self.machine.key, self.config.job_id) as peer:
-            peer.get(
-                rank,
-                self.machine.holdings.local_store(rank),
-                iteration,
-                digest=source.digest,
-                max_bytes=self.machine.capacity,
-            )
+        # Tried again on a new connection when the transport failed (a handshake the peer dropped: slow).
+        fetch(
+            source.address,
+            source.data_port,
+            self.machine.key,
+            self.config.job_id,
+            rank,
+            self.machine.holdings.local_store(rank),
+            iteration,
+            digest=source.digest,
+            max_bytes=self.machine.capacity,
+        )
 
     def _on_commit(self, rank: int, iteration: int) -> None:
         """A local rank committed a checkpoint (the machine services' notify socket)."""

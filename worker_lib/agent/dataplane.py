@@ -362,6 +362,60 @@ class PeerConnection:
         return holdings
 
 
+# A fetch is tried again on a fresh connection when the transport failed and the peer never answered: it
+# closed or reset the connection (a handshake it dropped after its deadline because this machine, the peer
+# or the link between them was too slow: a loaded host, a congested NIC; a transfer cut mid-way). Never when
+# the peer answered (not found, refused, a bad checksum) nor when nobody listens there or it does not answer
+# at all (connection refused, a timeout: a lost machine, a partition), so a recovery falls back at once.
+FETCH_ATTEMPTS = 3
+# (Not this side's own handshake timeout: a peer that accepts and never speaks, a hung agent, would make a
+# recovery wait a connection timeout per attempt.)
+_FETCH_RETRY_CODES = ("connection_closed",)
+
+
+def fetch(
+    address: str,
+    port: int,
+    key: bytes,
+    job_id: str,
+    rank: int,
+    destination: SlotStore,
+    iteration: int | None = None,
+    tier: str = "any",
+    *,
+    digest: str | None = None,
+    max_bytes: int | None = None,
+    attempts: int = FETCH_ATTEMPTS,
+    retry_delay_s: float = 0.2,
+    on_retry: Callable[[Exception], None] = lambda exc: None,
+) -> Manifest:
+    """`PeerConnection(...).get(...)` (see there), on a new connection up to `attempts` times in all while the
+    transport fails as described at FETCH_ATTEMPTS; `on_retry(exc)` hears of each failure tried again."""
+    for attempt in range(1, attempts + 1):
+        try:
+            with PeerConnection(address, port, key, job_id) as peer:
+                return peer.get(rank, destination, iteration, tier, digest=digest, max_bytes=max_bytes)
+        except (DataPlaneError, ConnectionResetError, ConnectionAbortedError, BrokenPipeError) as exc:
+            transient = not isinstance(exc, DataPlaneError) or (
+                exc.code in _FETCH_RETRY_CODES and not isinstance(exc, AuthenticationFailed)
+            )
+            if not transient or attempt >= attempts:
+                raise
+            log.warning(
+                "fetching rank %d iteration %s from %s:%d failed (%s): trying again (%d of %d)",
+                rank,
+                iteration,
+                address,
+                port,
+                exc,
+                attempt + 1,
+                attempts,
+            )
+            on_retry(exc)
+            time.sleep(retry_delay_s * attempt)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
 def receive_checkpoint(sock: socket.socket, manifest: Manifest, destination: SlotStore) -> None:
     """Receive `manifest.data_bytes` into a slot of `destination`, checking every stripe as it completes.
 
