@@ -603,11 +603,19 @@ class Run:
         heartbeats = list(stats.heartbeat_ms)
         # -- pages, with every machine and the past failures in the database
         add_past_failures(self.server, self.database, self.job_id, args.past_failures)
-        login = await self.admin.post(f"{self.url}/login", data={"token": ADMIN_TOKEN, "next": "/"})
-        if login.status_code not in (200, 303):
-            raise RuntimeError(f"login failed: {login.status_code}")
-        job_page_ms = await timed_get(self.admin, f"{self.url}/jobs/{self.job_id}", cookies=login.cookies)
-        metrics_ms = await timed_get(self.admin, f"{self.url}/metrics")
+        try:
+            login = await retried(
+                lambda: self.admin.post(f"{self.url}/login", data={"token": ADMIN_TOKEN, "next": "/"})
+            )
+            if login.status_code not in (200, 303):
+                raise RuntimeError(f"login failed: {login.status_code}")
+            job_page: float | None = await timed_get(
+                self.admin, f"{self.url}/jobs/{self.job_id}", cookies=login.cookies
+            )
+            metrics: float | None = await timed_get(self.admin, f"{self.url}/metrics")
+        except (httpx.HTTPError, RuntimeError) as exc:  # the failure scenarios still run
+            print(f"pages failed: {exc!r}", file=sys.stderr, flush=True)
+            job_page = metrics = None
         print(f"pages done: {stats.errors}", file=sys.stderr, flush=True)
         self.figures.update(
             {
@@ -632,8 +640,8 @@ class Run:
                 "root_cpu_pct": root_cpu_pct,
                 "false_positives": false_positives,
                 "past_failures": args.past_failures,
-                "job_page_ms": job_page_ms,
-                "metrics_ms": metrics_ms,
+                "job_page_ms": job_page,
+                "metrics_ms": metrics,
             }
         )
         if args.no_loss:
@@ -919,11 +927,32 @@ def add_past_failures(server: harness.Postgres, database: str, job_id: str, coun
     )
 
 
+async def retried(call: Callable[[], Awaitable[httpx.Response]], attempts: int = 5) -> httpx.Response:
+    """`call()`, again on a dropped connection (a keep-alive connection the root closed while idle)."""
+    for attempt in range(attempts):
+        try:
+            return await call()
+        except httpx.TransportError:
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.5)
+    raise AssertionError("unreachable")
+
+
 async def timed_get(http: httpx.AsyncClient, url: str, times: int = 5, **kwargs: Any) -> float:
+    """The median of `times` GETs, each timed from its successful attempt (a dropped connection is retried
+    untimed)."""
     took = []
     for _ in range(times):
-        sent = time.monotonic()
-        response = await http.get(url, **kwargs)
+        for attempt in range(5):
+            sent = time.monotonic()
+            try:
+                response = await http.get(url, **kwargs)
+                break
+            except httpx.TransportError:
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.5)
         response.raise_for_status()
         took.append((time.monotonic() - sent) * 1000)
     return round(statistics.median(took), 1)
