@@ -251,6 +251,57 @@ def drive(
     outcomes: list[dict[str, Any]] = []
     rng = random.Random(seed)
     key = data_plane_key("castor-job.bench.secret")
+
+    def lose(index: int, lost: int, aligned: int | None, outcome: dict[str, Any]) -> None:
+        """One machine loss: the lost rank's aligned iteration fetched from its peer's memory (in a thread,
+        so the alignment the driver plays the root's part in goes on meanwhile, as the root's would)."""
+        outcome["started"] = time.time()
+        holder_log = roots[lost ^ 1] / "agent.log"
+        log_offset = holder_log.stat().st_size if holder_log.exists() else 0
+        try:
+            if aligned is None:
+                raise LookupError("no aligned iteration")
+            for r in range(n):
+                if r != lost:
+                    held = Holdings(roots[r]).local_store(r).committed()
+                    if aligned not in {m.iteration for m in held}:
+                        raise LookupError(f"rank {r} no longer holds iteration {aligned}")
+            own = {m.iteration: m.digest for m in Holdings(roots[lost]).local_store(lost).committed()}
+            destination = SlotStore(scratch / "restored" / str(index), 2)
+            peer = machines[lost ^ 1]
+            # As the agent restores (worker_lib/agent/agent.py): a transport failure is tried
+            # again on a new connection.
+            retried: list[str] = outcome.setdefault("retried", [])
+
+            def on_retry(exc: Exception, retried: list[str] = retried) -> None:
+                retried.append(f"{type(exc).__name__}: {exc}")
+
+            manifest = fetch(
+                peer.address,
+                PORT,
+                key,
+                "bench",
+                lost,
+                destination,
+                aligned,
+                "replica",
+                on_retry=on_retry,
+            )
+            if aligned in own and own[aligned] != manifest.digest:
+                raise ValueError("the peer's replica is not the lost machine's checkpoint")
+            outcome.update(from_peer=True, digest_checked=aligned in own)
+        except Exception as exc:  # a loss that found no copy in memory: reported
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+            outcome["at"] = time.time()
+            with contextlib.suppress(Exception):
+                replicas = Holdings(roots[lost ^ 1]).replica_store(lost).committed()
+                outcome["peer_replicas_after"] = [m.iteration for m in replicas]
+            with contextlib.suppress(OSError):  # what the holder's agent said meanwhile
+                with holder_log.open() as file:
+                    file.seek(log_offset)
+                    said_lines = [line.rstrip() for line in file if "replication" not in line]
+                outcome["holder_log"] = said_lines[-20:]
+
     try:
         for i, machine in enumerate(machines):
             roots[i].mkdir(parents=True, exist_ok=True)
@@ -264,7 +315,8 @@ def drive(
             command += ["--out", str(roots[i] / "train.json"), *train_args]
             trainers.append(emu.popen(machine, command, env=env, cwd=REPO))
         deadline = time.monotonic() + timeout_s
-        next_loss = None
+        next_loss: float | None = None
+        loss: threading.Thread | None = None
         while any(t.poll() is None for t in trainers):
             if time.monotonic() > deadline:
                 raise TimeoutError("the training processes did not finish")
@@ -287,7 +339,7 @@ def drive(
                         os.replace(temporary, root / "alignment.json")
             phase_file = roots[0] / "phase"
             tail = phase_file.exists() and phase_file.read_text() == "tail"
-            if tail and len(outcomes) < losses:
+            if tail and len(outcomes) < losses and (loss is None or not loss.is_alive()):
                 now = time.monotonic()
                 if next_loss is None:
                     next_loss = now + rng.uniform(*loss_every_s)
@@ -295,57 +347,15 @@ def drive(
                     lost = rng.randrange(n)
                     aligned = said.aligned_iteration if said is not None else None
                     outcome: dict[str, Any] = {"machine": lost, "iteration": aligned, "from_peer": False}
-                    outcome["started"] = time.time()
-                    holder_log = roots[lost ^ 1] / "agent.log"
-                    log_offset = holder_log.stat().st_size if holder_log.exists() else 0
-                    try:
-                        if aligned is None:
-                            raise LookupError("no aligned iteration")
-                        for r in range(n):
-                            if r != lost:
-                                held = Holdings(roots[r]).local_store(r).committed()
-                                if aligned not in {m.iteration for m in held}:
-                                    raise LookupError(f"rank {r} no longer holds iteration {aligned}")
-                        own = {
-                            m.iteration: m.digest for m in Holdings(roots[lost]).local_store(lost).committed()
-                        }
-                        destination = SlotStore(scratch / "restored" / str(len(outcomes)), 2)
-                        peer = machines[lost ^ 1]
-                        # As the agent restores (worker_lib/agent/agent.py): a transport failure is tried
-                        # again on a new connection.
-                        retried: list[str] = outcome.setdefault("retried", [])
-
-                        def on_retry(exc: Exception, retried: list[str] = retried) -> None:
-                            retried.append(f"{type(exc).__name__}: {exc}")
-
-                        manifest = fetch(
-                            peer.address,
-                            PORT,
-                            key,
-                            "bench",
-                            lost,
-                            destination,
-                            aligned,
-                            "replica",
-                            on_retry=on_retry,
-                        )
-                        if aligned in own and own[aligned] != manifest.digest:
-                            raise ValueError("the peer's replica is not the lost machine's checkpoint")
-                        outcome.update(from_peer=True, digest_checked=aligned in own)
-                    except Exception as exc:  # a loss that found no copy in memory: reported
-                        outcome["error"] = f"{type(exc).__name__}: {exc}"
-                        outcome["at"] = time.time()
-                        with contextlib.suppress(Exception):
-                            replicas = Holdings(roots[lost ^ 1]).replica_store(lost).committed()
-                            outcome["peer_replicas_after"] = [m.iteration for m in replicas]
-                        with contextlib.suppress(OSError):  # what the holder's agent said meanwhile
-                            with holder_log.open() as file:
-                                file.seek(log_offset)
-                                said_lines = [line.rstrip() for line in file if "replication" not in line]
-                            outcome["holder_log"] = said_lines[-20:]
                     outcomes.append(outcome)
-                    next_loss = time.monotonic() + rng.uniform(*loss_every_s)
+                    loss = threading.Thread(
+                        target=lose, args=(len(outcomes) - 1, lost, aligned, outcome), daemon=True
+                    )
+                    loss.start()
+                    next_loss = None  # drawn again once this loss is over
             time.sleep(0.1)
+        if loss is not None:
+            loss.join(120)
         for root in roots:
             (root / "stop").touch()
         for process in agents:
