@@ -260,6 +260,8 @@ class SimulatedMachine:
                     self.stats.heartbeat_ms.append((time.monotonic() - sent) * 1000)
             except (RootRejected, RootUnavailable) as exc:
                 self.stats.error(f"heartbeat: {type(exc).__name__}")
+            except Exception as exc:  # counted: worker_lib's loop would end on these
+                self.stats.error(f"heartbeat, unexpected: {type(exc).__name__}")
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - sent)))
 
     async def lease(self, etcd: Any) -> None:
@@ -294,6 +296,9 @@ class SimulatedMachine:
                     self.stats.heartbeat_ms.append((time.monotonic() - sent) * 1000)
             except (aetcd.exceptions.ClientError, OSError) as exc:
                 self.stats.error(f"lease: {type(exc).__name__}")
+                lease = None
+            except Exception as exc:  # counted: worker_lib's loop would end on these
+                self.stats.error(f"lease, unexpected: {type(exc).__name__}")
                 lease = None
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - sent)))
 
@@ -432,6 +437,7 @@ class Run:
         self.tasks: list[asyncio.Task[Any]] = []
         self.etcd_clients: list[Any] = []
         self.figures: dict[str, Any] = {}
+        self.job_id = ""
 
     # -- helpers
 
@@ -648,7 +654,7 @@ class Run:
             scenarios: list[tuple[str, Callable[[], Awaitable[dict[str, Any]]]]] = []
         else:
             # -- failures, one after the other, each recovered before the next
-            scenarios = [("", lambda: self.lose([self.machines[args.machines // 2]], ""))]
+            scenarios = [("", lambda: self.lose([self.a_machine(avoid=0, prefer=args.machines // 2)], ""))]
         if args.group_loss:
             scenarios.append(("group_", lambda: self.lose(self.a_group(), "group_")))
         if args.process_exit:
@@ -672,17 +678,27 @@ class Run:
     def live(self) -> list[SimulatedMachine]:
         return [m for m in self.machines if m.alive]
 
-    def a_machine(self, avoid: int) -> SimulatedMachine:
-        """A live original machine other than machine `avoid` and those already lost."""
-        candidates = [m for m in self.live() if m.rank != avoid and not m.replacement]
-        return candidates[len(candidates) // 3]
+    def healthy(self) -> set[int]:
+        """The ranks whose machine the root holds healthy (a false positive's is failed already)."""
+        query = f"SELECT rank FROM machines WHERE job_id = '{self.job_id}' AND state = 'healthy'"
+        return {int(row[0]) for row in self.sql(query)}
+
+    def a_machine(self, avoid: int, prefer: int | None = None) -> SimulatedMachine:
+        """A live original machine the root holds healthy, other than machine `avoid` and those already
+        lost: `prefer` if it is one."""
+        healthy = self.healthy()
+        candidates = [m for m in self.live() if m.rank != avoid and not m.replacement and m.rank in healthy]
+        if not candidates:  # the root holds none healthy: any live one
+            candidates = [m for m in self.live() if m.rank != avoid]
+        return next((m for m in candidates if m.rank == prefer), candidates[len(candidates) // 3])
 
     def a_group(self) -> list[SimulatedMachine]:
         """Every machine of one placement group (machine 0's excluded, and any already replaced)."""
         holders: dict[int, set[int]] = {}
         for machine, held in self.stats.replicas_of.items():
             holders.setdefault(machine, {machine}).update(held)
-        by_rank = {m.rank: m for m in self.live()}
+        healthy = self.healthy() if self.job_id else set(self.stats.replicas_of)
+        by_rank = {m.rank: m for m in self.live() if m.rank in healthy}
         for members in sorted(holders.values(), key=min, reverse=True):
             if 0 not in members and all(r in by_rank and not by_rank[r].replacement for r in members):
                 return [by_rank[r] for r in sorted(members)]
