@@ -438,6 +438,7 @@ class Run:
         self.etcd_clients: list[Any] = []
         self.figures: dict[str, Any] = {}
         self.job_id = ""
+        self.leaderless_s, self.leader_changes = 0.0, 0
 
     # -- helpers
 
@@ -528,10 +529,15 @@ class Run:
                     aetcd.Client(host, int(port), timeout=5)
                     for _ in range(max(1, -(-args.machines // MACHINES_PER_ETCD_CONNECTION)))
                 ]
+            watch = asyncio.create_task(self.watch_leadership())
             try:
                 await self.scenarios()
                 return self.figures
             finally:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
+                self.figures["leaderless_s"] = round(self.leaderless_s, 1)
+                self.figures["leader_changes"] = self.leader_changes
                 for machine in self.machines:
                     machine.alive = False
                 for task in self.tasks:
@@ -703,6 +709,20 @@ class Run:
             if 0 not in members and all(r in by_rank and not by_rank[r].replacement for r in members):
                 return [by_rank[r] for r in sorted(members)]
         return [self.a_machine(avoid=0)]
+
+    async def watch_leadership(self) -> None:
+        """Every second: which replica says it leads. `leaderless_s` adds up the seconds none did (a
+        leaderless root detects and recovers nothing: its figures would read as no false positives)."""
+        leading: int | None = None
+        while True:
+            sent = time.monotonic()
+            now = await self.leader()
+            await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - sent)))
+            if now is None:
+                self.leaderless_s += time.monotonic() - sent
+            elif now != leading:
+                self.leader_changes += leading is not None
+                leading = now
 
     async def leader(self) -> int | None:
         """The index of the root replica that leads (None: none says so)."""
