@@ -166,6 +166,38 @@ async def test_a_suspect_without_a_second_signal_is_lost_after_the_grace(
         await scenario.plan(2, "collecting")
 
 
+async def test_a_reinstated_machine_that_goes_silent_again_is_lost_again_and_stays_lost(
+    client: httpx.AsyncClient, suspicious_app: FastAPI
+) -> None:
+    """Lost, reinstated by a late heartbeat (its failure stays open, the recovery goes on), then really
+    gone: the second loss must hold. The reinstatement check once looked at the machine's oldest open
+    failure, whose classification precedes that late heartbeat, and reinstated every later loss within a
+    second (found by benchmarks/scale.py: a lost machine cycling suspect, lost, reinstated for minutes)."""
+    scenario = await two_machines(client)
+    orchestrator = suspicious_app.state.castor.orchestrator
+    async with heartbeating(scenario, [0]):
+        await eventually(lambda: in_state(scenario, 1, "suspect"), "machine 1 to be suspect")
+        suspicious_app.state.castor.settings.suspect_grace_s = 0.5
+        await eventually(lambda: in_state(scenario, 1, "failed"), "machine 1 to be declared lost")
+        body = {"instance_id": "i-1", "summary": {"local": {"1": 5}}}
+        await scenario.post("/machines/1/heartbeat", body, 200)  # late: it was alive after all
+        await eventually(lambda: in_state(scenario, 1, "healthy"), "machine 1 to be reinstated")
+        reinstated = orchestrator.reinstated
+
+        # Now it is gone for good: silent past the timeout, then past the grace.
+        await eventually(lambda: in_state(scenario, 1, "failed"), "machine 1 to be declared lost again")
+        lost_again = [
+            e for e in await scenario.api("/failures") if e["rank"] == 1 and e["kind"] == "hardware"
+        ]
+        assert len(lost_again) == 2, "a failure of its own for the second loss"
+        # The leader judges every 0.2 s or so: ten passes later, nothing reinstated it.
+        await asyncio.sleep(2.0)
+        assert await machine_state(scenario, 1) == "failed"
+        assert orchestrator.reinstated == reinstated
+        newest = max(lost_again, key=lambda e: e["detected_at"])
+        assert "reinstated" not in newest["details"]
+
+
 async def test_one_job_whose_step_raises_does_not_stop_the_recovery_of_another(
     client: httpx.AsyncClient, suspicious_app: FastAPI, monkeypatch: pytest.MonkeyPatch
 ) -> None:

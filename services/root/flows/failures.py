@@ -10,6 +10,7 @@ peer's collective fail too) and is recorded on the open event rather than as a f
 from __future__ import annotations
 
 import signal
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -171,9 +172,10 @@ async def reinstate(session: AsyncSession, job: Job, machine: Machine, why: str)
     if was != MachineState.FAILED:
         return None
     now = utcnow()
-    for event in await repo.open_failures(session, job.id):
+    # Its newest loss: an older one of a loss already reinstated stays as it was recorded.
+    for event in sorted(await repo.open_failures(session, job.id), key=_classified, reverse=True):
         mine = event.machine_id == machine.id and event.kind == FailureKind.HARDWARE
-        if mine and event.replaced_at is None:
+        if mine and event.replaced_at is None and "reinstated" not in event.details:
             replacement = event.details.get("replacement")
             event.details = {
                 **event.details,
@@ -182,6 +184,25 @@ async def reinstate(session: AsyncSession, job: Job, machine: Machine, why: str)
             }
             return event
     return None
+
+
+def latest_silent_loss(events: Sequence[FailureEvent], machine: Machine) -> FailureEvent | None:
+    """The machine's newest open loss declared for its silence and not reinstated yet: what a heartbeat
+    must come after to reinstate it. (An older one, already reinstated, precedes the late heartbeat that
+    reinstated it: measured against it, every later loss would be reinstated at once.)"""
+    losses = [
+        e
+        for e in events
+        if e.machine_id == machine.id
+        and e.kind == FailureKind.HARDWARE
+        and e.details.get("silent")
+        and "reinstated" not in e.details
+    ]
+    return max(losses, key=_classified, default=None)
+
+
+def _classified(event: FailureEvent) -> Any:
+    return event.classified_at or event.detected_at
 
 
 def _iso(value: Any) -> str | None:

@@ -29,7 +29,7 @@ from services.root.clients.etcd import CoordinatorUnavailable, EtcdCoordinator, 
 from services.root.db import repository as repo
 from services.root.db.models import FailureKind, Job, JobState, Machine, MachineState, utcnow
 from services.root.domain import suspicion
-from services.root.flows.failures import joinable_failures, machine_lost, reinstate
+from services.root.flows.failures import joinable_failures, latest_silent_loss, machine_lost, reinstate
 from services.root.flows.machines import record_summary
 from services.root.orchestration.leadership import Deposed, Leadership
 from services.root.orchestration.per_job import PerJob
@@ -144,16 +144,7 @@ class Detectors:
                     )
                     continue
                 if machine.state == MachineState.FAILED:
-                    failure = next(
-                        (
-                            e
-                            for e in events
-                            if e.machine_id == machine.id
-                            and e.kind == FailureKind.HARDWARE
-                            and e.details.get("silent")
-                        ),
-                        None,
-                    )
+                    failure = latest_silent_loss(events, machine)
                     if failure is not None and suspicion.reinstatable(
                         machine.state,
                         machine.last_heartbeat_at,
