@@ -41,6 +41,35 @@ async def test_one_leader_and_a_hand_over(etcd_server: harness.Etcd) -> None:
     await second.close()
 
 
+async def test_a_deposed_leader_steps_down_by_itself_and_releases_the_key(etcd_server: harness.Etcd) -> None:
+    """A deposition (a fenced transaction refused: `lost` set) ends the leadership without a cancellation:
+    on Python 3.11 the orchestrator's cancellation can be swallowed by asyncio.wait_for, and a leader that
+    went on refreshing its lease left no replica leading for minutes."""
+    prefix = f"/test-{uuid.uuid4().hex[:6]}"
+    first, second = (
+        EtcdCoordinator([etcd_server.endpoint], prefix),
+        EtcdCoordinator([etcd_server.endpoint], prefix),
+    )
+    elected = [asyncio.Event(), asyncio.Event()]
+    lost = [asyncio.Event(), asyncio.Event()]
+    campaign_a = asyncio.create_task(first.lead("a", elected[0], lost[0]))
+    await asyncio.wait_for(elected[0].wait(), 5)
+    campaign_b = asyncio.create_task(second.lead("b", elected[1], lost[1]))
+    try:
+        lost[0].set()  # what Leadership.depose does; nobody cancels the campaign
+        await asyncio.wait_for(campaign_a, 5)
+        assert not first.leading()
+        await asyncio.wait_for(elected[1].wait(), 5)
+        assert await first.leader() == "b"
+    finally:
+        for campaign in (campaign_a, campaign_b):
+            campaign.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await campaign
+        await first.close()
+        await second.close()
+
+
 async def test_heartbeat_keys_and_their_expiry(etcd_server: harness.Etcd) -> None:
     prefix = f"/test-{uuid.uuid4().hex[:6]}"
     job = uuid.uuid4()

@@ -97,6 +97,33 @@ async def test_two_replicas_on_one_postgres_without_etcd_never_both_lead(
         await asyncio.gather(*runs.values(), return_exceptions=True)
 
 
+async def test_without_etcd_a_deposed_leader_steps_down_and_a_leader_follows(
+    database: Database, tmp_path: Path
+) -> None:
+    """A deposition ends the advisory-lock campaign by itself (its session, and the lock, dropped), and the
+    replicas elect a leader again, with a newer epoch: never a root with no leader."""
+    first, second = replica(database, tmp_path, "first"), replica(database, tmp_path, "second")
+    runs = [asyncio.create_task(first.run()), asyncio.create_task(second.run())]
+    try:
+        leader = await _eventually_one_leader([first, second])
+        deposed_epoch = leader.epoch
+        assert deposed_epoch is not None
+        leader.leadership.depose("a test deposes it")
+        for _ in range(150):
+            await asyncio.sleep(0.1)
+            leaders = [r for r in (first, second) if r.is_leader and r.epoch is not None]
+            if leaders and leaders[0].epoch != deposed_epoch:
+                break
+        else:
+            raise TimeoutError("no replica leads again after the deposition")
+        (new_leader,) = leaders
+        assert new_leader.epoch is not None and new_leader.epoch > deposed_epoch
+    finally:
+        for task in runs:
+            task.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
+
+
 async def _eventually_one_leader(replicas: list[Orchestrator]) -> Orchestrator:
     for _ in range(150):
         leaders = [r for r in replicas if r.is_leader and r.epoch is not None]

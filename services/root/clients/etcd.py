@@ -101,7 +101,10 @@ class EtcdCoordinator:
 
     async def lead(self, candidate: str, elected: asyncio.Event, lost: asyncio.Event) -> None:
         """Campaign until elected (sets `elected`), then hold the lease; returns when leadership is lost
-        (sets `lost`). Cancel it to step down."""
+        (sets `lost`). To step down: set `lost` (a deposition does), or cancel it. Setting `lost` is the
+        one that cannot go missing: Python 3.11's `asyncio.wait_for` drops a cancellation that arrives in
+        the loop iteration its inner call completes in, and a leader whose cancellation was dropped kept
+        its lease alive for minutes, with no replica leading (found by benchmarks/scale.py under load)."""
         lease: Any = None
         try:
             while True:
@@ -121,14 +124,17 @@ class EtcdCoordinator:
             elected.set()
             while True:
                 await asyncio.sleep(max(0.0, min(self.leader_ttl_s / 4, self.deadline - time.monotonic())))
+                if lost.is_set():
+                    log.warning("deposed: stepping down and releasing the leader lease")
+                    return
                 sent = time.monotonic()
                 if sent >= self.deadline:
                     log.error("leader lease deadline passed without a refresh: stepping down")
                     return
                 try:
-                    reply = await asyncio.wait_for(
-                        self._call(functools.partial(_refresh, lease)), self.deadline - sent
-                    )
+                    # asyncio.timeout, not wait_for: it never swallows a cancellation (see above).
+                    async with asyncio.timeout(self.deadline - sent):
+                        reply = await self._call(functools.partial(_refresh, lease))
                 except (TimeoutError, *CoordinatorUnavailable) as exc:
                     # Not yet a reason to step down: the lease holds until its deadline; try again.
                     log.warning("leader lease refresh failed (%s); %.1fs left", exc, self.deadline - sent)

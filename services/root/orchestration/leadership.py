@@ -81,9 +81,13 @@ class Leadership:
                 await asyncio.sleep(ADVISORY_CHECK_S)
             log.info("elected leader (%s): holding the database's advisory lock", self.candidate)
             elected.set()
-            while True:
+            while not lost.is_set():  # a deposition steps down here even if a cancellation went missing
                 await asyncio.sleep(ADVISORY_CHECK_S)
-                await asyncio.wait_for(connection.execute(text("SELECT 1")), 5.0)
+                # asyncio.timeout, not wait_for, which on Python 3.11 can swallow the cancellation that
+                # ends this loop (clients/etcd.py, EtcdCoordinator.lead).
+                async with asyncio.timeout(5.0):
+                    await connection.execute(text("SELECT 1"))
+            log.warning("deposed: stepping down and releasing the advisory lock")
         except (OSError, TimeoutError, Exception) as exc:  # whatever broke the session, the lock is gone
             log.error("lost the database session holding the leadership: %s", exc)
         finally:
