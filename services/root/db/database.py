@@ -130,11 +130,15 @@ class Database:
                 if self._on_change is not None:
                     self._on_change(None, True)
                 log.info("listening for directive changes on Postgres channel %s", CHANGES_CHANNEL)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow the cancellation that
+                # stops this loop at shutdown (clients/etcd.py, EtcdCoordinator.lead), and it would run on.
                 while not lost.is_set():  # a connection silently gone (no FIN) fails the check
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(lost.wait(), LISTEN_CHECK_S)
+                        async with asyncio.timeout(LISTEN_CHECK_S):
+                            await lost.wait()
                     if not lost.is_set():
-                        await asyncio.wait_for(connection.execute("SELECT 1"), LISTEN_CHECK_TIMEOUT_S)
+                        async with asyncio.timeout(LISTEN_CHECK_TIMEOUT_S):
+                            await connection.execute("SELECT 1")
                 log.warning("the LISTEN connection to Postgres closed; reconnecting")
             except asyncio.CancelledError:
                 raise
@@ -144,7 +148,8 @@ class Database:
                 self.listening = False
                 if connection is not None:
                     with contextlib.suppress(Exception):
-                        await asyncio.wait_for(connection.close(), 5)
+                        async with asyncio.timeout(5):
+                            await connection.close()
             await asyncio.sleep(LISTEN_RETRY_S[min(failures, len(LISTEN_RETRY_S) - 1)])
             failures += 1
 
