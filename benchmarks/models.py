@@ -264,7 +264,12 @@ def run_fsdp2(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
     per rank (its bytes over its time), medians over ranks and rounds, and the ratios are medians of the
     per-round, per-rank ratios to the same round's memcpy. `fsdp2_*_cpu_s` are each operation's CPU time
     per rank (all its threads, medians): steadier than the rates on shared cores. Each rank's copy engine
-    gets its share of the cores (cores // ranks threads, at least one)."""
+    gets its share of the cores (cores // ranks threads, at least one: `fsdp2_copy_threads`); the plain
+    copy runs on torch's intra-op threads (`fsdp2_memcpy_threads`, torch's default). With the ranks alone
+    on the machine both saturate the cores and the wall ratios should follow the CPU ratios; with other
+    processes competing, the kernel shares the cores among runnable threads, so the side with more threads
+    gets more of them and the wall ratios lean its way: compare the CPU ratios there (docs/store.md,
+    "Sharded states")."""
     directory.mkdir(parents=True)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -288,6 +293,8 @@ def run_fsdp2(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
         "memcpy_gbps": round(statistics.median(rates["memcpy"]), 3),
         "fsdp2_save_vs_memcpy": round(ratio("save"), 3),
         "fsdp2_restore_vs_memcpy": round(ratio("restore"), 3),
+        "fsdp2_copy_threads": per_rank[0]["copy_threads"],
+        "fsdp2_memcpy_threads": per_rank[0]["memcpy_threads"],
         # CPU seconds per operation and rank (all its threads): what each costs when the cores are the
         # bottleneck, whatever the neighbours do; memcpy's over save's is the best ratio the wall clock
         # could show on saturated cores.
@@ -363,7 +370,13 @@ def fsdp2_rank(rank: int, port: int, shape: Shape, rounds: int, directory: str) 
                 rates[name].append(moved / (time.perf_counter() - started) / 1e9)
                 cpu[name].append(time.process_time() - cpu_started)
         checkpointer.close()
-        result = {**rates, "bytes": nbytes, "cpu": cpu}
+        result = {
+            **rates,
+            "bytes": nbytes,
+            "cpu": cpu,
+            "copy_threads": threads,
+            "memcpy_threads": torch.get_num_threads(),
+        }
     finally:
         dist.destroy_process_group()
     (Path(directory) / f"result-{rank}.json").write_text(json.dumps(result))
