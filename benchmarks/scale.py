@@ -388,6 +388,11 @@ def start_root(
         env["CASTOR_LEASE_TTL_S"] = str(args.lease_ttl)
     if args.suspect_grace is not None:
         env["CASTOR_SUSPECT_GRACE_S"] = str(args.suspect_grace)
+    if name != "root0":
+        # The first replica migrated the database. On Postgres without etcd a second one that migrates too
+        # waits forever: its migration's advisory lock has the key of the leadership's, which the first
+        # replica holds while it leads (migrations/env.py, orchestration/leadership.py).
+        env["CASTOR_MIGRATE_ON_START"] = "false"
     log = (workdir / f"{name}.log").open("wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "serve"],
