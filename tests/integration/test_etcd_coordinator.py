@@ -94,3 +94,39 @@ async def test_heartbeat_keys_and_their_expiry(etcd_server: harness.Etcd) -> Non
     assert await asyncio.wait_for(watcher, 10) == MachineKey(job, 3, "i-abc")
     assert time.monotonic() - stopped < 3.5
     await coordinator.close()
+
+
+async def test_a_heartbeat_keeps_its_key_alive_without_rewriting_it_at_every_refresh(
+    etcd_server: harness.Etcd,
+) -> None:
+    """The keepalive is the liveness; the summary (which changes with every iteration) is put at most once
+    per summary period, not at every refresh: each put is an event on the root leader's watch."""
+    prefix = f"/test-{uuid.uuid4().hex[:6]}"
+    coordinator = EtcdCoordinator([etcd_server.endpoint], prefix)
+    key = machine_key(prefix, uuid.uuid4(), 0, "i-busy")
+    iteration = iter(range(1_000_000))
+    puts = 0
+
+    async def count_puts() -> None:
+        nonlocal puts
+        async for kind, _, _ in coordinator.watch_machines():
+            puts += kind == "put"
+
+    watcher = asyncio.create_task(count_puts())
+    await asyncio.sleep(0.3)
+    heartbeat = asyncio.create_task(
+        etcd_heartbeats(
+            [etcd_server.endpoint], key, 1, 0.1, lambda: {"newest": next(iteration)}, summary_period_s=1.0
+        )
+    )
+    try:
+        await asyncio.sleep(2.5)  # 25 refreshes, each with a new summary
+        assert 2 <= puts <= 4, f"{puts} puts: the first, then one a second"
+        (summary,) = (await coordinator.machine_keys()).values()
+        assert summary["newest"] >= 1, "the summary still moves on"
+    finally:
+        for task in (heartbeat, watcher):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await coordinator.close()

@@ -2,7 +2,8 @@
 
 Either way the heartbeat carries a summary of what the machine holds. In etcd mode the key lives on a
 lease with a short TTL: when the agent dies the lease expires and the root leader, watching the prefix,
-sees the key's deletion within about a TTL.
+sees the key's deletion within about a TTL. The keepalive is the liveness; the summary on the key is
+rewritten at most every SUMMARY_PERIOD_S.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -50,24 +52,40 @@ async def rest_heartbeats(
         await asyncio.sleep(interval_s)
 
 
+# The summary rides on the key, but liveness is the lease's keepalive alone: the key is put when a lease is
+# new and then at most this often (when the summary changed). A summary changes with every iteration, and a
+# put per refresh (three a second per machine at a 1 s TTL) is a write for etcd's raft log and an event on
+# the root leader's watch, the same loop that must see lease expiries: at 100 machines, 300 a second.
+SUMMARY_PERIOD_S = 2.0
+
+
 async def etcd_heartbeats(
-    endpoints: list[str], key: str, ttl_s: float, interval_s: float, summary: Summary
+    endpoints: list[str],
+    key: str,
+    ttl_s: float,
+    interval_s: float,
+    summary: Summary,
+    *,
+    summary_period_s: float = SUMMARY_PERIOD_S,
 ) -> None:
-    """Keep `key` alive on a lease of `ttl_s`, refreshed every `interval_s`, its value the summary."""
+    """Keep `key` alive on a lease of `ttl_s`, refreshed every `interval_s`; its value, the summary, is
+    rewritten at most every `summary_period_s`."""
+    loop = asyncio.get_running_loop()
     while True:
         host, _, port = endpoints[0].partition(":")
         try:
             async with aetcd.Client(host, int(port or 2379), timeout=max(1.0, ttl_s)) as client:
                 lease = await client.lease(max(1, round(ttl_s)))
-                last = None
+                last, put_at = None, -math.inf
                 while True:
                     refreshed = await lease.refresh()
                     if getattr(refreshed, "TTL", 1) <= 0:
                         break  # the lease lapsed (etcd unreachable for too long): take a new one
-                    value = json.dumps(summary(), sort_keys=True).encode()
-                    if value != last:
-                        await client.put(key.encode(), value, lease=lease)
-                        last = value
+                    if last is None or loop.time() - put_at >= summary_period_s:
+                        value = json.dumps(summary(), sort_keys=True).encode()
+                        if value != last:
+                            await client.put(key.encode(), value, lease=lease)
+                            last, put_at = value, loop.time()
                     await asyncio.sleep(interval_s)
         except (aetcd.exceptions.ClientError, OSError) as exc:
             log.warning("etcd heartbeat failed (%s); retrying", exc)
