@@ -124,6 +124,22 @@ async def test_without_etcd_a_deposed_leader_steps_down_and_a_leader_follows(
         await asyncio.gather(*runs, return_exceptions=True)
 
 
+async def test_a_replica_starting_while_another_leads_can_run_its_migrations(
+    database: Database, tmp_path: Path
+) -> None:
+    """A second root replica runs the migrations at start-up (a no-op here, but under their lock) while
+    the first leads without etcd: the leadership's advisory lock must not be the migrations' lock, or the
+    new replica never starts."""
+    first = replica(database, tmp_path, "first")
+    run = asyncio.create_task(first.run())
+    try:
+        await _eventually_one_leader([first])
+        await asyncio.wait_for(upgrade_async(database.url), 60)
+    finally:
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+
+
 async def _eventually_one_leader(replicas: list[Orchestrator]) -> Orchestrator:
     for _ in range(150):
         leaders = [r for r in replicas if r.is_leader and r.epoch is not None]

@@ -28,8 +28,10 @@ from services.root.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# Postgres without etcd: the advisory lock whose session holds the leadership (per database).
-ADVISORY_LOCK_KEY = 0x63617374_6F72  # "castor"
+# Postgres without etcd: the advisory lock whose session holds the leadership (per database). Not the
+# migrations' key ("castor", migrations/env.py): sharing it, a replica starting while another led waited
+# for its migrations behind the leader's lock forever.
+ADVISORY_LOCK_KEY = 0x63617374_6F724C44  # "castorLD"
 ADVISORY_CHECK_S = 1.0
 
 
