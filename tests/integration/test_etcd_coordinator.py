@@ -13,14 +13,17 @@ from tests import harness
 from worker_lib.agent.heartbeat import etcd_heartbeats
 
 
-async def test_one_leader_and_a_hand_over(etcd_server: harness.Etcd) -> None:
+def candidates(
+    etcd_server: harness.Etcd,
+) -> tuple[EtcdCoordinator, EtcdCoordinator, list[asyncio.Event], list[asyncio.Event]]:
+    """Two root replicas' coordinators on one fresh prefix, with their `elected` and `lost` events."""
     prefix = f"/test-{uuid.uuid4().hex[:6]}"
-    first, second = (
-        EtcdCoordinator([etcd_server.endpoint], prefix),
-        EtcdCoordinator([etcd_server.endpoint], prefix),
-    )
-    elected = [asyncio.Event(), asyncio.Event()]
-    lost = [asyncio.Event(), asyncio.Event()]
+    first, second = (EtcdCoordinator([etcd_server.endpoint], prefix) for _ in range(2))
+    return first, second, [asyncio.Event(), asyncio.Event()], [asyncio.Event(), asyncio.Event()]
+
+
+async def test_one_leader_and_a_hand_over(etcd_server: harness.Etcd) -> None:
+    first, second, elected, lost = candidates(etcd_server)
     campaign_a = asyncio.create_task(first.lead("a", elected[0], lost[0]))
     await asyncio.wait_for(elected[0].wait(), 5)
     campaign_b = asyncio.create_task(second.lead("b", elected[1], lost[1]))
@@ -45,13 +48,7 @@ async def test_a_deposed_leader_steps_down_by_itself_and_releases_the_key(etcd_s
     """A deposition (a fenced transaction refused: `lost` set) ends the leadership without a cancellation:
     on Python 3.11 the orchestrator's cancellation can be swallowed by asyncio.wait_for, and a leader that
     went on refreshing its lease left no replica leading for minutes."""
-    prefix = f"/test-{uuid.uuid4().hex[:6]}"
-    first, second = (
-        EtcdCoordinator([etcd_server.endpoint], prefix),
-        EtcdCoordinator([etcd_server.endpoint], prefix),
-    )
-    elected = [asyncio.Event(), asyncio.Event()]
-    lost = [asyncio.Event(), asyncio.Event()]
+    first, second, elected, lost = candidates(etcd_server)
     campaign_a = asyncio.create_task(first.lead("a", elected[0], lost[0]))
     await asyncio.wait_for(elected[0].wait(), 5)
     campaign_b = asyncio.create_task(second.lead("b", elected[1], lost[1]))
