@@ -91,6 +91,10 @@ def _demo(args: argparse.Namespace) -> int:
         return 0
     # `kill -USR1 <pid>` prints every thread's stack: how to see what a demo that seems stuck is doing.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Ctrl-C (SIGINT) stops the demo even when it was started with SIGINT ignored, as a background job of a
+    # non-interactive shell is: asyncio.Runner turns SIGINT into the cancellation the demo's shutdown
+    # relies on only where Python's default handler is installed, and an ignored one is inherited.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # Not asyncio.run: its teardown cancels leftover tasks and joins the default executor's threads without
     # a deadline, after serve_demo has already stopped everything it started (bounded, with a watchdog).
     runner = asyncio.Runner()

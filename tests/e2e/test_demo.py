@@ -99,11 +99,20 @@ def test_ctrl_c_stops_the_demo_its_job_and_its_machines(tmp_path: Path) -> None:
 def test_ctrl_c_after_the_job_ended_shuts_the_server_down_cleanly(tmp_path: Path) -> None:
     """Once the job is over the demo keeps serving its pages until Ctrl-C. Ctrl-C used to cancel uvicorn's
     task itself (the demo's task was awaiting it), so the server skipped its shutdown and the app's
-    lifespan died with a CancelledError traceback, its database threads left to the interpreter's exit."""
+    lifespan died with a CancelledError traceback, its database threads left to the interpreter's exit.
+    The demo is started with SIGINT ignored, as a background job of a non-interactive shell inherits it
+    (`castor demo &` in a script, or a test suite started that way): Ctrl-C must still stop it."""
     shm = Path("/dev/shm") / f"castor-demo-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "CASTOR_STATE_DIR": str(tmp_path / "state"), "CASTOR_LOCAL_SHM_BASE": str(shm)}
     log = tmp_path / "demo.log"
-    command = [sys.executable, "-m", "services.cli", "demo", "--port", str(free_port()), "--machines", "2"]
+    ignoring_sigint = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    )
+    command = [
+        *(sys.executable, "-c", ignoring_sigint),
+        *("-m", "services.cli", "demo", "--port", str(free_port()), "--machines", "2"),
+    ]
     with log.open("w") as out:
         process = subprocess.Popen(
             [*command, "--no-faults", "--iterations", "3"], env=env, stdout=out, stderr=subprocess.STDOUT
