@@ -108,12 +108,7 @@ async def touch_machine(
     (the job's unique instance id), nothing else locked."""
     query = (
         update(Machine)
-        .where(
-            Machine.job_id == job_id,
-            Machine.instance_id == instance_id,
-            Machine.rank == rank,
-            Machine.state != MachineState.REPLACED,
-        )
+        .where(*_live_machine(job_id, rank, instance_id))
         .values(
             last_heartbeat_at=at,
             summary=summary,
@@ -304,6 +299,16 @@ async def persisted_checkpoint(
 # row, and locks nothing shared (not the job row: a thousand machines report at once after a recovery) ---
 
 
+def _live_machine(job_id: uuid.UUID, rank: int, instance_id: str) -> tuple[Any, ...]:
+    """The live machine `instance_id` at `rank`: one indexed row (the job's unique instance id)."""
+    return (
+        Machine.job_id == job_id,
+        Machine.instance_id == instance_id,
+        Machine.rank == rank,
+        Machine.state != MachineState.REPLACED,
+    )
+
+
 async def mark_machine(
     session: AsyncSession, job_id: uuid.UUID, rank: int, instance_id: str, **values: Any
 ) -> int | None:
@@ -311,12 +316,7 @@ async def mark_machine(
     or None when no live machine matches."""
     query = (
         update(Machine)
-        .where(
-            Machine.job_id == job_id,
-            Machine.instance_id == instance_id,
-            Machine.rank == rank,
-            Machine.state != MachineState.REPLACED,
-        )
+        .where(*_live_machine(job_id, rank, instance_id))
         .values(**values)
         .returning(Machine.id)
         .execution_options(synchronize_session=False)
