@@ -22,6 +22,19 @@ def wait_for_iteration(
     return wait_until(reached, timeout, f"rank {rank} to reach iteration {iteration}", interval=0.1)
 
 
+def wait_for_pause(log_dir: Path, world_size: int, iteration: int, timeout: float = 240) -> None:
+    """Every rank of a workload started with `--pause-at` waits after `iteration`'s save (the workloads'
+    e2e_workload.pause_if_asked); `log_dir`/go-<iteration> lets them go on."""
+
+    def paused() -> bool:
+        events = read_events(log_dir)
+        return len(events) == world_size and all(
+            e[-1]["event"] == "paused" and e[-1]["iteration"] == iteration for e in events.values()
+        )
+
+    wait_until(paused, timeout, f"every rank paused after iteration {iteration}", 0.1)
+
+
 def newest_iteration(log_dir: Path) -> int:
     events = read_events(log_dir)
     return max(

@@ -42,6 +42,7 @@ from tests.e2e.recovery_checks import (
     check_event,
     kill_training_process,
     newest_iteration,
+    wait_for_pause,
 )
 
 # Three recoveries, two of them replacing machines, on a loaded 2-core host: past the suite's default
@@ -79,18 +80,6 @@ def net_cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[NetC
     # 4 machines and three spares: one replaces the lost machine, two the lost group.
     with open_net_cluster(tmp_path, request, 7, rate_gbit=RATE_GBIT) as cluster:
         yield cluster
-
-
-def wait_for_pause(log_dir: Path, iteration: int) -> None:
-    """Every rank waits after `iteration`'s save."""
-
-    def paused() -> bool:
-        events = read_events(log_dir)
-        return len(events) == WORLD and all(
-            e[-1]["event"] == "paused" and e[-1]["iteration"] == iteration for e in events.values()
-        )
-
-    wait_until(paused, 240, f"every rank paused after iteration {iteration}", 0.1)
 
 
 def intervals_while_training(cluster: NetCluster, log_dir: Path, since: int, until: int) -> list[int]:
@@ -132,7 +121,7 @@ def test_fault_matrix_with_checkpoints_slower_than_an_iteration(
     known: set[int] = set()
 
     # 1. Process kill (rank 1's training process): every rank restores from its own memory.
-    wait_for_pause(logs, KILL)
+    wait_for_pause(logs, WORLD, KILL)
     kill_training_process(logs, rank=1)
     (logs / f"go-{KILL}").touch()
     new = settled(cluster, known)
@@ -150,7 +139,7 @@ def test_fault_matrix_with_checkpoints_slower_than_an_iteration(
 
     # 2. Machine loss (rank 2: agent, training process, memory) once its newest commit is on its holder:
     # the replacement restores rank 2 from the peer's memory, the others from their own.
-    wait_for_pause(logs, MACHINE)
+    wait_for_pause(logs, WORLD, MACHINE)
     wait_until(
         lambda: (cluster.job_state().get("replicated_iteration") or -1) >= MACHINE,
         120,
@@ -171,7 +160,7 @@ def test_fault_matrix_with_checkpoints_slower_than_an_iteration(
 
     # 3. Group loss (ranks 2 and 3: the replacement and machine 3) past a persisted iteration: no memory
     # holds ranks 2 and 3, which come back from the persistent tier.
-    wait_for_pause(logs, GROUP)
+    wait_for_pause(logs, WORLD, GROUP)
     wait_until(
         lambda: any(MACHINE < i <= GROUP for i in complete_checkpoints(cluster)),
         120,

@@ -1,6 +1,7 @@
-"""What the e2e training workloads share (train_ddp.py, train_fsdp2.py): the digest of a rank's state and
-the per-rank JSON event log the tests read (tests/e2e/cluster.py's read_events). Imported as a sibling
-module: a workload runs as a script, cold or in a warm spare, with its own directory first on sys.path."""
+"""What the e2e training workloads share (train_ddp.py, train_fsdp2.py, train_ballast.py, train_epochs.py):
+the digest of a rank's state, the per-rank JSON event log the tests read (tests/e2e/cluster.py's
+read_events) and pause points. Imported as a sibling module: a workload runs as a script, cold or in a warm
+spare, with its own directory first on sys.path."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 import torch
 import xxhash
 from torch.distributed.tensor import DTensor
+
+from worker_lib import Checkpointer
 
 
 def _bytes(value: torch.Tensor) -> bytes:
@@ -47,3 +50,24 @@ class EventLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def iterations_arg(text: str) -> set[int]:
+    """`--pause-at`'s value: comma-separated iterations."""
+    return {int(i) for i in text.split(",")}
+
+
+def pause_if_asked(
+    log_dir: Path, iteration: int, pause_at: set[int], event: EventLog, checkpointer: Checkpointer
+) -> None:
+    """After `iteration`'s save, if it is in `pause_at`: wait for the save to commit, log "paused" and wait
+    for `log_dir`/go-<iteration>.
+    A test strikes its fault while every rank waits at the same known iteration, on a host of any speed
+    (tests/e2e/recovery_checks.py's wait_for_pause); the state does not depend on the wait. A run resumed
+    from before that iteration passes it again without waiting once the test has let it go."""
+    if iteration not in pause_at:
+        return
+    checkpointer.wait()
+    event(event="paused", iteration=iteration)
+    while not (log_dir / f"go-{iteration}").exists():
+        time.sleep(0.05)

@@ -7,9 +7,9 @@ uninterrupted run computes. Each rank appends JSON events to --log-dir/rank-<r>.
 "start" (restored iteration, state digest after the restore), "iteration" (digest right after the step,
 before its save) and "done" (digest at the end).
 
-`--pause-at K,...` (as train_fsdp2.py): after iteration K's save every rank logs "paused" and waits for
---log-dir/go-K, so a test strikes its faults where it means to on a host of any speed (the state does not
-depend on the wait)."""
+`--pause-at K,...` (e2e_workload.pause_if_asked): after iteration K's save every rank logs "paused" and
+waits for --log-dir/go-K, so a test strikes its faults where it means to on a host of any speed (the state
+does not depend on the wait)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import xxhash
-from e2e_workload import EventLog  # a sibling module (see its docstring)
+from e2e_workload import EventLog, iterations_arg, pause_if_asked  # a sibling module (see its docstring)
 from torch.nn.parallel import DistributedDataParallel
 
 from worker_lib import Checkpointer
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--log-dir", type=Path, required=True)
     parser.add_argument(
         "--pause-at",
-        type=lambda text: {int(i) for i in text.split(",")},
+        type=iterations_arg,
         default=set(),
         help="comma-separated iterations after whose save every rank waits for <log-dir>/go-<iteration>",
     )
@@ -95,10 +95,7 @@ def main() -> None:
             checkpointer.wait()
             if args.sleep:
                 time.sleep(args.sleep)
-            if iteration in args.pause_at:
-                event(event="paused", iteration=iteration)
-                while not (args.log_dir / f"go-{iteration}").exists():
-                    time.sleep(0.05)
+            pause_if_asked(args.log_dir, iteration, args.pause_at, event, checkpointer)
         event(event="done", digest=digest())
     dist.barrier()
     # As train_ddp.py (which says why): end without letting go of the process group.

@@ -7,12 +7,12 @@ resumed computes bit for bit what an uninterrupted run computes.
 Runs under `castor agent`, or standalone (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, CASTOR_SHM_DIR set
 by the caller). Each rank appends JSON events to --log-dir/rank-<r>.jsonl like train_ddp.py: "start" (the
 restored iteration and the state digest after the restore) and "iteration" (epoch, batch and the digest
-of model and optimizer after the step), and "done" with the digest at the end."""
+of model and optimizer after the step), and "done" with the digest at the end. `--pause-at K,...`: after
+iteration K's save every rank waits for --log-dir/go-K (e2e_workload.pause_if_asked)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import time
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy
 import torch
 import torch.distributed as dist
-import xxhash
+from e2e_workload import EventLog, iterations_arg, pause_if_asked, state_digest  # a sibling module
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
@@ -53,17 +53,6 @@ class ResumableSampler(Sampler[int]):
         return len(self._indices()) - self.start
 
 
-def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    hasher = xxhash.xxh3_64()
-    for tensor in model.state_dict().values():
-        hasher.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    for state in optimizer.state_dict()["state"].values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                hasher.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return hasher.hexdigest()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=3)
@@ -72,6 +61,12 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)  # gradients over 1 MiB: several DDP buckets
     parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per iteration")
     parser.add_argument("--log-dir", type=Path, required=True)
+    parser.add_argument(
+        "--pause-at",
+        type=iterations_arg,
+        default=set(),
+        help="comma-separated iterations after whose save every rank waits for <log-dir>/go-<iteration>",
+    )
     args = parser.parse_args()
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -102,11 +97,7 @@ def main() -> None:
     numpy.random.seed(200 + rank)
     random.seed(300 + rank)
 
-    args.log_dir.mkdir(parents=True, exist_ok=True)
-    log = (args.log_dir / f"rank-{rank}.jsonl").open("a", buffering=1)
-
-    def event(**fields: object) -> None:
-        log.write(json.dumps({"rank": rank, "time": time.time(), "pid": os.getpid(), **fields}) + "\n")
+    event = EventLog(args.log_dir, rank)
 
     with Checkpointer() as checkpointer:
         restored = checkpointer.restore(into={"model": model, "optimizer": optimizer})
@@ -144,6 +135,7 @@ def main() -> None:
                     "rng": rng_state(),
                 }
                 checkpointer.save(iteration, state)
+                pause_if_asked(args.log_dir, iteration, args.pause_at, event, checkpointer)
                 iteration += 1
                 if args.sleep:
                     time.sleep(args.sleep)
@@ -151,7 +143,7 @@ def main() -> None:
         event(event="done", iteration=iteration - 1, digest=state_digest(model, optimizer))
     dist.barrier()
     dist.destroy_process_group()
-    log.close()
+    event.close()
     end_process()  # never lets go of the gloo group: see its docstring (a torch 2.13 deadlock at exit)
 
 
