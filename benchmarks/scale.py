@@ -388,11 +388,6 @@ def start_root(
         env["CASTOR_LEASE_TTL_S"] = str(args.lease_ttl)
     if args.suspect_grace is not None:
         env["CASTOR_SUSPECT_GRACE_S"] = str(args.suspect_grace)
-    if name != "root0":
-        # The first replica migrated the database. On Postgres without etcd a second one that migrates too
-        # waits forever: its migration's advisory lock has the key of the leadership's, which the first
-        # replica holds while it leads (migrations/env.py, orchestration/leadership.py).
-        env["CASTOR_MIGRATE_ON_START"] = "false"
     log = (workdir / f"{name}.log").open("wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "serve"],
@@ -1057,7 +1052,7 @@ def main() -> None:
         database_url = server.create_database(database)
         roots: list[tuple[subprocess.Popen[bytes], str]] = []
         try:
-            # One after the other: the first applies the migrations.
+            # One after the other: the first applies the migrations, the second finds them applied.
             for index in range(2 if args.leader_kill else 1):
                 roots.append(start_root(workdir, database_url, args, f"root{index}"))
             figures = asyncio.run(Run(args, server, database, roots).run())
