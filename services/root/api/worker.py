@@ -31,10 +31,11 @@ router = APIRouter(
 
 @router.post("/machines", response_model=schemas.RegisterResponse, responses=error_responses(409))
 async def register_machine(
-    body: schemas.RegisterRequest, job: WorkerJobDep, db: SessionDep, state: StateDep
+    body: schemas.RegisterRequest, job_id: AuthorizedJobIdDep, state: StateDep
 ) -> schemas.RegisterResponse:
-    """Register this machine (idempotent: the same instance gets the same rank back)."""
-    return await machine_flows.register_machine(db, job, body, state.settings)
+    """Register this machine (idempotent: the same instance gets the same rank back). While the job is
+    pending a registration locks nothing shared: its rank is claimed by one INSERT (see flows.machines)."""
+    return await machine_flows.register(state.database, job_id, body, state.settings)
 
 
 @router.post(

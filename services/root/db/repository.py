@@ -29,9 +29,12 @@ from services.root.db.models import (
 
 
 async def get_job(session: AsyncSession, job_id: uuid.UUID, *, for_update: bool = False) -> Job | None:
+    """The job; `for_update`: its row locked until the transaction ends, against every other writer of it.
+    On Postgres that is FOR NO KEY UPDATE (its id never changes): an insert of a row that refers to the job
+    (a registration's machine) checks its foreign key with FOR KEY SHARE, which FOR UPDATE would block."""
     query = select(Job).where(Job.id == job_id)
     if for_update:
-        query = query.with_for_update()
+        query = query.with_for_update(key_share=True)
     return (await session.execute(query)).scalar_one_or_none()
 
 
@@ -428,3 +431,45 @@ async def latest_plan_status(session: AsyncSession, job_id: uuid.UUID) -> tuple[
     )
     found = (await session.execute(query)).first()
     return (found[0], found[1]) if found is not None else None
+
+
+# -- registrations off the job row: a rank is claimed by the live-rank unique index, the job started by a
+# conditional UPDATE (flows.machines.register) ------------------------------------------------------------
+
+
+async def claim_rank(session: AsyncSession, job_id: uuid.UUID, rank: int, **values: Any) -> int | None:
+    """Insert a live machine at `rank` unless the rank (the live-rank unique index) or its instance id is
+    taken: one statement, nothing else locked. Its id, or None when another machine holds either (a
+    concurrent claim waits for the other transaction to end first, then finds it)."""
+    dialect = session.bind.dialect.name if session.bind is not None else "postgresql"
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    statement = (
+        insert(Machine)
+        .values(job_id=job_id, rank=rank, **values)
+        .on_conflict_do_nothing()
+        .returning(Machine.id)
+    )
+    return (await session.execute(statement)).scalar_one_or_none()
+
+
+async def live_machine_count(session: AsyncSession, job_id: uuid.UUID) -> int:
+    """How many ranks have a live machine (the live-rank index, no row read)."""
+    query = (
+        select(func.count())
+        .select_from(Machine)
+        .where(Machine.job_id == job_id, Machine.state != MachineState.REPLACED)
+    )
+    return int((await session.execute(query)).scalar_one())
+
+
+async def start_job(session: AsyncSession, job_id: uuid.UUID, at: datetime) -> bool:
+    """Move a pending job to running in one conditional statement: of several callers at once exactly one
+    gets True (and holds the job row's lock until it commits); the later ones find it running."""
+    query = (
+        update(Job)
+        .where(Job.id == job_id, Job.state == JobState.PENDING)
+        .values(state=JobState.RUNNING, started_at=at)
+        .returning(Job.id)
+        .execution_options(synchronize_session=False)
+    )
+    return (await session.execute(query)).scalar_one_or_none() is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -16,7 +17,7 @@ from sqlalchemy.orm import Session
 from services.root import schemas
 from services.root.clients.etcd import machine_key
 from services.root.db import repository as repo
-from services.root.db.database import mark_changed
+from services.root.db.database import Database, mark_changed
 from services.root.db.models import (
     FailureEvent,
     FailureKind,
@@ -30,12 +31,70 @@ from services.root.db.models import (
 from services.root.domain.persist_schedule import PersistTarget, next_target
 from services.root.domain.placement import Placement
 from services.root.domain.replication import job_replication, replication_alignment
-from services.root.errors import Conflict
+from services.root.errors import Conflict, NotFound
 from services.root.flows.directives import directive_changed, make_ready, persist_out
 from services.root.flows.jobs import placement_out, stored_placement
 from services.root.settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+# How often a registration off the job row tries to claim a rank before it falls back to the job row's
+# lock (each try is a rank another registration claimed first: rare past the first).
+CLAIM_TRIES = 20
+
+
+class _Locked:
+    """A registration that needs the job row's lock: it displaces a failed machine, records an agent's
+    restart, or finds the job past pending."""
+
+
+class _Contested:
+    """Another registration claimed the rank (or registered the same instance) first: read again."""
+
+
+LOCKED, CONTESTED = _Locked(), _Contested()
+
+
+async def register(
+    database: Database, job_id: uuid.UUID, request: schemas.RegisterRequest, settings: Settings
+) -> schemas.RegisterResponse:
+    """Bind the calling instance to a machine rank (see register_machine), without the job row's lock while
+    the job is pending: a thousand machines register at once. A new instance claims its rank with one
+    INSERT that the live-rank unique index admits once (a claim that loses reads again and takes another
+    rank; the rank it asked for: rank_taken); the registration commits, and then the job starts when every
+    rank is held, by a conditional UPDATE (of several last registrations at once exactly one starts it).
+    What touches shared state the leader also writes (displacing a failed machine, an agent restarting on
+    a live machine, any registration once the job runs) takes the job row's lock, as before."""
+    for attempt in range(CLAIM_TRIES):
+        async with database.session() as session:
+            job = await _job(session, job_id)
+            claimed = await _claim(session, job, request, attempt=attempt, locked=False)
+            if isinstance(claimed, Machine):
+                machine_id = claimed.id
+        if claimed is LOCKED:
+            break
+        if isinstance(claimed, Machine):
+            async with database.session() as session:
+                job = await _job(session, job_id)
+                await start_if_full(session, job)
+                machine = await session.get(Machine, machine_id)
+                assert machine is not None, "a committed machine stays until its job is deleted"
+                return await _registered(session, job, machine, settings)
+    async with database.session() as session:
+        job = await _job(session, job_id, for_update=True)
+        response = await register_machine(session, job, request, settings)
+    async with database.session() as session:
+        # Claims made off the lock meanwhile: the job may be full only now that this one committed.
+        await start_if_full(session, await _job(session, job_id))
+    return response
+
+
+async def _job(session: AsyncSession, job_id: uuid.UUID, *, for_update: bool = False) -> Job:
+    job = await repo.get_job(session, job_id, for_update=for_update)
+    if job is None:
+        raise NotFound(f"job {job_id} does not exist", code="job_not_found")
+    return job
 
 
 async def register_machine(
@@ -44,24 +103,65 @@ async def register_machine(
     """Bind the calling instance to a machine rank. The same instance always gets the same rank back; a
     new instance takes the requested rank, else a failed machine's rank, else the lowest free one.
 
-    The caller holds the job row locked (SELECT ... FOR UPDATE), so concurrent registrations serialize."""
+    The caller holds the job row locked (SELECT ... FOR UPDATE): registrations that change what the leader
+    also writes serialize with it (`register` takes this way for those only)."""
+    machine = await _claim(session, job, request, attempt=0, locked=True)
+    assert isinstance(machine, Machine), "under the job row's lock a claim is never contested"
+    await start_if_full(session, job)
+    return await _registered(session, job, machine, settings)
+
+
+async def _claim(
+    session: AsyncSession, job: Job, request: schemas.RegisterRequest, *, attempt: int, locked: bool
+) -> Machine | _Locked | _Contested:
+    """This instance's machine, bound to its rank and with its newest address (in the session, not yet
+    committed). Off the job row's lock (`locked` False) only while the job is pending, and only a claim of
+    a free rank or an instance's registration again; anything else answers LOCKED."""
     if job.state in (JobState.COMPLETED, JobState.STOPPED, JobState.FAILED):
         raise Conflict(f"job {job.name!r} is {job.state}; it takes no new machines", code="job_finished")
+    if not locked and job.state != JobState.PENDING:
+        return LOCKED
     # Ranks and states only, not every machine's row: a thousand machines register one after another.
     live = await repo.live_ranks(session, job.id)
-    registered = len(live)
     machine = await repo.machine_by_instance(session, job.id, request.instance_id)
     if machine is not None and machine.state == MachineState.REPLACED:
         raise Conflict(
             f"instance {request.instance_id!r} was replaced as machine {machine.rank}; start a new instance",
             code="instance_replaced",
         )
+    now = utcnow()
+    address = {
+        "address": request.address,
+        "data_port": request.data_port,
+        "hostname": request.hostname,
+        "rendezvous_port": request.rendezvous_port,
+        "embedded": request.embedded,
+    }
     if machine is None:
-        rank = _choose_rank(job, live, request.rank)
+        # A later try spreads over the free ranks: the registrations that lost a rank together do not all
+        # go for the same next one.
+        rank = _choose_rank(job, live, request.rank, spread=attempt > 0 and request.rank is None)
+        holder = next((m for m in live if m.rank == rank), None)
+        if holder is not None and not locked:
+            return LOCKED  # a failed machine's rank: its failure's recovery moves on (_note_replacement)
+        if holder is None and not locked:
+            claimed = await repo.claim_rank(
+                session,
+                job.id,
+                rank,
+                instance_id=request.instance_id,
+                state=MachineState.HEALTHY,
+                last_heartbeat_at=now,
+                **address,
+            )
+            if claimed is None:
+                return CONTESTED
+            machine = await session.get(Machine, claimed)
+            assert machine is not None
+            mark_changed(session, job.id, wake=False)  # see below
+            return machine
         displaced = next(iter(await repo.machines_at_ranks(session, job.id, [rank])), None)
-        if displaced is None:
-            registered += 1
-        else:
+        if displaced is not None:
             displaced.state = MachineState.REPLACED
             await session.flush()  # frees the live-rank unique index before the insert
             await _note_replacement(session, job, displaced, request.instance_id)
@@ -74,7 +174,8 @@ async def register_machine(
         )
     elif job.state in (JobState.RUNNING, JobState.RECOVERING) and not request.embedded:
         # The agent restarted on a live machine: its training processes died with it.
-        now = utcnow()
+        if not locked:
+            return LOCKED
         session.add(
             FailureEvent(
                 job_id=job.id,
@@ -88,29 +189,40 @@ async def register_machine(
             )
         )
     # An agent restarted on the same instance may listen on a new port: take the newest address.
-    machine.address, machine.data_port, machine.hostname = (
-        request.address,
-        request.data_port,
-        request.hostname,
-    )
-    machine.rendezvous_port = request.rendezvous_port
-    machine.embedded = request.embedded
+    for key, value in address.items():
+        setattr(machine, key, value)
     machine.state = MachineState.HEALTHY
-    machine.last_heartbeat_at = utcnow()
+    machine.last_heartbeat_at = now
     # The directive's machine list changed (a new holder of a rank, a new address): drop the cached copy at
     # commit, else a replacement's first poll can read its rank still held by the machine it displaced
     # and stop as "replaced". No long poll wakes for it (the revision stays).
     mark_changed(session, job.id, wake=False)
-    plan = await repo.latest_plan(session, job.id)
     await session.flush()
-    if job.state == JobState.PENDING and registered == job.num_machines:
-        # Everyone is here: training starts from scratch, meeting at machine 0.
-        job.state, job.started_at = JobState.RUNNING, utcnow()
-        if plan is not None and plan.status == PlanStatus.PENDING:
-            rank0 = machine if machine.rank == 0 else (await repo.machines_at_ranks(session, job.id, [0]))[0]
-            make_ready(session, job, plan, rank0)
-        await session.flush()
+    return machine
 
+
+async def start_if_full(session: AsyncSession, job: Job) -> bool:
+    """A pending job whose every rank is held starts: training from scratch, meeting at machine 0. One
+    conditional UPDATE, so of the last registrations at once (each after its own commit, so the last to
+    commit sees every rank held) exactly one starts it and releases the first plan."""
+    if job.state != JobState.PENDING or await repo.live_machine_count(session, job.id) < job.num_machines:
+        return False
+    if not await repo.start_job(session, job.id, utcnow()):
+        return False
+    await session.refresh(job)  # running, its row locked by the UPDATE until this transaction commits
+    plan = await repo.latest_plan(session, job.id)
+    if plan is not None and plan.status == PlanStatus.PENDING:
+        (rank0,) = await repo.machines_at_ranks(session, job.id, [0])
+        make_ready(session, job, plan, rank0)
+    await session.flush()
+    return True
+
+
+async def _registered(
+    session: AsyncSession, job: Job, machine: Machine, settings: Settings
+) -> schemas.RegisterResponse:
+    """The registration's answer: the job's shape, the machine's placement group's peers, the newest plan's
+    generation (not the plan: its per-rank sources stay unread)."""
     placement = await cached_placement(session, job)
     members = placement.group_of(machine.rank).members
     peers = await repo.machines_at_ranks(session, job.id, [m for m in members if m != machine.rank])
@@ -128,7 +240,7 @@ async def register_machine(
         placement=placement_out(job, placement),
         peers=_group_peers(machine.rank, members, peers),
         heartbeat=heartbeat_config(job, machine.rank, machine.instance_id, settings),
-        plan_generation=plan.generation if plan else None,
+        plan_generation=await repo.latest_generation(session, job.id),
         persistent=persistent_tier(settings),
     )
 
@@ -141,7 +253,9 @@ async def _note_replacement(session: AsyncSession, job: Job, failed: Machine, in
             event.details = {**event.details, "replaced_by": instance_id}
 
 
-def _choose_rank(job: Job, live: Sequence[repo.LiveRank], requested: int | None) -> int:
+def _choose_rank(
+    job: Job, live: Sequence[repo.LiveRank], requested: int | None, *, spread: bool = False
+) -> int:
     bound = {m.rank: m for m in live}
     if requested is not None:
         if requested >= job.num_machines:
@@ -163,7 +277,7 @@ def _choose_rank(job: Job, live: Sequence[repo.LiveRank], requested: int | None)
         raise Conflict(
             f"job {job.name!r} already has all {job.num_machines} machines registered", code="job_full"
         )
-    return free[0]
+    return random.choice(free) if spread else free[0]
 
 
 def _group_peers(rank: int, members: Sequence[int], live: Sequence[Machine]) -> list[schemas.Peer]:
