@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import httpx
 import pydantic
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 
 API = "/api/v1"
 T = TypeVar("T")
+LIST_PAGE = 500  # the root's largest page of failures, plans and checkpoints
+MAX_PAGES = 100_000  # a list whose next links never end is a broken root, not a long list
 # A request body: the API's model, or the same document as a mapping (sent as is; the root validates it).
 Body = pydantic.BaseModel | Mapping[str, Any]
 
@@ -200,24 +203,66 @@ class RootClient:
     async def delete_job(self, job_id: str) -> None:
         await self.request("DELETE", f"/jobs/{job_id}")
 
-    async def machines(self, job_id: str, *, history: bool = False) -> list[MachineOut]:
-        params = {"history": "true"} if history else None
-        return await self.call(list[MachineOut], "GET", f"/jobs/{job_id}/machines", params=params)
+    async def machines(
+        self, job_id: str, *, history: bool = False, limit: int | None = None, offset: int | None = None
+    ) -> list[MachineOut]:
+        """The job's machines by rank: every page (one request per 1,000 machines), or with `limit` and
+        `offset` that page only."""
+        params = _params(history="true" if history else None, limit=limit, offset=offset)
+        return await self._list(MachineOut, f"/jobs/{job_id}/machines", params, whole=limit is None)
 
     async def placement(self, job_id: str) -> PlacementOut:
         return await self.call(PlacementOut, "GET", f"/jobs/{job_id}/placement")
 
     async def failures(self, job_id: str) -> list[FailureOut]:
-        return await self.call(list[FailureOut], "GET", f"/jobs/{job_id}/failures")
+        """Every failure of the job, newest first (one request per page of 500)."""
+        return await self._list(FailureOut, f"/jobs/{job_id}/failures", {"limit": LIST_PAGE})
+
+    async def failures_page(
+        self, job_id: str, *, limit: int | None = None, before_id: int | None = None
+    ) -> ListPage[FailureOut]:
+        """One page of the job's failures, newest first: the newest `limit` (the root's default: 100), or
+        those older than failure `before_id`."""
+        params = _params(limit=limit, before_id=before_id)
+        return await self.page(FailureOut, f"/jobs/{job_id}/failures", params)
 
     async def failure(self, job_id: str, failure_id: int) -> FailureOut:
         return await self.call(FailureOut, "GET", f"/jobs/{job_id}/failures/{failure_id}")
 
     async def recovery_plans(self, job_id: str) -> list[RecoveryPlanOut]:
-        return await self.call(list[RecoveryPlanOut], "GET", f"/jobs/{job_id}/recovery-plans")
+        """Every recovery plan of the job, newest generation first (one request per page of 500)."""
+        return await self._list(RecoveryPlanOut, f"/jobs/{job_id}/recovery-plans", {"limit": LIST_PAGE})
 
     async def checkpoints(self, job_id: str) -> list[PersistedCheckpointOut]:
-        return await self.call(list[PersistedCheckpointOut], "GET", f"/jobs/{job_id}/checkpoints")
+        """Every persisted checkpoint of the job, newest first (one request per page of 500)."""
+        return await self._list(PersistedCheckpointOut, f"/jobs/{job_id}/checkpoints", {"limit": LIST_PAGE})
+
+    async def page(self, model: type[T], path: str, params: Mapping[str, Any] | None = None) -> ListPage[T]:
+        """One page of a list endpoint: its items, the list's total (X-Total-Count) and the next page's
+        query parameters (from its Link rel="next"; None on the last page). A root from before paging
+        answers the whole list with neither header: one page, total None."""
+        headers: dict[str, str] = {}
+        document = await self.request("GET", path, params=params, answer_headers=headers)
+        items = await self._validated(list[model], path, document)  # type: ignore[valid-type]
+        total = headers.get("x-total-count")
+        return ListPage(
+            items, int(total) if total and total.isdigit() else None, next_params(headers.get("link"))
+        )
+
+    async def _list(
+        self, model: type[T], path: str, params: Mapping[str, Any] | None, *, whole: bool = True
+    ) -> list[T]:
+        """Every item of a list endpoint, page after page (its Link rel="next"); `whole` False: the first."""
+        found = await self.page(model, path, params)
+        items = list(found.items)
+        seen = 1
+        while whole and found.next is not None and found.items:
+            seen += 1
+            if seen > MAX_PAGES:
+                raise UnexpectedAnswer(f"{path} gave more than {MAX_PAGES} pages", 200, path)
+            found = await self.page(model, path, found.next)
+            items += found.items
+        return items
 
     # -- transport ---------------------------------------------------------------------------------------
 
@@ -242,6 +287,9 @@ class RootClient:
         document = await self.request(
             method, path, json=json, params=params, retry_for_s=retry_for_s, timeout_s=timeout_s
         )
+        return await self._validated(model, path, document)
+
+    async def _validated(self, model: type[T], path: str, document: Any) -> T:
         try:
             return _adapter(model).validate_python(document)
         except pydantic.ValidationError as exc:
@@ -259,8 +307,10 @@ class RootClient:
         params: Mapping[str, Any] | None = None,
         retry_for_s: float | None = None,
         timeout_s: float | None = None,
+        answer_headers: dict[str, str] | None = None,
     ) -> Any:
-        """`method` `path` (under /api/v1) and its answer's JSON document (None for an empty answer)."""
+        """`method` `path` (under /api/v1) and its answer's JSON document (None for an empty answer);
+        `answer_headers`, when given, gets the answer's headers (lowercase names)."""
         if retry_for_s is not None:
             budget = retry_for_s
         elif method in ("GET", "HEAD") or self.retry_writes:
@@ -291,6 +341,8 @@ class RootClient:
                         # after all of them failed).
                         self._current = (self._current + 1) % len(self.urls)
                         raise
+                    if answer_headers is not None:
+                        answer_headers.update({k.lower(): v for k, v in response.headers.items()})
                     return _decode(response)
         except tenacity.RetryError as exc:
             attempts = exc.last_attempt.attempt_number
@@ -321,6 +373,26 @@ def _document(body: Any) -> Any:
     if isinstance(body, list | tuple):
         return [_document(value) for value in body]
     return body
+
+
+@dataclass(frozen=True)
+class ListPage(Generic[T]):
+    """One page of a list endpoint (RootClient.page)."""
+
+    items: list[T]
+    total: int | None  # X-Total-Count: the whole list's length; None from a root without paging
+    next: dict[str, str] | None  # the next page's query parameters; None on the last page
+
+
+def next_params(link: str | None) -> dict[str, str] | None:
+    """The query parameters of an RFC 8288 Link header's rel="next" target (None without one)."""
+    for part in (link or "").split(","):
+        target, _, attributes = part.partition(";")
+        rels = [a.strip() for a in attributes.split(";")]
+        if 'rel="next"' in rels or "rel=next" in rels:
+            url = httpx.URL(target.strip().removeprefix("<").removesuffix(">"))
+            return dict(url.params.multi_items())
+    return None
 
 
 def _params(**values: Any) -> dict[str, Any] | None:

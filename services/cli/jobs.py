@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from services.cli import render
-from services.cli.client import CliClient, CliError, NotFound, Unreachable, resolve_job
+from services.cli.client import CliClient, CliError, NotFound, Unreachable, jsonable, resolve_job
 from services.cli.failures import FAILURE_HEADERS, _failure_rows
 from services.cli.render import (
     _plural,
@@ -208,10 +208,14 @@ def jobs_show(client: CliClient, args: argparse.Namespace) -> int:
         placement = client.document(client.api.placement(job["id"]))
     except NotFound:
         placement = None
-    failures = client.document(client.api.failures(job["id"]))
     if args.json:
+        failures = client.document(client.api.failures(job["id"]))  # every page
         print_json({"job": job, "machines": machines, "placement": placement, "failures": failures})
         return 0
+    # The newest --failures only (one bounded request), and how many the job has (X-Total-Count).
+    page = client.run(client.api.failures_page(job["id"], limit=max(1, args.failures)))
+    failures = jsonable(page.items)[: args.failures]
+    total_failures = page.total if page.total is not None else len(failures)
     now = datetime.now(UTC)
     print(f"Job {job['name']}")
     print(render_fields(_job_fields(job, now, [m for m in machines if m["state"] != "replaced"])))
@@ -250,11 +254,12 @@ def jobs_show(client: CliClient, args: argparse.Namespace) -> int:
         print("    " + "   ".join(f"k={k}: {p:.3f}" for k, p in probabilities))
         print()
     if failures:
-        recent = failures[: args.failures]
-        print(f"Recent failures ({len(recent)} of {len(failures)})")
-        print(table(FAILURE_HEADERS, _failure_rows(recent, now), indent="  "))
-        if len(failures) > len(recent):
-            print(f"  ... `castor failures list {job['name']}` shows all {len(failures)}")
+        print(f"Recent failures ({len(failures)} of {total_failures})")
+        print(table(FAILURE_HEADERS, _failure_rows(failures, now), indent="  "))
+        if total_failures > len(failures):
+            print(f"  ... `castor failures list {job['name']}` shows all {total_failures}")
+    elif total_failures:
+        print(f"Failures: {total_failures} (`castor failures list {job['name']}` shows them)")
     else:
         print("Failures: none")
     return 0

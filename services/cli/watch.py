@@ -27,12 +27,16 @@ class Snapshot:
     note: str = ""
 
 
+WATCH_FAILURES = 20  # the newest failures a snapshot reads (the view draws the newest one's phases)
+
+
 def take_snapshot(client: CliClient, job_id: str) -> Snapshot:
+    """The job, every live machine (page after page) and its newest WATCH_FAILURES failures (one bounded
+    request a refresh; the job's `failures` counts them all)."""
     job = client.document(client.api.job(job_id))
     machines = [m for m in client.document(client.api.machines(job_id)) if m["state"] != "replaced"]
-    return Snapshot(
-        job, sorted(machines, key=lambda m: m["rank"]), client.document(client.api.failures(job_id))
-    )
+    failures = client.document(client.api.failures_page(job_id, limit=WATCH_FAILURES)).get("items", [])
+    return Snapshot(job, sorted(machines, key=lambda m: m["rank"]), failures)
 
 
 def replication_text(job: dict[str, Any]) -> str:
@@ -119,7 +123,8 @@ def jobs_watch(
     """Refresh a job's view every --interval seconds until the job ends (exit 0; 1 when it failed) or
     Ctrl-C (130). On a terminal the view is redrawn in place (rich.live.Live); elsewhere (a pipe, a log)
     it prints one line per change of the job's state and the full view once at the end; with --json only
-    the last snapshot, as one document {"job", "machines", "failures"}."""
+    the last snapshot, as one document {"job", "machines", "failures"} (its newest failures, WATCH_FAILURES;
+    `castor failures list` gives them all)."""
     from rich.live import Live
 
     job = resolve_job(client, args.job)

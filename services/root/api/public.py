@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from typing import Annotated, Any
+from urllib.parse import urlencode
 
-from fastapi import APIRouter, BackgroundTasks, Path, Query, Response, status
+from fastapi import APIRouter, BackgroundTasks, Path, Query, Request, Response, status
 
 from services.root import schemas
 from services.root.api.deps import AdminDep, AdminJobDep, SessionDep, StateDep
@@ -15,6 +16,26 @@ from services.root.errors import Invalid, NotFound, error_responses
 from services.root.flows import jobs as job_flows
 from services.root.flows import recovery
 from services.root.schemas.shared import readable_json
+
+# Lists come a page at a time. The defaults are large enough that a job of ordinary size comes whole in one
+# page (its 1,000 machines; its newest 100 failures, plans and checkpoints); the maxima bound what one
+# request reads and serializes (a machine's row carries its heartbeat summary; a failure its plan's
+# per-rank progress; a checkpoint one shard per rank).
+MACHINES_PAGE_MAX = 1000
+PAGE_DEFAULT = 100
+PAGE_MAX = 500
+PAGE_HEADERS: dict[str, Any] = {
+    "headers": {
+        "X-Total-Count": {
+            "description": "How many items the whole list holds.",
+            "schema": {"type": "integer"},
+        },
+        "Link": {
+            "description": 'RFC 8288: `<URL>; rel="next"`, the next page, while more items remain.',
+            "schema": {"type": "string"},
+        },
+    }
+}
 
 # 503: the request's transaction lost a race inside the database and was rolled back (retry it).
 router = APIRouter(prefix="/api/v1", tags=["jobs"], responses=error_responses(401, 403, 422, 503))
@@ -100,15 +121,29 @@ async def stop_job(
 
 
 @router.get(
-    "/jobs/{job_id}/machines", response_model=list[schemas.MachineOut], responses=error_responses(404)
+    "/jobs/{job_id}/machines",
+    response_model=list[schemas.MachineOut],
+    responses={**error_responses(404), 200: PAGE_HEADERS},
 )
 async def list_machines(
     job: AdminJobDep,
     db: SessionDep,
+    request: Request,
+    response: Response,
     history: Annotated[bool, Query(description="Include replaced machines.")] = False,
+    limit: Annotated[
+        int,
+        Query(ge=1, le=MACHINES_PAGE_MAX, description="Machines per page (a 1,000-machine job: one page)."),
+    ] = MACHINES_PAGE_MAX,
+    offset: Annotated[int, Query(ge=0, le=schemas.INT32_MAX, description="Machines skipped.")] = 0,
 ) -> list[schemas.MachineOut]:
-    """The job's machines by rank."""
-    machines = await (repo.all_machines if history else repo.live_machines)(db, job.id)
+    """The job's machines by rank, a page at a time (X-Total-Count, and a Link rel="next" while more
+    remain). Ranks are fixed when the job is created, so offsets stay stable; with `history`, a
+    replacement registering meanwhile lands beside its rank's earlier machines."""
+    machines, total = await repo.machines_page(db, job.id, history=history, limit=limit, offset=offset)
+    more = offset + len(machines) < total
+    next_params = {"limit": limit, "offset": offset + len(machines)} if more and machines else None
+    _page_headers(request, response, total, next_params)
     return [schemas.MachineOut.model_validate(m) for m in machines]
 
 
@@ -119,12 +154,31 @@ async def get_placement(job: AdminJobDep, db: SessionDep) -> schemas.PlacementOu
 
 
 @router.get(
-    "/jobs/{job_id}/failures", response_model=list[schemas.FailureOut], responses=error_responses(404)
+    "/jobs/{job_id}/failures",
+    response_model=list[schemas.FailureOut],
+    responses={**error_responses(404), 200: PAGE_HEADERS},
 )
-async def list_failures(job: AdminJobDep, db: SessionDep) -> list[schemas.FailureOut]:
-    """Failure events, newest first."""
-    numbers = await repo.failure_numbers(db, job.id)
-    events = await repo.list_failures(db, job.id)
+async def list_failures(
+    job: AdminJobDep,
+    db: SessionDep,
+    request: Request,
+    response: Response,
+    limit: Annotated[int, Query(ge=1, le=PAGE_MAX, description="Failures per page.")] = PAGE_DEFAULT,
+    before_id: Annotated[
+        int | None,
+        Query(ge=1, le=schemas.INT32_MAX, description="Only failures older than this one (the next page)."),
+    ] = None,
+) -> list[schemas.FailureOut]:
+    """Failure events, newest first, a page at a time (X-Total-Count, and a Link rel="next" while older
+    ones remain). The next page is the failures older than the last one shown (`before_id`): new failures
+    arriving meanwhile do not shift it."""
+    found = await repo.failures_page(db, job.id, limit=limit + 1, before_id=before_id)
+    if found is None:
+        raise _bad_cursor("before_id", f"job {job.id} has no failure {before_id}")
+    events, total = list(found[0]), found[1]
+    more, events = len(events) > limit, events[:limit]
+    _page_headers(request, response, total, {"limit": limit, "before_id": events[-1].id} if more else None)
+    numbers = await repo.failure_numbers_of(db, job.id, [f.id for f in events])
     notes = await recovery.progress_notes(db, job.id, [f.plan_id for f in events])
     return [_failure_out(f, numbers, notes) for f in events]
 
@@ -153,30 +207,61 @@ async def get_failure(
     event = await repo.get_failure(db, job.id, failure_id)
     if event is None:
         raise NotFound(f"job {job.id} has no failure {failure_id}", code="failure_not_found")
-    numbers = await repo.failure_numbers(db, job.id)
+    numbers = await repo.failure_numbers_of(db, job.id, [event.id])
     return _failure_out(event, numbers, await recovery.progress_notes(db, job.id, [event.plan_id]))
 
 
 @router.get(
     "/jobs/{job_id}/recovery-plans",
     response_model=list[schemas.RecoveryPlanOut],
-    responses=error_responses(404),
+    responses={**error_responses(404), 200: PAGE_HEADERS},
 )
-async def list_recovery_plans(job: AdminJobDep, db: SessionDep) -> list[schemas.RecoveryPlanOut]:
-    """Recovery plans, newest generation first."""
-    return [schemas.RecoveryPlanOut.model_validate(p) for p in await repo.list_plans(db, job.id)]
+async def list_recovery_plans(
+    job: AdminJobDep,
+    db: SessionDep,
+    request: Request,
+    response: Response,
+    limit: Annotated[int, Query(ge=1, le=PAGE_MAX, description="Plans per page.")] = PAGE_DEFAULT,
+    before_generation: Annotated[
+        int | None,
+        Query(ge=1, le=schemas.INT32_MAX, description="Only plans of older generations (the next page)."),
+    ] = None,
+) -> list[schemas.RecoveryPlanOut]:
+    """Recovery plans, newest generation first, a page at a time (X-Total-Count, and a Link rel="next"
+    while older ones remain)."""
+    plans, total = await repo.plans_page(db, job.id, limit=limit + 1, before_generation=before_generation)
+    more, plans = len(plans) > limit, plans[:limit]
+    next_params = {"limit": limit, "before_generation": plans[-1].generation} if more else None
+    _page_headers(request, response, total, next_params)
+    return [schemas.RecoveryPlanOut.model_validate(p) for p in plans]
 
 
 @router.get(
     "/jobs/{job_id}/checkpoints",
     response_model=list[schemas.PersistedCheckpointOut],
-    responses=error_responses(404),
+    responses={**error_responses(404), 200: PAGE_HEADERS},
 )
 async def list_persisted_checkpoints(
-    job: AdminJobDep, db: SessionDep
+    job: AdminJobDep,
+    db: SessionDep,
+    request: Request,
+    response: Response,
+    limit: Annotated[int, Query(ge=1, le=PAGE_MAX, description="Checkpoints per page.")] = PAGE_DEFAULT,
+    before_iteration: Annotated[
+        int | None,
+        Query(
+            ge=0, le=schemas.INT32_MAX, description="Only checkpoints of older iterations (the next page)."
+        ),
+    ] = None,
 ) -> list[schemas.PersistedCheckpointOut]:
-    """Checkpoints in the persistent tier, newest first; complete when every rank's shard is there."""
+    """Checkpoints in the persistent tier, newest first; complete when every rank's shard is there. A page
+    at a time (X-Total-Count, and a Link rel="next" while older ones remain)."""
     world_size = job.num_machines * job.procs_per_machine
+    found, total = await repo.persisted_page(db, job.id, limit=limit + 1, before_iteration=before_iteration)
+    more, found = len(found) > limit, found[:limit]
+    _page_headers(
+        request, response, total, {"limit": limit, "before_iteration": found[-1].iteration} if more else None
+    )
     return [
         schemas.PersistedCheckpointOut(
             iteration=c.iteration,
@@ -185,5 +270,25 @@ async def list_persisted_checkpoints(
             complete=len(c.shards) == world_size,
             shards=[schemas.PersistedShardOut.model_validate(s) for s in c.shards],
         )
-        for c in await repo.list_persisted(db, job.id)
+        for c in found
     ]
+
+
+def _page_headers(
+    request: Request, response: Response, total: int, next_params: dict[str, int] | None
+) -> None:
+    """A list's page metadata: X-Total-Count, and an RFC 8288 Link to the next page while more remain (this
+    request's path and query with the next page's parameters: a reference relative to the request)."""
+    response.headers["X-Total-Count"] = str(total)
+    if next_params is not None:
+        query = {**request.query_params, **{key: str(value) for key, value in next_params.items()}}
+        response.headers["Link"] = f'<{request.url.path}?{urlencode(query)}>; rel="next"'
+
+
+def _bad_cursor(field: str, problem: str) -> Invalid:
+    """A cursor naming nothing of the job: a 422 in the shape of every other bad query parameter."""
+    return Invalid(
+        f"invalid request: query.{field}: {problem}",
+        code="validation_error",
+        details={"errors": [{"field": f"query.{field}", "problem": problem}]},
+    )

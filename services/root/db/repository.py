@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import case, delete, func, select, update
+from sqlalchemy import case, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import selectinload
+from sqlalchemy.orm import defer, selectinload
 
 from services.root.db.models import (
     FailureEvent,
@@ -473,3 +473,260 @@ async def start_job(session: AsyncSession, job_id: uuid.UUID, at: datetime) -> b
         .execution_options(synchronize_session=False)
     )
     return (await session.execute(query)).scalar_one_or_none() is not None
+
+
+# -- pages of the list endpoints and the status pages: bounded reads (LIMIT in SQL, totals by count()) -----
+
+
+async def _count(session: AsyncSession, query: Any) -> int:
+    """How many rows `query` (a select) matches, counted by the database."""
+    return int((await session.execute(select(func.count()).select_from(query.subquery()))).scalar_one())
+
+
+async def machines_page(
+    session: AsyncSession, job_id: uuid.UUID, *, history: bool, limit: int, offset: int
+) -> tuple[Sequence[Machine], int]:
+    """One page of the job's machines by rank (`history`: replaced ones too, each rank's in the order they
+    registered) and how many there are; without their inventories (no page shows them)."""
+    query = select(Machine).where(Machine.job_id == job_id)
+    if not history:
+        query = query.where(Machine.state != MachineState.REPLACED)
+    total = await _count(session, query.with_only_columns(Machine.id))
+    page = (
+        query.options(defer(Machine.inventory))
+        .order_by(Machine.rank, Machine.registered_at, Machine.id)
+        .limit(limit)
+        .offset(offset)
+    )
+    return (await session.execute(page)).scalars().all(), total
+
+
+async def failure_count(session: AsyncSession, job_id: uuid.UUID) -> int:
+    query = select(func.count()).select_from(FailureEvent).where(FailureEvent.job_id == job_id)
+    return int((await session.execute(query)).scalar_one())
+
+
+async def failures_page(
+    session: AsyncSession, job_id: uuid.UUID, *, limit: int, before_id: int | None = None
+) -> tuple[Sequence[FailureEvent], int] | None:
+    """The job's newest `limit` failures (newest first: detection time, then id), those older than failure
+    `before_id` when given (a keyset cursor: new failures arriving meanwhile do not shift the pages), and
+    how many the job has. None when `before_id` is no failure of the job."""
+    query = select(FailureEvent).where(FailureEvent.job_id == job_id)
+    if before_id is not None:
+        cursor = await session.execute(
+            select(FailureEvent.detected_at).where(
+                FailureEvent.job_id == job_id, FailureEvent.id == before_id
+            )
+        )
+        detected_at = cursor.scalar_one_or_none()
+        if detected_at is None:
+            return None
+        query = query.where(
+            (FailureEvent.detected_at < detected_at)
+            | ((FailureEvent.detected_at == detected_at) & (FailureEvent.id < before_id))
+        )
+    query = query.order_by(FailureEvent.detected_at.desc(), FailureEvent.id.desc()).limit(limit)
+    return (await session.execute(query)).scalars().all(), await failure_count(session, job_id)
+
+
+async def failure_numbers_of(
+    session: AsyncSession, job_id: uuid.UUID, failure_ids: Sequence[int]
+) -> dict[int, int]:
+    """`failure_numbers` for `failure_ids` only: the numbering is done by the database (a window over the
+    job's failure ids), and only the wanted rows come back."""
+    if not failure_ids:
+        return {}
+    numbered = (
+        select(FailureEvent.id, func.row_number().over(order_by=FailureEvent.id).label("number"))
+        .where(FailureEvent.job_id == job_id)
+        .subquery()
+    )
+    query = select(numbered.c.id, numbered.c.number).where(numbered.c.id.in_(list(failure_ids)))
+    return {int(failure_id): int(number) for failure_id, number in (await session.execute(query)).all()}
+
+
+async def plans_page(
+    session: AsyncSession, job_id: uuid.UUID, *, limit: int, before_generation: int | None = None
+) -> tuple[Sequence[RecoveryPlan], int]:
+    """The job's newest `limit` recovery plans (newest generation first), those before `before_generation`
+    when given (a keyset cursor), and how many the job has."""
+    query = select(RecoveryPlan).where(RecoveryPlan.job_id == job_id)
+    total = await _count(session, query.with_only_columns(RecoveryPlan.id))
+    if before_generation is not None:
+        query = query.where(RecoveryPlan.generation < before_generation)
+    page = query.order_by(RecoveryPlan.generation.desc()).limit(limit)
+    return (await session.execute(page)).scalars().all(), total
+
+
+class PlanLine(NamedTuple):
+    """A recovery plan without its per-rank sources and rendezvous (the job page's table and chart)."""
+
+    id: int
+    generation: int
+    status: str
+    iteration: int | None
+    reason: str
+    created_at: datetime
+    ready_at: datetime | None
+
+
+async def plan_lines(session: AsyncSession, job_id: uuid.UUID, *, limit: int) -> tuple[list[PlanLine], int]:
+    """The job's newest `limit` plans as PlanLines, and how many plans it has."""
+    query = (
+        select(
+            RecoveryPlan.id,
+            RecoveryPlan.generation,
+            RecoveryPlan.status,
+            RecoveryPlan.iteration,
+            RecoveryPlan.reason,
+            RecoveryPlan.created_at,
+            RecoveryPlan.ready_at,
+        )
+        .where(RecoveryPlan.job_id == job_id)
+        .order_by(RecoveryPlan.generation.desc())
+        .limit(limit)
+    )
+    count = select(func.count()).select_from(RecoveryPlan).where(RecoveryPlan.job_id == job_id)
+    total = int((await session.execute(count)).scalar_one())
+    return [PlanLine(*row) for row in (await session.execute(query)).all()], total
+
+
+async def plan_tier_counts(session: AsyncSession, plan_ids: Sequence[int]) -> dict[int, dict[str, int]]:
+    """Per plan id, how many of its per-rank sources come from each tier, counted by the database (the
+    sources JSON of a 1,000-machine plan holds 8,000 entries; it never reaches Python)."""
+    if not plan_ids:
+        return {}
+    dialect = session.bind.dialect.name if session.bind is not None else "postgresql"
+    ids = ", ".join(str(int(plan_id)) for plan_id in plan_ids)  # integers only: safe to inline
+    if dialect == "postgresql":
+        sql = (
+            "SELECT p.id, s.value ->> 'tier', count(*) FROM recovery_plans AS p "
+            "CROSS JOIN LATERAL json_array_elements(p.sources::json) AS s(value) "
+            f"WHERE p.id IN ({ids}) AND json_typeof(p.sources::json) = 'array' GROUP BY 1, 2"
+        )
+    else:
+        sql = (
+            "SELECT p.id, json_extract(s.value, '$.tier'), count(*) FROM recovery_plans AS p, "
+            f"json_each(p.sources) AS s WHERE p.id IN ({ids}) AND json_type(p.sources) = 'array' "
+            "GROUP BY 1, 2"
+        )
+    counts: dict[int, dict[str, int]] = {}
+    for plan_id, tier, count in (await session.execute(text(sql))).all():
+        counts.setdefault(int(plan_id), {})[str(tier)] = int(count)
+    return counts
+
+
+async def persisted_page(
+    session: AsyncSession, job_id: uuid.UUID, *, limit: int, before_iteration: int | None = None
+) -> tuple[Sequence[PersistedCheckpoint], int]:
+    """The job's newest `limit` persisted checkpoints with their shards (newest iteration first), those
+    before `before_iteration` when given (a keyset cursor), and how many the job has."""
+    query = select(PersistedCheckpoint).where(PersistedCheckpoint.job_id == job_id)
+    total = await _count(session, query.with_only_columns(PersistedCheckpoint.id))
+    if before_iteration is not None:
+        query = query.where(PersistedCheckpoint.iteration < before_iteration)
+    page = (
+        query.options(selectinload(PersistedCheckpoint.shards))
+        .order_by(PersistedCheckpoint.iteration.desc())
+        .limit(limit)
+    )
+    return (await session.execute(page)).scalars().all(), total
+
+
+class CheckpointLine(NamedTuple):
+    """A persisted checkpoint with its shards counted and summed by the database."""
+
+    iteration: int
+    location: str
+    created_at: datetime
+    shards: int
+    nbytes: int
+
+
+async def checkpoint_lines(
+    session: AsyncSession, job_id: uuid.UUID, *, limit: int
+) -> tuple[list[CheckpointLine], int]:
+    """The job's newest `limit` persisted checkpoints as CheckpointLines, and how many it has."""
+    newest = (
+        select(PersistedCheckpoint.id)
+        .where(PersistedCheckpoint.job_id == job_id)
+        .order_by(PersistedCheckpoint.iteration.desc())
+        .limit(limit)
+        .subquery()
+    )
+    query = (
+        select(
+            PersistedCheckpoint.iteration,
+            PersistedCheckpoint.location,
+            PersistedCheckpoint.created_at,
+            func.count(PersistedShard.id),
+            func.coalesce(func.sum(PersistedShard.nbytes), 0),
+        )
+        .join(newest, newest.c.id == PersistedCheckpoint.id)
+        .outerjoin(PersistedShard, PersistedShard.checkpoint_id == PersistedCheckpoint.id)
+        .group_by(PersistedCheckpoint.id, PersistedCheckpoint.iteration, PersistedCheckpoint.location)
+        .group_by(PersistedCheckpoint.created_at)
+        .order_by(PersistedCheckpoint.iteration.desc())
+    )
+    count = select(func.count()).select_from(PersistedCheckpoint).where(PersistedCheckpoint.job_id == job_id)
+    total = int((await session.execute(count)).scalar_one())
+    lines = [
+        CheckpointLine(iteration, location, created_at, int(shards), int(nbytes))
+        for iteration, location, created_at, shards, nbytes in (await session.execute(query)).all()
+    ]
+    return lines, total
+
+
+async def live_machines_light(session: AsyncSession, job_id: uuid.UUID) -> Sequence[Machine]:
+    """`live_machines` without their inventories (the status pages draw every rank, never an inventory)."""
+    query = (
+        select(Machine)
+        .options(defer(Machine.inventory))
+        .where(Machine.job_id == job_id, Machine.state != MachineState.REPLACED)
+        .order_by(Machine.rank)
+    )
+    return (await session.execute(query)).scalars().all()
+
+
+async def replaced_machines(
+    session: AsyncSession, job_id: uuid.UUID, *, limit: int
+) -> tuple[Sequence[Machine], int]:
+    """The job's `limit` most recently registered replaced machines (by rank), without their inventories,
+    and how many it has."""
+    where = (Machine.job_id == job_id, Machine.state == MachineState.REPLACED)
+    newest = (
+        select(Machine.id)
+        .where(*where)
+        .order_by(Machine.registered_at.desc(), Machine.id.desc())
+        .limit(limit)
+    )
+    query = (
+        select(Machine)
+        .options(defer(Machine.inventory))
+        .where(Machine.id.in_(newest.scalar_subquery()))
+        .order_by(Machine.rank, Machine.registered_at)
+    )
+    total = int((await session.execute(select(func.count()).select_from(Machine).where(*where))).scalar_one())
+    return (await session.execute(query)).scalars().all(), total
+
+
+async def machines_by_ids(
+    session: AsyncSession, job_id: uuid.UUID, *, ids: Sequence[int] = (), instance_ids: Sequence[str] = ()
+) -> Sequence[Machine]:
+    """The job's machines with these row ids or instance ids (a failure's page: the machines it names)."""
+    if not ids and not instance_ids:
+        return []
+    query = (
+        select(Machine)
+        .options(defer(Machine.inventory))
+        .where(
+            Machine.job_id == job_id, Machine.id.in_(list(ids)) | Machine.instance_id.in_(list(instance_ids))
+        )
+    )
+    return (await session.execute(query)).scalars().all()
+
+
+async def get_plan(session: AsyncSession, job_id: uuid.UUID, plan_id: int) -> RecoveryPlan | None:
+    query = select(RecoveryPlan).where(RecoveryPlan.job_id == job_id, RecoveryPlan.id == plan_id)
+    return (await session.execute(query)).scalar_one_or_none()
