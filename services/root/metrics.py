@@ -219,15 +219,12 @@ async def _persisted_iterations(session: AsyncSession, active: Sequence[Any]) ->
     """Each active job's newest complete persisted checkpoint: one shard of every rank reached the tier."""
     if not active:
         return {}
-    shards = (
-        select(PersistedShard.checkpoint_id, func.count().label("shards"))
-        .group_by(PersistedShard.checkpoint_id)
-        .subquery()
-    )
+    # One row per checkpoint of the active jobs (retention keeps a few each), its shards counted in SQL.
     rows = await session.execute(
-        select(PersistedCheckpoint.job_id, PersistedCheckpoint.iteration, shards.c.shards)
-        .join(shards, shards.c.checkpoint_id == PersistedCheckpoint.id)
+        select(PersistedCheckpoint.job_id, PersistedCheckpoint.iteration, func.count(PersistedShard.id))
+        .join(PersistedShard, PersistedShard.checkpoint_id == PersistedCheckpoint.id)
         .where(PersistedCheckpoint.job_id.in_([job.id for job in active]))
+        .group_by(PersistedCheckpoint.id, PersistedCheckpoint.job_id, PersistedCheckpoint.iteration)
     )
     world = {job.id: job.num_machines * job.procs_per_machine for job in active}
     newest: dict[Any, int] = {}

@@ -8,25 +8,21 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.root import schemas
-from services.root.db.models import FailureEvent, FailureState, Job, Machine
+from services.root.db.models import FailureState, Job
 from services.root.domain import phases
 from services.root.domain.ettr import FailureRecord, MeasuredEttr, PhaseSpan, checkpoint_stall, measure_ettr
+from services.root.web import queries
 
 FINISHED = (FailureState.RECOVERED, FailureState.UNRECOVERABLE)
 
 
-async def failures_of(
-    session: AsyncSession, job_ids: Sequence[uuid.UUID]
-) -> dict[uuid.UUID, list[FailureEvent]]:
-    if not job_ids:
-        return {}
-    query = select(FailureEvent).where(FailureEvent.job_id.in_(job_ids))
-    found: dict[uuid.UUID, list[FailureEvent]] = {}
-    for event in (await session.execute(query)).scalars().all():
+async def failures_of(session: AsyncSession, job_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, list[Any]]:
+    """Every failure of the jobs as the ETTR reads it: its times (web.queries.FailureTimes), not its row."""
+    found: dict[uuid.UUID, list[Any]] = {}
+    for event in await queries.failure_times(session, job_ids):
         found.setdefault(event.job_id, []).append(event)
     return found
 
@@ -35,18 +31,12 @@ async def summaries_of(
     session: AsyncSession, job_ids: Sequence[uuid.UUID]
 ) -> dict[uuid.UUID, list[Mapping[str, Any]]]:
     """The newest heartbeat summary of every machine of the jobs, replaced ones included (their ranks'
-    stalls up to the failure count as much as their replacements')."""
-    if not job_ids:
-        return {}
-    query = select(Machine.job_id, Machine.summary).where(Machine.job_id.in_(job_ids))
-    found: dict[uuid.UUID, list[Mapping[str, Any]]] = {}
-    for job_id, summary in (await session.execute(query)).all():
-        if isinstance(summary, Mapping):
-            found.setdefault(job_id, []).append(summary)
-    return found
+    stalls up to the failure count as much as their replacements'): of each, only what the checkpoint
+    stall reads (the database extracts it)."""
+    return await queries.stall_summaries(session, job_ids)
 
 
-def record(event: FailureEvent, now: datetime) -> FailureRecord:
+def record(event: Any, now: datetime) -> FailureRecord:
     """A failure event's phases, as the pages draw them (a phase under way ends now)."""
     spans = tuple(
         PhaseSpan(p.name, p.start, p.end or now)
@@ -57,7 +47,7 @@ def record(event: FailureEvent, now: datetime) -> FailureRecord:
 
 def job_ettr(
     job: Job,
-    events: Sequence[FailureEvent],
+    events: Sequence[Any],  # FailureEvent rows, or their times (web.queries.FailureTimes)
     now: datetime | None = None,
     summaries: Sequence[Mapping[str, Any]] = (),
 ) -> MeasuredEttr:

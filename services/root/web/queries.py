@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select
@@ -35,9 +37,64 @@ async def recoveries_by_tier(session: AsyncSession) -> dict[str, int]:
     return {str(tier or "none"): int(count) for tier, count in (await session.execute(query)).all()}
 
 
-async def recovered_failures(session: AsyncSession) -> Sequence[FailureEvent]:
-    query = select(FailureEvent).where(FailureEvent.state == FailureState.RECOVERED)
-    return (await session.execute(query)).scalars().all()
+@dataclass(frozen=True)
+class FailureTimes:
+    """What the phases, the histograms and the ETTR read of a failure event (domain.phases.EventTimes):
+    its timestamps, and of its details only the two times `phases.failed_at` reads; not its cause, its
+    cascade or its replacement's record."""
+
+    id: int
+    job_id: Any
+    kind: str
+    state: str
+    plan_id: int | None
+    iterations_lost: int | None
+    detected_at: datetime
+    classified_at: datetime | None
+    replaced_at: datetime | None
+    restored_at: datetime | None
+    resumed_at: datetime | None
+    details: Mapping[str, Any]
+
+
+def _failure_times() -> Any:  # a select of FailureTimes' fields
+    return select(
+        FailureEvent.id,
+        FailureEvent.job_id,
+        FailureEvent.kind,
+        FailureEvent.state,
+        FailureEvent.plan_id,
+        FailureEvent.iterations_lost,
+        FailureEvent.detected_at,
+        FailureEvent.classified_at,
+        FailureEvent.replaced_at,
+        FailureEvent.restored_at,
+        FailureEvent.resumed_at,
+        FailureEvent.details["failed_since"],
+        FailureEvent.details["last_heartbeat_at"],
+    )
+
+
+async def _times(session: AsyncSession, query: Any) -> list[FailureTimes]:
+    found = []
+    for row in (await session.execute(query)).all():
+        *fields, failed_since, last_heartbeat_at = row
+        details = {"failed_since": failed_since, "last_heartbeat_at": last_heartbeat_at}
+        kept = {key: value for key, value in details.items() if value is not None}
+        found.append(FailureTimes(*fields, details=kept))  # type: ignore[misc]
+    return found
+
+
+async def recovered_failures(session: AsyncSession) -> list[FailureTimes]:
+    """Every recovered failure's times (the /metrics histograms count them all), as narrow rows."""
+    return await _times(session, _failure_times().where(FailureEvent.state == FailureState.RECOVERED))
+
+
+async def failure_times(session: AsyncSession, job_ids: Sequence[Any]) -> list[FailureTimes]:
+    """The times of every failure of `job_ids` (their ETTR), as narrow rows."""
+    if not job_ids:
+        return []
+    return await _times(session, _failure_times().where(FailureEvent.job_id.in_(list(job_ids))))
 
 
 async def active_jobs(session: AsyncSession) -> Sequence[Job]:
@@ -45,17 +102,38 @@ async def active_jobs(session: AsyncSession) -> Sequence[Job]:
     return (await session.execute(query.order_by(Job.name))).scalars().all()
 
 
+SUMMARY_COUNTERS = ("committed", "replicated", "skipped", "replicas_skipped", "replication_lag_s")
+
+
 async def live_machine_summaries(
     session: AsyncSession, job_ids: Sequence[Any]
 ) -> Sequence[tuple[Any, int, dict[str, Any]]]:
-    """(job id, machine rank, heartbeat summary) of the live machines of `job_ids`."""
+    """(job id, machine rank, heartbeat summary) of the live machines of `job_ids`; of each summary only
+    the SUMMARY_COUNTERS /metrics shows (the database extracts them: not the per-rank maps)."""
     if not job_ids:
         return []
     query = (
-        select(Machine.job_id, Machine.rank, Machine.summary)
+        select(Machine.job_id, Machine.rank, *(Machine.summary[key] for key in SUMMARY_COUNTERS))
         .where(Machine.job_id.in_(job_ids), Machine.state != MachineState.REPLACED)
         .order_by(Machine.job_id, Machine.rank)
     )
     return [
-        (job_id, int(rank), summary or {}) for job_id, rank, summary in (await session.execute(query)).all()
+        (job_id, int(rank), {k: v for k, v in zip(SUMMARY_COUNTERS, values, strict=True) if v is not None})
+        for job_id, rank, *values in (await session.execute(query)).all()
     ]
+
+
+async def stall_summaries(
+    session: AsyncSession, job_ids: Sequence[Any]
+) -> dict[Any, list[Mapping[str, Any]]]:
+    """Per job, of the newest heartbeat summary of each of its machines (replaced ones too), only the two
+    maps the checkpoint stall reads (domain.ettr.checkpoint_stall): stalled_s and save_calls."""
+    if not job_ids:
+        return {}
+    query = select(Machine.job_id, Machine.summary["stalled_s"], Machine.summary["save_calls"]).where(
+        Machine.job_id.in_(list(job_ids))
+    )
+    found: dict[Any, list[Mapping[str, Any]]] = {}
+    for job_id, stalled, calls in (await session.execute(query)).all():
+        found.setdefault(job_id, []).append({"stalled_s": stalled, "save_calls": calls})
+    return found

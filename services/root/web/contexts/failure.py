@@ -161,11 +161,23 @@ async def failure_page(
 ) -> FailurePage:
 
     now = now or datetime.now(UTC)
-    numbers = await repo.failure_numbers(session, job.id)
+    plan_found = await repo.get_plan(session, job.id, event.plan_id) if event.plan_id is not None else None
+    others = await repo.failures_of_plan(session, plan_found.id) if plan_found is not None else []
+    numbers = await repo.failure_numbers_of(session, job.id, [event.id, *(o.id for o in others)])
     row = failure_row(job.id, event, now, numbers.get(event.id))
     # With the machines' progress reports of its plan (their own rows), as the API shows it.
     details = recovery.with_progress(event, await recovery.progress_notes(session, job.id, [event.plan_id]))
-    machines = await repo.all_machines(session, job.id)
+    # The machines the failure names (its own, its replacement, those of its cascade), not the job's all.
+    replacement = details.get("replacement") if isinstance(details.get("replacement"), dict) else {}
+    replaced_by = details.get("replaced_by") or (replacement or {}).get("instance")
+    named = [str(details.get("instance_id") or ""), str(replaced_by or "")]
+    named += [str(e.get("instance_id", "")) for e in details.get("cascade") or [] if isinstance(e, dict)]
+    machines = await repo.machines_by_ids(
+        session,
+        job.id,
+        ids=[event.machine_id] if event.machine_id is not None else [],
+        instance_ids=sorted({name for name in named if name}),
+    )
     by_id = {m.id: m for m in machines}
     by_instance = {m.instance_id: m for m in machines}
 
@@ -184,8 +196,6 @@ async def failure_page(
     if failed is not None or details.get("instance_id"):
         role = "lost machine" if event.kind == "hardware" else "machine of the failed process"
         add(role, failed, str(details.get("instance_id", "")))
-    replacement = details.get("replacement") if isinstance(details.get("replacement"), dict) else {}
-    replaced_by = details.get("replaced_by") or (replacement or {}).get("instance")
     if replaced_by:
         add("replacement", by_instance.get(str(replaced_by)), str(replaced_by), "took the failed rank")
     cascade = []
@@ -208,16 +218,11 @@ async def failure_page(
 
     plan = None
     joined: list[FailureRow] = []
-    if event.plan_id is not None:
-        plans = {p.id: p for p in await repo.list_plans(session, job.id)}
-        found = plans.get(event.plan_id)
-        if found is not None:
-            plan = _plan_view(found, details.get("restore") or {})
-            joined = [
-                failure_row(job.id, other, now, numbers.get(other.id))
-                for other in await repo.failures_of_plan(session, found.id)
-                if other.id != event.id
-            ]
+    if plan_found is not None:
+        plan = _plan_view(plan_found, details.get("restore") or {})
+        joined = [
+            failure_row(job.id, other, now, numbers.get(other.id)) for other in others if other.id != event.id
+        ]
     return FailurePage(
         job=JobRef(job.id, job.name, job.state, job_href(job.id)),
         failure=row,

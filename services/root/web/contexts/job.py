@@ -3,7 +3,6 @@ the timeline of its failures."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -24,6 +23,12 @@ from services.root.web.contexts.common import (
     job_href,
 )
 from services.root.web.sampler import IterationHistory
+
+# What the page lists of a job's history, newest first; it says how many more there are (the API pages
+# through them all). The machines of every rank are always drawn.
+REPLACED_LIMIT = 100
+PLAN_LIMIT = TIMELINE_LIMIT
+CHECKPOINT_LIMIT = 20
 
 __all__ = [
     "CheckpointRow",
@@ -121,6 +126,9 @@ class JobPage:
     live: bool
     sampling_since: datetime
     now: datetime = field(default_factory=lambda: datetime.now(UTC))
+    replaced_total: int = 0  # replaced machines in all (the newest REPLACED_LIMIT are listed)
+    plans_hidden: int = 0  # older plans not listed
+    checkpoints_hidden: int = 0  # older persisted checkpoints not listed
 
     @property
     def title(self) -> str:
@@ -173,10 +181,8 @@ def machine_box(rank: int, machine: Machine | None, sends_to: list[int]) -> Mach
     )
 
 
-def _tier_summary(sources: Sequence[dict[str, Any]]) -> str:
-    counts: dict[str, int] = {}
-    for source in sources:
-        counts[str(source.get("tier"))] = counts.get(str(source.get("tier")), 0) + 1
+def _tier_summary(counts: dict[str, int]) -> str:
+    """A plan's sources by tier ("local x3, peer x1"), from the counts the database made."""
     order = ["local", "peer", "persistent"]
     return ", ".join(f"{t} x{counts[t]}" for t in sorted(counts, key=lambda t: [*order, t].index(t)))
 
@@ -188,8 +194,7 @@ async def job_page(
     now = now or datetime.now(UTC)
     job_out = await job_flows.job_out(session, job)
     placement = await job_flows.job_placement(session, job)
-    machines = await repo.all_machines(session, job.id)
-    live_by_rank = {m.rank: m for m in machines if m.state != "replaced"}
+    live_by_rank = {m.rank: m for m in await repo.live_machines_light(session, job.id)}
     sends = {r.rank: r.sends_to for r in placement.ranks}
     groups = []
     for group in placement.groups:
@@ -197,23 +202,27 @@ async def job_page(
         groups.append(
             GroupView(group.index, group.kind, boxes, sum(1 for b in boxes if b.state == "healthy"))
         )
-    replaced = [machine_box(m.rank, m, []) for m in machines if m.state == "replaced"]
+    replaced_rows, replaced_total = await repo.replaced_machines(session, job.id, limit=REPLACED_LIMIT)
+    replaced = [machine_box(m.rank, m, []) for m in replaced_rows]
     probabilities = [
         Probability(int(k), float(p), round(1000 * float(p), 1))
         for k, p in sorted(placement.recovery_probability.items(), key=lambda kv: int(kv[0]))
     ]
 
-    events = list(await repo.list_failures(session, job.id))  # newest first
-    shown = events[:TIMELINE_LIMIT]
-    numbers = await repo.failure_numbers(session, job.id)
+    # The newest TIMELINE_LIMIT failures (newest first) and how many there are: LIMIT and count() in SQL.
+    found = await repo.failures_page(session, job.id, limit=TIMELINE_LIMIT)
+    shown, total_failures = (list(found[0]), found[1]) if found is not None else ([], 0)
+    numbers = await repo.failure_numbers_of(session, job.id, [e.id for e in shown])
     rows = [failure_row(job.id, e, now, numbers.get(e.id)) for e in shown]
     scale = max([r.elapsed_s for r in rows] + [1.0])  # the longest recovery fills the width
     rows = [replace(r, segments=charts.phase_segments(r.phases, scale)) for r in rows]
-    timeline = Timeline(rows, scale, len(events) - len(shown))
+    timeline = Timeline(rows, scale, max(0, total_failures - len(shown)))
     open_failure = next((r for r in reversed(rows) if r.open), None)  # the oldest open one drives
     last_failure = next((r for r in rows if not r.open), None)
 
-    plans = list(await repo.list_plans(session, job.id))
+    # The newest PLAN_LIMIT plans without their per-rank sources; their tiers counted by the database.
+    plans, total_plans = await repo.plan_lines(session, job.id, limit=PLAN_LIMIT)
+    tiers = await repo.plan_tier_counts(session, [p.id for p in plans])
     live = job.state in LIVE_JOB_STATES
     chart = charts.iteration_chart(
         [(s.at, s.iteration) for s in history.samples(job.id)],
@@ -237,20 +246,27 @@ async def job_page(
         live=live,
     )
     world_size = job.num_machines * job.procs_per_machine
+    lines, total_checkpoints = await repo.checkpoint_lines(session, job.id, limit=CHECKPOINT_LIMIT)
     checkpoints = [
         CheckpointRow(
             iteration=c.iteration,
             location=c.location,
             created_at=c.created_at,
-            shards=len(c.shards),
+            shards=c.shards,
             world_size=world_size,
-            nbytes=sum(s.nbytes for s in c.shards),
+            nbytes=c.nbytes,
         )
-        for c in await repo.list_persisted(session, job.id)
+        for c in lines
     ]
     plan_rows = [
         PlanRow(
-            p.generation, p.status, p.iteration, p.reason, p.created_at, p.ready_at, _tier_summary(p.sources)
+            p.generation,
+            p.status,
+            p.iteration,
+            p.reason,
+            p.created_at,
+            p.ready_at,
+            _tier_summary(tiers.get(p.id, {})),
         )
         for p in plans
     ]
@@ -268,6 +284,9 @@ async def job_page(
         checkpoints=checkpoints,
         plans=plan_rows,
         live=live,
+        replaced_total=replaced_total,
+        plans_hidden=max(0, total_plans - len(plan_rows)),
+        checkpoints_hidden=max(0, total_checkpoints - len(checkpoints)),
         sampling_since=history.started_at,
         now=now,
     )
