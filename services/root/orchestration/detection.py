@@ -61,6 +61,7 @@ class Detectors:
         self.reinstated = 0  # machines reinstated (suspect or failed, and their heartbeats resumed)
         self._summaries_written: dict[tuple[str, int], float] = {}
         self._silent_keys: set[MachineKey] = set()  # etcd keys whose lease expired, until they come back
+        self._lease_events = LeaseEvents()
 
     async def _lost(self, machine_filter: Any, cause: str) -> None:
         """Declare lost every live machine of an active job that `machine_filter(machine)` selects (an
@@ -217,28 +218,58 @@ class Detectors:
         return check(instance_id) if check is not None else None
 
     async def watch_leases(self) -> None:
-        """etcd mode: an agent's key disappears when its lease expires (the machine is gone)."""
+        """etcd mode: an agent's key disappears when its lease expires (the machine is gone). The watch only
+        takes note (LeaseEvents); `_apply_lease_events` writes them, in batches, beside it: a database
+        write per event on the watch loop put a burst of expiries seconds behind (each suspicion locks its
+        job and judges it), and a machine whose key came back meanwhile was declared lost after the grace
+        because its return waited behind them."""
         assert self.coordinator is not None
+        apply = asyncio.create_task(self._apply_lease_events(), name="lease-events")
+        try:
+            while True:
+                # The sweep runs beside the watch, not before it: a lease that expires meanwhile is seen by
+                # one.
+                sweep = asyncio.create_task(self._sweep_missing_keys(), name="sweep")
+                try:
+                    async for kind, key, summary in self.coordinator.watch_machines():
+                        if kind == "delete":
+                            self._lease_events.expired(key)
+                        else:
+                            self._lease_events.put(key, summary)
+                except Deposed:
+                    return
+                except CoordinatorUnavailable as exc:
+                    log.error("etcd watch failed (%s); retrying", exc)
+                    await asyncio.sleep(0.5)
+                except Exception:
+                    log.exception("etcd watch broke; restarting it")
+                    await asyncio.sleep(0.5)
+                finally:
+                    sweep.cancel()
+        finally:
+            apply.cancel()
+
+    async def _apply_lease_events(self) -> None:
+        """What the watch noted, expiries first (each job's in one transaction and one judgement), then
+        summaries (a returned machine's at once: it may be suspect; others at most every SUMMARY_WRITE_S per
+        machine), expiries noted meanwhile before each."""
         while True:
-            # The sweep runs beside the watch, not before it: a lease that expires meanwhile is seen by one.
-            sweep = asyncio.create_task(self._sweep_missing_keys(), name="sweep")
+            await self._lease_events.noted()
             try:
-                async for kind, key, summary in self.coordinator.watch_machines():
-                    if kind == "delete":
-                        self._silent_keys.add(key)
-                        await self._suspect_keys({key}, "its etcd lease expired")
-                    else:
-                        await self._store_summary(key, summary)
+                await self._apply_expiries()
+                for key, summary in self._lease_events.take_summaries().items():
+                    await self._apply_expiries()  # noted meanwhile: they go first
+                    await self._store_summary(key, summary)
             except Deposed:
                 return
-            except CoordinatorUnavailable as exc:
-                log.error("etcd watch failed (%s); retrying", exc)
-                await asyncio.sleep(0.5)
             except Exception:
-                log.exception("etcd watch broke; restarting it")
-                await asyncio.sleep(0.5)
-            finally:
-                sweep.cancel()
+                log.exception("applying etcd lease events failed; they are dropped (the sweep catches up)")
+
+    async def _apply_expiries(self) -> None:
+        expired = self._lease_events.take_expired()
+        if expired:
+            self._silent_keys |= expired
+            await self._suspect_keys(expired, "its etcd lease expired")
 
     async def _sweep_missing_keys(self) -> None:
         """Machines whose lease expired while nobody was watching (before this leader, or between two
@@ -344,3 +375,38 @@ def _seen(machine: Machine) -> suspicion.Seen:
     return suspicion.Seen(
         machine.state, machine.last_heartbeat_at, machine.registered_at, machine.suspected_at
     )
+
+
+class LeaseEvents:
+    """etcd watch events not yet applied, newest per key: a key that expired and came back before they
+    were applied is a put (the machine is alive: nothing to suspect), one put and then expired is an
+    expiry (its summary is stale)."""
+
+    def __init__(self) -> None:
+        self._expired: set[MachineKey] = set()
+        self._summaries: dict[MachineKey, dict[str, Any]] = {}
+        self._noted = asyncio.Event()
+
+    def expired(self, key: MachineKey) -> None:
+        self._summaries.pop(key, None)
+        self._expired.add(key)
+        self._noted.set()
+
+    def put(self, key: MachineKey, summary: dict[str, Any]) -> None:
+        self._expired.discard(key)
+        self._summaries[key] = summary
+        self._noted.set()
+
+    async def noted(self) -> None:
+        """Waits until an event was noted since the last call."""
+        await self._noted.wait()
+        self._noted.clear()
+
+    def take_expired(self) -> set[MachineKey]:
+        expired, self._expired = self._expired, set()
+        return expired
+
+    def take_summaries(self) -> dict[MachineKey, dict[str, Any]]:
+        """key -> its newest summary, for the keys put since the last call."""
+        summaries, self._summaries = self._summaries, {}
+        return summaries
