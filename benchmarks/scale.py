@@ -15,8 +15,9 @@ as an agent does (worker_lib.client.RootClient over one shared connection pool, 
 replicas): register; long-poll its machine's directive (`machine=`, as an agent does); report its inventory
 when a recovery collects (its ranks at the iteration of the failure, and the replicas its placement gives
 it), `restored` and `resumed` when a plan is ready; heartbeat every interval with a summary of its P ranks
-whose iterations advance (REST, or with --etcd as an agent does: its own etcd lease, refreshed and its key
-put every interval, over a pool of etcd connections); re-fetch the directive every PEERS_REFRESH_S as an
+whose iterations advance (REST, or with --etcd as an agent does: its own etcd lease, refreshed every
+interval, its key put when the lease is new and then at most every 2 s, over a pool of etcd connections);
+re-fetch the directive every PEERS_REFRESH_S as an
 agent refreshes its peers.
 
 Scenarios, in order:
@@ -26,7 +27,7 @@ Scenarios, in order:
 * steady state (--steady seconds): heartbeats and progress; `heartbeat_p50_ms`/`heartbeat_p99_ms` as the
   machines see them (send to answer, this process's own event-loop lag included; with --etcd a lease
   refresh and the key's put), `false_positives` the failure events recorded meanwhile (none is expected),
-  `root_cpu_pct` the root processes' CPU use (100: one core busy);
+  `root_cpu_pct` the root processes' CPU use (100: one core busy), `harness_cpu_pct` this process's;
 * pages: `job_page_ms` (the job's status page, signed in) and `metrics_ms` (/metrics) with every machine
   registered and --past-failures recovered failures in the database (median of 5 each);
 * one machine lost: one machine stops heartbeating (with --etcd: stops refreshing its lease); `suspect_s`
@@ -64,6 +65,7 @@ import asyncio
 import contextlib
 import copy
 import json
+import math
 import os
 import random
 import re
@@ -87,6 +89,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests import harness  # noqa: E402
+from worker_lib.agent.heartbeat import SUMMARY_PERIOD_S  # noqa: E402
 from worker_lib.api.worker import HeartbeatConfig, RegisterResponse  # noqa: E402
 from worker_lib.client import RootClient, RootRejected, RootUnavailable  # noqa: E402
 
@@ -98,6 +101,67 @@ DIRECTIVE_FIELDS = {
     "status": re.compile(r'"status":\s*"(\w+)"'),
     "generation": re.compile(r'"generation":\s*(\d+)'),
 }
+
+
+class LeaseKeepAlives:
+    """Lease refreshes of many simulated machines over one long-lived LeaseKeepAlive stream of one etcd
+    connection, as etcd's Go client multiplexes a client's leases. aetcd's `Lease.refresh` opens a new gRPC
+    stream per refresh: three a second per machine at a 1 s TTL, which from one process for all machines
+    made this harness lapse its own leases (a real agent refreshes only its own)."""
+
+    def __init__(self, client: Any):
+        self.client = client
+        self.requests: asyncio.Queue[int] = asyncio.Queue()
+        self.waiting: dict[int, list[asyncio.Future[Any]]] = {}
+        self.stream: asyncio.Task[None] | None = None
+
+    async def refresh(self, lease_id: int, timeout_s: float) -> Any:
+        """The keepalive's reply for `lease_id` (TTL 0: the lease had expired)."""
+        if self.stream is None or self.stream.done():
+            self.stream = asyncio.create_task(self._run())
+        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault(lease_id, []).append(reply)
+        self.requests.put_nowait(lease_id)
+        try:
+            return await asyncio.wait_for(asyncio.shield(reply), timeout_s)
+        finally:
+            waiters = self.waiting.get(lease_id, [])
+            if reply in waiters:
+                waiters.remove(reply)
+
+    async def _run(self) -> None:
+        from aetcd.rpc import LeaseKeepAliveRequest
+
+        async def requests() -> Any:
+            while True:
+                yield LeaseKeepAliveRequest(ID=await self.requests.get())
+
+        try:
+            await self.client.connect()
+            call = self.client.leasestub.LeaseKeepAlive(requests(), metadata=self.client.metadata)
+            async for reply in call:
+                for waiter in self.waiting.pop(reply.ID, []):
+                    if not waiter.done():
+                        waiter.set_result(reply)
+        except Exception as exc:  # the stream broke: its waiters fail, the next refresh opens a new one
+            for waiters in self.waiting.values():
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_exception(exc)
+            self.waiting.clear()
+
+    async def close(self) -> None:
+        if self.stream is not None:
+            self.stream.cancel()
+            await asyncio.gather(self.stream, return_exceptions=True)
+
+
+@dataclass
+class EtcdConnection:
+    """One etcd connection shared by MACHINES_PER_ETCD_CONNECTION simulated machines."""
+
+    client: Any
+    keepalives: LeaseKeepAlives
 
 
 @dataclass
@@ -266,8 +330,8 @@ class SimulatedMachine:
 
     async def lease(self, etcd: Any) -> None:
         """etcd mode, as worker_lib.agent.heartbeat.etcd_heartbeats: a lease of the root's TTL, refreshed
-        every interval, the key put (on the lease) whenever the summary changed. The agent's own connection
-        is one of a shared pool here."""
+        every interval, the key put (on the lease) when the lease is new and then at most every
+        SUMMARY_PERIOD_S when the summary changed. The agent's own connection is one of a shared pool here."""
         import aetcd
 
         assert self.config is not None and self.config.etcd_key is not None
@@ -275,26 +339,28 @@ class SimulatedMachine:
         ttl = max(1, round(self.config.timeout_s))
         lease: Any = None
         last: bytes | None = None
+        put_at = -math.inf
         await asyncio.sleep(random.random() * interval)
         while self.alive:
             sent, sent_wall = time.monotonic(), time.time()
             try:
                 if lease is None:
-                    lease, last = await etcd.lease(ttl), None
-                refreshed = await lease.refresh()
+                    lease, last = await etcd.client.lease(ttl), None
+                refreshed = await etcd.keepalives.refresh(lease.id, timeout_s=5.0)
                 if getattr(refreshed, "TTL", 1) <= 0:
                     lease = None  # it lapsed: a new one, at once
                     self.stats.error("lease lapsed")
                     continue
                 if self.alive:
                     self.last_answered = sent_wall
-                value = json.dumps(self.summary(), sort_keys=True).encode()
-                if value != last:
-                    await etcd.put(key, value, lease=lease)
-                    last = value
+                if last is None or time.monotonic() - put_at >= SUMMARY_PERIOD_S:
+                    value = json.dumps(self.summary(), sort_keys=True).encode()
+                    if value != last:
+                        await etcd.client.put(key, value, lease=lease)
+                        last, put_at = value, time.monotonic()
                 if self.stats.recording:
                     self.stats.heartbeat_ms.append((time.monotonic() - sent) * 1000)
-            except (aetcd.exceptions.ClientError, OSError) as exc:
+            except (aetcd.exceptions.ClientError, OSError, TimeoutError) as exc:
                 self.stats.error(f"lease: {type(exc).__name__}")
                 lease = None
             except Exception as exc:  # counted: worker_lib's loop would end on these
@@ -435,7 +501,7 @@ class Run:
         self.stats = Stats()
         self.machines: list[SimulatedMachine] = []
         self.tasks: list[asyncio.Task[Any]] = []
-        self.etcd_clients: list[Any] = []
+        self.etcd_clients: list[EtcdConnection] = []
         self.figures: dict[str, Any] = {}
         self.job_id = ""
         self.leaderless_s, self.leader_changes = 0.0, 0
@@ -525,10 +591,9 @@ class Run:
                 import aetcd
 
                 host, _, port = args.etcd_endpoint.partition(":")
-                self.etcd_clients = [
-                    aetcd.Client(host, int(port), timeout=5)
-                    for _ in range(max(1, -(-args.machines // MACHINES_PER_ETCD_CONNECTION)))
-                ]
+                for _ in range(max(1, -(-args.machines // MACHINES_PER_ETCD_CONNECTION))):
+                    client = aetcd.Client(host, int(port), timeout=5)
+                    self.etcd_clients.append(EtcdConnection(client, LeaseKeepAlives(client)))
             watch = asyncio.create_task(self.watch_leadership())
             try:
                 await self.scenarios()
@@ -543,9 +608,10 @@ class Run:
                 for task in self.tasks:
                     task.cancel()
                 await asyncio.gather(*self.tasks, return_exceptions=True)
-                for client in self.etcd_clients:
+                for connection in self.etcd_clients:
+                    await connection.keepalives.close()
                     with contextlib.suppress(Exception):
-                        await client.close()
+                        await connection.client.close()
                 await shared.aclose()
 
     def machine(self, rank: int, instance_id: str | None = None) -> SimulatedMachine:
@@ -606,10 +672,12 @@ class Run:
         print(f"steady state for {args.steady:.0f}s", file=sys.stderr, flush=True)
         pids = [process.pid for process, _ in self.roots]
         cpu_before, wall_before = sum(map(cpu_seconds, pids)), time.monotonic()
+        own_cpu_before = time.process_time()
         await asyncio.sleep(args.steady)
-        root_cpu_pct = round(
-            100 * (sum(map(cpu_seconds, pids)) - cpu_before) / (time.monotonic() - wall_before), 1
-        )
+        steady_wall = time.monotonic() - wall_before
+        root_cpu_pct = round(100 * (sum(map(cpu_seconds, pids)) - cpu_before) / steady_wall, 1)
+        # This process simulates every agent: near 100 it is the bottleneck (late heartbeats, lapsed leases).
+        harness_cpu_pct = round(100 * (time.process_time() - own_cpu_before) / steady_wall, 1)
         stats.recording = False
         false_positives = len(await self.failures()) - before
         heartbeats = list(stats.heartbeat_ms)
@@ -650,6 +718,7 @@ class Run:
                 "progress_p99_ms": quantile(stats.progress_ms, 0.99),
                 "peers_directive_p99_ms": quantile(stats.directive_ms, 0.99),
                 "root_cpu_pct": root_cpu_pct,
+                "harness_cpu_pct": harness_cpu_pct,
                 "false_positives": false_positives,
                 "past_failures": args.past_failures,
                 "job_page_ms": job_page,
