@@ -258,6 +258,59 @@ def _plan_checked(
     )
 
 
+# A piece's copy, ready to run: a function and its arguments (np.copyto and the piece's two views, for flat
+# bytes; the transfer's copy and the piece's bounds otherwise).
+Op = tuple[Callable[..., object], tuple[object, ...]]
+
+
+def piece_op(transfer: Transfer, lo: int, hi: int) -> Op:
+    # FlatTransfer.copy's own work, unless it was replaced (tests hold or fail copies through it).
+    if type(transfer) is FlatTransfer and FlatTransfer.copy is _FLAT_COPY:
+        return np.copyto, (transfer.dst[lo:hi], transfer.src[lo:hi])
+    return transfer.copy, (lo, hi)
+
+
+_FLAT_COPY = FlatTransfer.copy
+
+
+@dataclass(frozen=True, slots=True)
+class SaveStripe:
+    """A stripe of a save, compiled for one set of transfers and one slot: per piece its copy, the slot's
+    padding after it (or None) and the bytes to hash after it; then the bytes left to hash."""
+
+    pieces: tuple[tuple[Op, Bytes | None, memoryview], ...]
+    tail: memoryview
+
+
+def compile_save(
+    stripes: Sequence[StripePlan], transfers: Sequence[Transfer], slot: Bytes
+) -> list[SaveStripe]:
+    """What CopyEngine.copy does for each piece of each stripe, with every view made once: a save into the
+    same slot from the same sources runs it again (about 3 us less per piece, 2000 pieces per GB)."""
+    compiled: list[SaveStripe] = []
+    for stripe in stripes:
+        pieces: list[tuple[Op, Bytes | None, memoryview]] = []
+        hashed = stripe.start
+        for piece in stripe.pieces:
+            end = piece.at + piece.hi - piece.lo
+            pad = slot[end : end + piece.pad] if piece.pad else None
+            pieces.append(
+                (
+                    piece_op(transfers[piece.transfer], piece.lo, piece.hi),
+                    pad,
+                    slot[hashed : end + piece.pad].data,
+                )
+            )
+            hashed = end + piece.pad
+        compiled.append(SaveStripe(tuple(pieces), slot[hashed : stripe.end].data))
+    return compiled
+
+
+def compile_checked(groups: Sequence[CheckedGroup], transfers: Sequence[Transfer]) -> list[tuple[Op, ...]]:
+    """The copies of each group of a restore (see CopyEngine.check_copy), with every view made once."""
+    return [tuple(piece_op(transfers[p.transfer], p.lo, p.hi) for p in group.pieces) for group in groups]
+
+
 class CopyEngine:
     """A small pool of threads that executes stripe plans and hashes byte ranges."""
 
@@ -266,17 +319,35 @@ class CopyEngine:
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="castor-copy")
 
     def copy(
-        self, stripes: Sequence[StripePlan], transfers: Sequence[Transfer], slot: Bytes | None = None
+        self,
+        stripes: Sequence[StripePlan],
+        transfers: Sequence[Transfer],
+        slot: Bytes | None = None,
+        compiled: Sequence[SaveStripe] | None = None,
     ) -> list[str]:
         """Run every piece of every stripe.
 
         With `slot` (a save: the transfers write into it) also zero the alignment padding and return each
-        stripe's xxh3_64 hex digest, computed piece by piece right after the piece is copied.
+        stripe's xxh3_64 hex digest, computed piece by piece right after the piece is copied. `compiled`:
+        the same, made by compile_save for these stripes, transfers and slot.
         """
         digests = [""] * len(stripes)
 
         def run_stripe(i: int) -> None:
             stripe = stripes[i]
+            if compiled is not None and not HASH_SOURCES_FIRST:
+                if i == len(stripes) // 2:
+                    pause_point("mid-copy")
+                hasher = xxhash.xxh3_64()
+                update = hasher.update
+                for (copy, args), pad, written in compiled[i].pieces:
+                    copy(*args)
+                    if pad is not None:
+                        pad.fill(0)
+                    update(written)
+                update(compiled[i].tail)
+                digests[i] = hasher.hexdigest()
+                return
             if slot is None:
                 for piece in stripe.pieces:
                     transfers[piece.transfer].copy(piece.lo, piece.hi)
@@ -334,9 +405,11 @@ class CopyEngine:
         transfers: Sequence[Transfer],
         data: Bytes,
         stripes: Sequence[tuple[int, int, str]],
+        compiled: Sequence[tuple[Op, ...]] | None = None,
     ) -> list[int]:
         """A restore: for each group, hash its stripes of `data` (start, end, expected xxh3_64 hex digest)
-        and, when all match, copy its pieces out while the stripes are still in cache.
+        and, when all match, copy its pieces out while the stripes are still in cache (`compiled`: those
+        copies, made by compile_checked for these groups and transfers).
 
         Returns the indices of the stripes that did not match. Their bytes are never copied; once one is
         found nothing more is copied, but every stripe is still checked, so the error can name them all.
@@ -355,6 +428,10 @@ class CopyEngine:
             if not matched:
                 corrupt.set()
             if corrupt.is_set():
+                return
+            if compiled is not None:
+                for copy, args in compiled[i]:
+                    copy(*args)
                 return
             for piece in group.pieces:
                 transfers[piece.transfer].copy(piece.lo, piece.hi)

@@ -65,6 +65,9 @@ class Manifest:
     committed_at: float = 0.0
     format: int = FORMAT
     checksum: str = CHECKSUM
+    # The tree's JSON text when the writer has it already (see worker_lib.store.tree.tree_json); not part of
+    # the manifest's value.
+    tree_json: str | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> bytes:
         # It runs at every commit (a few hundred kB for a sharded model of 600 tensors). The tensor entries
@@ -78,9 +81,9 @@ class Manifest:
                 "committed_at": self.committed_at,
                 "meta": self.meta,
                 "data_bytes": self.data_bytes,
-                "tree": self.tree,
             }
         )
+        tree = self.tree_json if self.tree_json is not None else _dumps(self.tree)
         tail = _dumps(
             {
                 "checksum": self.checksum,
@@ -88,7 +91,7 @@ class Manifest:
                 "digest": self.digest,
             }
         )
-        return f'{head[:-1]},"tensors":{_entries_json(self.tensors)},{tail[1:]}'.encode()
+        return f'{head[:-1]},"tree":{tree},"tensors":{_entries_json(self.tensors)},{tail[1:]}'.encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from tests.unit.worker_lib.helpers import assert_bit_equal, forkserver, raw_bytes
-from worker_lib import Checkpointer, load_state
+from worker_lib import CheckpointCorruptError, Checkpointer, load_state
 from worker_lib.store.slots import SlotStore
 
 
@@ -272,3 +273,58 @@ def test_a_mismatched_target_is_refused_before_anything_is_copied(shm_dir: Path)
             checkpointer.restore(into={"model": nn.Linear(8, 32)})
     after = [raw_bytes(t) for t in wider.state_dict().values()]
     assert all(torch.equal(a, b) for a, b in zip(after, untouched, strict=True))
+
+
+def test_restores_into_the_saved_state_stay_exact_and_verified(shm_dir: Path) -> None:
+    """A restore into the very state this process saved skips matching its targets one by one and, from
+    the second on, reuses its copies: each still puts back exactly the saved bytes, refuses a changed
+    target, and detects a corrupt byte before it reaches a target."""
+    model, optimizer = make_model(seed=3)
+    train(model, optimizer, range(2))
+    state = {"model": model, "optimizer": optimizer}
+    with Checkpointer(shm_dir, slots=2) as checkpointer:
+        matched = checkpointer._matched
+        shortcuts: list[bool] = []
+
+        def spy(*args: Any) -> Any:
+            found = matched(*args)
+            shortcuts.append(found is not None)
+            return found
+
+        checkpointer._matched = spy  # type: ignore[method-assign]
+        for iteration in range(1, 5):
+            checkpointer.save(iteration, state)
+            checkpointer.wait()
+            saved = {
+                "model": {k: v.clone() for k, v in model.state_dict().items()},
+                "optimizer": copy.deepcopy(optimizer.state_dict()),
+            }
+            for _ in range(2):  # the second restore of the same checkpoint reuses the first one's copies
+                train(model, optimizer, range(10 + iteration, 11 + iteration))  # changes everything
+                restored = checkpointer.restore(into=state)
+                assert restored is not None and restored.iteration == iteration
+                assert_bit_equal(model.state_dict(), saved["model"])
+                assert_bit_equal(optimizer.state_dict(), saved["optimizer"])
+        assert shortcuts == [True] * 8  # every one of them took the shortcut
+        # A parameter of another shape is refused, as without the shortcut.
+        weight = model[0].weight
+        model[0].weight = nn.Parameter(torch.zeros(16, 8))
+        with pytest.raises(ValueError, match=r"the checkpoint has a tensor of \[32, 8\]"):
+            checkpointer.restore(into=state)
+        model[0].weight = weight
+        # A corrupt byte: detected, and not one byte of its stripe reaches the target.
+        manifest = next(m for m in SlotStore(shm_dir).committed() if m.iteration == 4)
+        entry = next(t for t in manifest.tensors if t.key == "state['model']['3.weight']")
+        slot = next(p for p in shm_dir.glob("slot-*.json") if f'"iteration":{4},' in p.read_text())
+        with open(slot.with_suffix(".bin"), "r+b") as data:
+            data.seek(entry.offset + 3)
+            byte = data.read(1)[0]
+            data.seek(entry.offset + 3)
+            data.write(bytes([byte ^ 0x01]))
+        with torch.no_grad():
+            model[3].weight.fill_(7.0)
+        with pytest.raises(
+            CheckpointCorruptError, match=r"affected tensors: .*state\['model'\]\['3.weight'\]"
+        ):
+            checkpointer.restore(into=state)
+        assert torch.equal(model[3].weight, torch.full_like(model[3].weight, 7.0))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tests.unit.worker_lib.helpers import assert_bit_equal
-from worker_lib.store.tree import flatten, unflatten
+from worker_lib.store.tree import FlatState, FlattenMemo, flatten, tree_json, unflatten
 
 PLAIN_STATE = {
     "step": 7,
@@ -118,3 +118,43 @@ def test_a_reference_cycle_is_refused() -> None:
     state["self"] = [state]
     with pytest.raises(TypeError, match=r"state\['self'\]\[0\]: the state contains itself"):
         flatten(state)
+
+
+def test_a_memo_reuses_only_the_tensor_dicts_that_did_not_change() -> None:
+    """flatten with a memo gives exactly what flatten without one gives (the tree's JSON, the tensors by
+    identity of their memory), whatever changed between calls; unchanged tensor dicts keep their nodes."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    state = {"model": model, "optimizer": optimizer, "extra": {"a": torch.ones(2)}}
+    memo = FlattenMemo()
+
+    def check() -> FlatState:
+        plain, memoised = flatten(state), flatten(state, memo)
+        assert tree_json(memoised.tree, memo) == json.dumps(plain.tree, separators=(",", ":"))
+        assert memoised.keys == plain.keys
+        assert [t.data_ptr() for t in memoised.tensors] == [t.data_ptr() for t in plain.tensors]
+        assert all(not t.requires_grad for t in memoised.tensors)
+        return memoised
+
+    first = check()
+    again = check()
+    module_node = again.tree["dict"][0][1]["module"]  # type: ignore[call-overload,index]
+    assert module_node is first.tree["dict"][0][1]["module"]  # type: ignore[call-overload,index]
+    with torch.no_grad():
+        model[0].weight.data = torch.randn(3, 4)  # the same Parameter, another storage
+    replaced = check()
+    assert replaced.tensors[0].data_ptr() == model[0].weight.data_ptr()
+    optimizer.param_groups[0]["lr"] = 1  # an int now: JSON tells 1 from 0.1 and from 1.0
+    check()
+    optimizer.state[model[0].bias]["exp_avg"] = torch.zeros(3)  # a new tensor in a per-parameter dict
+    check()
+    optimizer.load_state_dict(optimizer.state_dict())  # new per-parameter dicts around the same tensors
+    check()
+    model[1].register_buffer("extra", torch.ones(1))  # a key more
+    check()
+    state["extra"]["a"] = torch.zeros(2)  # type: ignore[index]
+    check()
+    del state["extra"]
+    check()
