@@ -59,9 +59,10 @@ async def heartbeat(
     responses=error_responses(409),
 )
 async def report_exit(
-    rank: RankPath, body: schemas.ExitReport, job: WorkerJobDep, db: SessionDep
+    rank: RankPath, body: schemas.ExitReport, job: WorkerJobUnlockedDep, db: SessionDep
 ) -> schemas.ExitAck:
-    """A training process on this machine ended (reported at once, with its exit code)."""
+    """A training process on this machine ended (reported at once, with its exit code). A clean exit locks
+    nothing; a crash takes the job row's lock to record its failure (flows.failures.record_exit)."""
     event = await failures.record_exit(db, job, rank, body)
     return schemas.ExitAck(failure_id=event.id if event else None)
 

@@ -730,3 +730,36 @@ async def machines_by_ids(
 async def get_plan(session: AsyncSession, job_id: uuid.UUID, plan_id: int) -> RecoveryPlan | None:
     query = select(RecoveryPlan).where(RecoveryPlan.job_id == job_id, RecoveryPlan.id == plan_id)
     return (await session.execute(query)).scalar_one_or_none()
+
+
+# -- process-exit reports: a clean exit locks nothing; a crash locks the job row and reads what it needs only
+
+
+async def lock_job(session: AsyncSession, job_id: uuid.UUID) -> Job | None:
+    """The job row locked (see get_job), its attributes read afresh: a row the session read before the lock
+    may have changed since."""
+    query = (
+        select(Job)
+        .where(Job.id == job_id)
+        .with_for_update(key_share=True)
+        .execution_options(populate_existing=True)
+    )
+    return (await session.execute(query)).scalar_one_or_none()
+
+
+async def suspect_machines(session: AsyncSession, job_id: uuid.UUID) -> Sequence[Machine]:
+    """The job's suspect machines (not every machine's row with its summary and inventory)."""
+    query = select(Machine).where(Machine.job_id == job_id, Machine.state == MachineState.SUSPECT)
+    return (await session.execute(query)).scalars().all()
+
+
+async def latest_plan_ref(session: AsyncSession, job_id: uuid.UUID) -> tuple[int, str] | None:
+    """The newest plan's id and status, without its per-rank sources."""
+    query = (
+        select(RecoveryPlan.id, RecoveryPlan.status)
+        .where(RecoveryPlan.job_id == job_id)
+        .order_by(RecoveryPlan.generation.desc())
+        .limit(1)
+    )
+    found = (await session.execute(query)).first()
+    return (found[0], found[1]) if found is not None else None

@@ -41,18 +41,24 @@ async def record_exit(
     session: AsyncSession, job: Job, rank: int, request: schemas.ExitReport
 ) -> FailureEvent | None:
     """A training process ended. A clean exit is not a failure; anything else is a software failure (the
-    agent reporting it is alive), or part of the recovery already open."""
+    agent reporting it is alive), or part of the recovery already open.
+
+    `job` is read without a lock: a clean exit (or one after the job ended) writes nothing and locks
+    nothing. A crash writes failure events and may declare a suspect lost, as the leader does: it takes
+    the job row's lock first (every training process of a job can fail at once, in a collective: each
+    exit's transaction reads the suspects, the open failures and the newest plan's status, not every
+    machine or the plan's sources)."""
     machine = await live_machine_at(session, job, rank, request.instance_id)
     if request.exit_code == 0 or job.state not in ACTIVE_STATES:
         return None
+    locked = await repo.lock_job(session, job.id)
+    if locked is None or locked.state not in ACTIVE_STATES:
+        return None  # the job ended (or was deleted) meanwhile
+    job = locked
     # A peer whose heartbeats lapsed is what this process was waiting on in a collective: the second
     # signal that declares it lost. Its failure opens first, so this exit joins it as a consequence. One
     # exit explains one suspect, the longest silent (another suspect may merely be slow).
-    suspects = [
-        m
-        for m in await repo.live_machines(session, job.id)
-        if m.state == MachineState.SUSPECT and m.id != machine.id
-    ]
+    suspects = [m for m in await repo.suspect_machines(session, job.id) if m.id != machine.id]
     if suspects:
         suspect = min(suspects, key=lambda m: m.last_heartbeat_at or m.registered_at)
         await machine_lost(
@@ -153,8 +159,8 @@ async def joinable_failures(session: AsyncSession, job: Job) -> list[FailureEven
     """Open failures a new one may be part of: those not yet planned for, or whose recovery is still
     collecting. Once a plan is ready, ranks are restoring and restarting: a failure then is a new one,
     and the recovery it cuts short has failed (a new generation follows)."""
-    plan = await repo.latest_plan(session, job.id)
-    collecting = plan.id if plan is not None and plan.status == PlanStatus.COLLECTING else None
+    plan = await repo.latest_plan_ref(session, job.id)  # (id, status): not its per-rank sources
+    collecting = plan[0] if plan is not None and plan[1] == PlanStatus.COLLECTING else None
     return [
         e
         for e in await repo.open_failures(session, job.id)

@@ -1,0 +1,68 @@
+"""Process-exit reports and the job row (issue 13): a clean exit writes nothing and locks nothing (it goes
+through while another transaction holds the job row); a crash takes the job row's lock, as the leader's
+writers of failure events do, and reads neither every machine nor the plan's per-rank sources (a collective
+failure makes every training process of the job report at once)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import select
+
+from services.root.db.models import Job
+from tests.integration.test_progress_reports import statements_of
+from tests.integration.test_registrations import locks
+from tests.integration.web.scenario import running_job
+
+
+def exit_report(instance: str, rank: int, exit_code: int) -> dict[str, object]:
+    return {"instance_id": instance, "local_rank": 0, "global_rank": rank, "exit_code": exit_code}
+
+
+async def test_a_clean_exit_goes_through_while_the_job_row_is_locked(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    database = root_app.state.castor.database
+    if database.is_sqlite:
+        pytest.skip("SQLite has no row locks: one writer at a time")
+    job = await running_job(client, 4)
+    lock = select(Job).where(Job.id == uuid.UUID(job.id)).with_for_update(key_share=True)
+    async with database.session() as session:
+        await session.execute(lock)
+        # Before: every exit report took this lock first, and waited here until the holder committed.
+        for rank in range(4):
+            body = exit_report(job.instances[rank], rank, 0)
+            response = await asyncio.wait_for(job.post(f"/machines/{rank}/exits", body, 202), 30)
+            assert response.json()["failure_id"] is None
+    assert (await job.api(""))["state"] == "running"
+
+
+async def test_crash_reports_read_only_what_they_need(client: httpx.AsyncClient, root_app: FastAPI) -> None:
+    job = await running_job(client, 4)
+    clean = await statements_of(
+        root_app, lambda: job.post("/machines/0/exits", exit_report(job.instances[0], 0, 0), 202)
+    )
+    assert clean and not [s for s in clean if locks(s)], clean
+    assert not [s for s in clean if s.startswith(("update", "insert", "delete"))], clean
+
+    ids: list[int | None] = []
+
+    async def crash(rank: int) -> None:
+        response = await job.post(f"/machines/{rank}/exits", exit_report(job.instances[rank], rank, -9), 202)
+        ids.append(response.json()["failure_id"])
+
+    crashes = await statements_of(root_app, *(lambda r=rank: crash(r) for rank in range(1, 4)))
+    if not root_app.state.castor.database.is_sqlite:  # SQLite: no row locks, one writer at a time
+        assert len([s for s in crashes if locks(s)]) == 3, "each crash locks the job row once"
+    assert not [s for s in crashes if "sources" in s], "the plan's per-rank sources stay unread"
+    every_machine = [
+        s for s in crashes if "from machines" in s and "instance_id =" not in s and "state !=" in s
+    ]
+    assert not every_machine, "the reporter's machine and the suspects only, not every machine"
+    assert len(set(ids)) == 1 and ids[0] is not None, "the first crash opens a failure, the others join it"
+    failure = await job.api(f"/failures/{ids[0]}")
+    assert failure["kind"] == "software" and len(failure["details"]["cascade"]) == 2
