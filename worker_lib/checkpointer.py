@@ -328,7 +328,7 @@ class Checkpointer:
             return None
         try:
             flat = flatten(into, self._memo)
-        except (TypeError, ValueError):
+        except Exception:  # the matching target by target names what is wrong
             return None
         if flat.detached_outside_modules or flat.tree != manifest.tree:
             return None
