@@ -11,7 +11,6 @@ from services.root.api.deps import (
     AuthorizedJobIdDep,
     SessionDep,
     StateDep,
-    WorkerJobDep,
     WorkerJobUnlockedDep,
 )
 from services.root.db import repository as repo
@@ -131,18 +130,18 @@ async def report_inventory(
 async def report_persisted(
     rank: RankPath,
     body: schemas.PersistedReport,
-    job: WorkerJobDep,
-    db: SessionDep,
+    job_id: AuthorizedJobIdDep,
     state: StateDep,
     background: BackgroundTasks,
 ) -> Response:
     """One of this machine's ranks uploaded its checkpoint to the persistent tier, at the key the root
     computes (a report naming another key: 422; a rank this machine does not run: 403); checkpoints
-    beyond the newest P are deleted, only ever inside this job's own prefix."""
+    beyond the newest P are deleted, only ever inside this job's own prefix. A report writes its own
+    shard's row; only one that finds every rank's shard in takes the job row's lock."""
     tier = persistence.tier_of(state.settings)
     expired = await persistence.record_persisted(
-        db, job, rank, body, tier, machine_flows.persist_latency_s(state.settings)
+        state.database, job_id, rank, body, tier, machine_flows.persist_latency_s(state.settings)
     )
     if expired:
-        background.add_task(delete_persisted, state.settings, str(job.id), expired)
+        background.add_task(delete_persisted, state.settings, str(job_id), expired)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -214,8 +214,10 @@ async def list_plans(session: AsyncSession, job_id: uuid.UUID) -> Sequence[Recov
 async def resumed_from(session: AsyncSession, job_id: uuid.UUID) -> dict[int, int | None]:
     """Each released plan's generation and the iteration it resumed from (None: from scratch): the
     job's timeline, for `domain.recovery.on_timeline`."""
-    plans = await list_plans(session, job_id)
-    return {plan.generation: plan.iteration for plan in plans if plan.status == PlanStatus.READY}
+    query = select(RecoveryPlan.generation, RecoveryPlan.iteration).where(
+        RecoveryPlan.job_id == job_id, RecoveryPlan.status == PlanStatus.READY
+    )
+    return {generation: iteration for generation, iteration in (await session.execute(query)).all()}
 
 
 async def resumed_since(session: AsyncSession, job_id: uuid.UUID, generation: int) -> dict[int, int | None]:
@@ -763,3 +765,71 @@ async def latest_plan_ref(session: AsyncSession, job_id: uuid.UUID) -> tuple[int
     )
     found = (await session.execute(query)).first()
     return (found[0], found[1]) if found is not None else None
+
+
+# -- persisted-shard reports: each writes its own shard's row; only a report that may complete its checkpoint
+# locks the job row (flows.persistence.record_persisted) -----------------------------------------------------
+
+
+def _insert_for(session: AsyncSession) -> Any:
+    dialect = session.bind.dialect.name if session.bind is not None else "postgresql"
+    return postgresql.insert if dialect == "postgresql" else sqlite.insert
+
+
+async def persisted_checkpoint_id(
+    session: AsyncSession, job_id: uuid.UUID, iteration: int, location: str
+) -> int:
+    """The id of the job's persisted checkpoint of `iteration`, created if missing (its unique key: of
+    several first reports at once one inserts it), its location set if it differs. Locks no row but a new
+    one's, and the existing one's only when its location changes."""
+    inserted = await session.execute(
+        _insert_for(session)(PersistedCheckpoint)
+        .values(job_id=job_id, iteration=iteration, location=location)
+        .on_conflict_do_nothing()
+        .returning(PersistedCheckpoint.id)
+    )
+    found: int | None = inserted.scalar_one_or_none()
+    if found is not None:
+        return found
+    query = select(PersistedCheckpoint.id).where(
+        PersistedCheckpoint.job_id == job_id, PersistedCheckpoint.iteration == iteration
+    )
+    checkpoint_id: int = (await session.execute(query)).scalar_one()
+    await session.execute(
+        update(PersistedCheckpoint)
+        .where(PersistedCheckpoint.id == checkpoint_id, PersistedCheckpoint.location != location)
+        .values(location=location)
+        .execution_options(synchronize_session=False)
+    )
+    return checkpoint_id
+
+
+async def record_shard(
+    session: AsyncSession,
+    checkpoint_id: int,
+    rank: int,
+    *,
+    key: str,
+    digest: str,
+    nbytes: int,
+    generation: int,
+) -> bool:
+    """Rank `rank`'s shard of the checkpoint, in one upsert of its own row: a shard of an older generation
+    than the one recorded (a late upload from before a rollback) changes nothing (False)."""
+    statement = _insert_for(session)(PersistedShard).values(
+        checkpoint_id=checkpoint_id, rank=rank, key=key, digest=digest, nbytes=nbytes, generation=generation
+    )
+    new = statement.excluded
+    upsert = statement.on_conflict_do_update(
+        index_elements=[PersistedShard.checkpoint_id, PersistedShard.rank],
+        set_={"key": new.key, "digest": new.digest, "nbytes": new.nbytes, "generation": new.generation},
+        where=PersistedShard.generation <= new.generation,
+    ).returning(PersistedShard.id)
+    return (await session.execute(upsert)).scalar_one_or_none() is not None
+
+
+async def shard_count(session: AsyncSession, checkpoint_id: int) -> int:
+    query = (
+        select(func.count()).select_from(PersistedShard).where(PersistedShard.checkpoint_id == checkpoint_id)
+    )
+    return int((await session.execute(query)).scalar_one())

@@ -9,14 +9,18 @@ What the root deletes at expiry is computed the same way and scoped to the job's
 
 from __future__ import annotations
 
+import uuid
+
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.root import schemas
 from services.root.db import repository as repo
-from services.root.db.models import Job, PersistedCheckpoint, PersistedShard
+from services.root.db.database import Database
+from services.root.db.models import Job
 from services.root.domain import persisted
 from services.root.domain.retention import StoredCheckpoint, expired, is_complete
-from services.root.errors import Forbidden, Invalid
+from services.root.errors import Forbidden, Invalid, NotFound
 from services.root.flows.machines import live_machine_at, persist_latency_s, persistent_tier, schedule_persist
 from services.root.settings import Settings
 
@@ -27,15 +31,50 @@ def tier_of(settings: Settings) -> persisted.Tier:
 
 
 async def record_persisted(
-    session: AsyncSession,
-    job: Job,
+    database: Database,
+    job_id: uuid.UUID,
     machine_rank: int,
     report: schemas.PersistedReport,
     tier: persisted.Tier,
     latency_s: float | None = None,
 ) -> list[str]:
     """Record one rank's uploaded shard; returns the key prefixes of checkpoints to delete now (all
-    inside `persisted.job_scope(tier, job)`). `latency_s`: see flows.machines.persist_latency_s."""
+    inside `persisted.job_scope(tier, job)`). `latency_s`: see flows.machines.persist_latency_s.
+
+    Every rank persists the announced iteration at about the same time: a report writes its own shard's
+    row (an upsert) and counts the checkpoint's shards, and locks nothing shared. A report that finds every
+    rank's shard there commits, then takes the job row's lock to decide completion, announce the next
+    iteration and expire old checkpoints (of the last reports at once, the first announces; the others
+    find the announcement moved on and nothing left to expire)."""
+    for attempt in range(SHARD_TRIES):
+        try:
+            async with database.session() as session:
+                job = await repo.get_job(session, job_id)
+                if job is None:
+                    raise NotFound(f"job {job_id} does not exist", code="job_not_found")
+                if not await _record_shard(session, job, machine_rank, report, tier):
+                    return []
+            break
+        except IntegrityError:
+            # Its checkpoint was expired (deleted) between the two statements: record it anew, as a report
+            # arriving after the expiry does.
+            if attempt == SHARD_TRIES - 1:
+                raise
+    async with database.session() as session:
+        job = await repo.get_job(session, job_id, for_update=True)
+        if job is None:
+            return []
+        return await _completed(session, job, report, tier, latency_s)
+
+
+# How often a shard report is tried when its checkpoint is deleted under it (a late report, expiring).
+SHARD_TRIES = 3
+
+
+async def _record_shard(
+    session: AsyncSession, job: Job, machine_rank: int, report: schemas.PersistedReport, tier: persisted.Tier
+) -> bool:
+    """Check and record the shard; whether the checkpoint may be complete now (every rank's shard in)."""
     await live_machine_at(session, job, machine_rank, report.instance_id)
     hosted = persisted.hosted_ranks(machine_rank, job.procs_per_machine)
     if report.rank not in hosted:
@@ -56,31 +95,35 @@ async def record_persisted(
                 code=f"persisted_{field}_mismatch",
                 details={"expected": computed},
             )
+    checkpoint_id = await repo.persisted_checkpoint_id(session, job.id, report.iteration, location)
+    recorded = await repo.record_shard(
+        session,
+        checkpoint_id,
+        report.rank,
+        key=key,
+        digest=report.digest,
+        nbytes=report.nbytes,
+        generation=report.generation,
+    )
+    if not recorded:
+        return False  # a late upload from before a rollback: the newer history's shard stays recorded
+    # Ranks still to come: nothing completes, nothing to expire (no O(W) work per report).
+    return await repo.shard_count(session, checkpoint_id) >= job.num_machines * job.procs_per_machine
+
+
+async def _completed(
+    session: AsyncSession,
+    job: Job,
+    report: schemas.PersistedReport,
+    tier: persisted.Tier,
+    latency_s: float | None,
+) -> list[str]:
+    """Under the job row's lock: if the report's checkpoint is complete, announce the next iteration (if it
+    was the announced one) and expire what retention drops."""
     checkpoint = await repo.persisted_checkpoint(session, job.id, report.iteration)
     if checkpoint is None:
-        checkpoint = PersistedCheckpoint(job_id=job.id, iteration=report.iteration, location=location)
-        session.add(checkpoint)
-        await session.flush()
-        await session.refresh(checkpoint, ["shards"])
-    shard = next((s for s in checkpoint.shards if s.rank == report.rank), None)
-    if shard is None:
-        shard = PersistedShard(
-            checkpoint_id=checkpoint.id, rank=report.rank, key=key, digest="", nbytes=0, generation=0
-        )
-        checkpoint.shards.append(shard)
-    if report.generation < shard.generation:
-        return []  # a late upload from before a rollback: the newer history's shard stays recorded
-    checkpoint.location = location
-    shard.key, shard.digest, shard.nbytes, shard.generation = (
-        key,
-        report.digest,
-        report.nbytes,
-        report.generation,
-    )
-    await session.flush()
+        return []  # expired meanwhile
     world_size = job.num_machines * job.procs_per_machine
-    if len(checkpoint.shards) < world_size:
-        return []  # ranks still to come: nothing completes, nothing to expire (no O(W) work per report)
     resumed_from = await repo.resumed_from(session, job.id)
     stored = StoredCheckpoint(checkpoint.iteration, {s.rank: s.generation for s in checkpoint.shards})
     if not is_complete(stored, world_size=world_size, resumed_from=resumed_from):
