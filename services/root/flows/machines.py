@@ -71,22 +71,24 @@ async def register(
             job = await _job(session, job_id)
             claimed = await _claim(session, job, request, attempt=attempt, locked=False)
             if isinstance(claimed, Machine):
-                machine_id = claimed.id
+                response = await _registered(session, job, claimed, settings)
+                machines = job.num_machines
         if claimed is LOCKED:
             break
         if isinstance(claimed, Machine):
+            # After the claim committed: of the last registrations at once, the one that commits last sees
+            # every rank held.
             async with database.session() as session:
-                job = await _job(session, job_id)
-                await start_if_full(session, job)
-                machine = await session.get(Machine, machine_id)
-                assert machine is not None, "a committed machine stays until its job is deleted"
-                return await _registered(session, job, machine, settings)
+                await start_if_full(session, job_id, machines)
+            return response
     async with database.session() as session:
         job = await _job(session, job_id, for_update=True)
         response = await register_machine(session, job, request, settings)
-    async with database.session() as session:
-        # Claims made off the lock meanwhile: the job may be full only now that this one committed.
-        await start_if_full(session, await _job(session, job_id))
+        machines, pending = job.num_machines, job.state == JobState.PENDING
+    if pending:
+        async with database.session() as session:
+            # Claims made off the lock meanwhile: the job may be full only now that this one committed.
+            await start_if_full(session, job_id, machines)
     return response
 
 
@@ -107,7 +109,8 @@ async def register_machine(
     also writes serialize with it (`register` takes this way for those only)."""
     machine = await _claim(session, job, request, attempt=0, locked=True)
     assert isinstance(machine, Machine), "under the job row's lock a claim is never contested"
-    await start_if_full(session, job)
+    if job.state == JobState.PENDING:
+        await start_if_full(session, job.id, job.num_machines)
     return await _registered(session, job, machine, settings)
 
 
@@ -201,18 +204,20 @@ async def _claim(
     return machine
 
 
-async def start_if_full(session: AsyncSession, job: Job) -> bool:
+async def start_if_full(session: AsyncSession, job_id: uuid.UUID, machines: int) -> bool:
     """A pending job whose every rank is held starts: training from scratch, meeting at machine 0. One
     conditional UPDATE, so of the last registrations at once (each after its own commit, so the last to
     commit sees every rank held) exactly one starts it and releases the first plan."""
-    if job.state != JobState.PENDING or await repo.live_machine_count(session, job.id) < job.num_machines:
+    if await repo.live_machine_count(session, job_id) < machines:
         return False
-    if not await repo.start_job(session, job.id, utcnow()):
-        return False
-    await session.refresh(job)  # running, its row locked by the UPDATE until this transaction commits
-    plan = await repo.latest_plan(session, job.id)
+    if not await repo.start_job(session, job_id, utcnow()):
+        return False  # started already, or not pending (stopped meanwhile)
+    # Running now, its row locked by the UPDATE until this transaction ends: read afresh.
+    job = await session.get(Job, job_id, populate_existing=True)
+    assert job is not None
+    plan = await repo.latest_plan(session, job_id)
     if plan is not None and plan.status == PlanStatus.PENDING:
-        (rank0,) = await repo.machines_at_ranks(session, job.id, [0])
+        (rank0,) = await repo.machines_at_ranks(session, job_id, [0])
         make_ready(session, job, plan, rank0)
     await session.flush()
     return True
