@@ -40,7 +40,9 @@ Scenarios, in order:
 * --group-loss: every machine of one placement group stops at once (no replica of its ranks survives);
   `group_*` figures as above, and `group_tier` the slowest tier its plan restores from;
 * --process-exit: one training process of one machine exits (its agent reports it); `exit_detect_s` from
-  the report sent to the failure event, `exit_*` as above;
+  the report sent to the failure the root filed it under (the acknowledgement's id), `exit_*` as above;
+  `exit_joined_open_failure`: the exit came while another failure was open and joined it as a cascade
+  entry (timed to that entry), as the root treats an exit during a recovery;
 * --leader-kill: two root replicas on the same Postgres (and etcd, with --etcd) elect a leader; one machine
   stops, and once its failure is recorded the leader's process is killed (SIGKILL) before the replacement
   registers; `failover_elected_s` from the kill to the new leader raising the fencing epoch, `failover_s`
@@ -532,19 +534,30 @@ class Run:
         return [line.split("|") for line in found.stdout.splitlines() if line]
 
     async def failures(self) -> list[dict[str, Any]]:
-        for attempt in range(
-            10
-        ):  # an overloaded root drops a connection now and then: the figure is not that
+        """The job's newest 500 failures (the root's largest page), newest first."""
+        body = (await self._failures_page()).json()
+        return list(body["items"] if isinstance(body, dict) else body)
+
+    async def failure_count(self) -> int:
+        """How many failures the job has (the list's X-Total-Count), however many pages they fill."""
+        response = await self._failures_page(limit=1)
+        total = response.headers.get("x-total-count")
+        return int(total) if total is not None else len(await self.failures())
+
+    async def _failures_page(self, limit: int = 500) -> httpx.Response:
+        # An overloaded root drops a connection now and then: the figure is not that.
+        for attempt in range(10):
             try:
-                response = await self.admin.get(f"{self.url}/api/v1/jobs/{self.job_id}/failures")
+                response = await self.admin.get(
+                    f"{self.url}/api/v1/jobs/{self.job_id}/failures", params={"limit": limit}
+                )
                 response.raise_for_status()
-                break
+                return response
             except httpx.HTTPError:
                 if attempt == 9:
                     raise
                 await asyncio.sleep(1)
-        body = response.json()
-        return list(body["items"] if isinstance(body, dict) else body)
+        raise AssertionError("unreachable")
 
     async def until(self, what: str, check: Callable[[], Awaitable[Any]], timeout_s: float) -> Any:
         """`check()`'s first truthy answer, polled every 0.2 s for at most `timeout_s` (None after)."""
@@ -667,7 +680,7 @@ class Run:
         )
         await asyncio.sleep(args.interval)
         # -- steady state
-        before = len(await self.failures())
+        before = await self.failure_count()
         stats.recording = True
         print(f"steady state for {args.steady:.0f}s", file=sys.stderr, flush=True)
         pids = [process.pid for process, _ in self.roots]
@@ -679,7 +692,7 @@ class Run:
         # This process simulates every agent: near 100 it is the bottleneck (late heartbeats, lapsed leases).
         harness_cpu_pct = round(100 * (time.process_time() - own_cpu_before) / steady_wall, 1)
         stats.recording = False
-        false_positives = len(await self.failures()) - before
+        false_positives = await self.failure_count() - before
         heartbeats = list(stats.heartbeat_ms)
         # -- pages, with every machine and the past failures in the database
         add_past_failures(self.server, self.database, self.job_id, args.past_failures)
@@ -952,13 +965,28 @@ class Run:
         )
 
         async def recorded() -> list[dict[str, Any]]:
-            return [f for f in await self.failures() if f["id"] not in known and f["rank"] == machine.rank]
+            failures = await self.failures()
+            if ack.failure_id is not None:  # the failure the root filed the exit under
+                return [f for f in failures if f["id"] == ack.failure_id]
+            return [f for f in failures if f["id"] not in known and f["rank"] == machine.rank]
 
         found = await self.until("the exit's failure", recorded, 60)
         if not found:
             return {"exit_detect_s": None, "exit_failure_id": ack.failure_id}
-        detected = datetime.fromisoformat(found[0]["detected_at"]).timestamp()
-        figures = {"exit_detect_s": round(detected - sent, 2)}
+        # An exit while another failure is open joins it (a cascade entry, not a failure of its own: the
+        # root takes it for a consequence): timed to its entry, and said.
+        joined = found[0]["id"] in known
+        entries = [
+            str(e["at"])
+            for e in (found[0].get("details") or {}).get("cascade", [])
+            if isinstance(e, dict) and e.get("at")
+        ]
+        at = max(entries) if joined and entries else str(found[0]["detected_at"])
+        detected = datetime.fromisoformat(at).timestamp()
+        figures: dict[str, Any] = {
+            "exit_detect_s": round(detected - sent, 2),
+            "exit_joined_open_failure": joined,
+        }
         figures.update(await self.recovery("exit_", generation, detected, found))
         return figures
 
