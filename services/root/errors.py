@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.root.db.database import is_transient_conflict
@@ -78,7 +79,7 @@ _DESCRIPTIONS = {
     409: "Conflicts with the current state",
     413: "The request body exceeds the service's limit (CASTOR_MAX_BODY_BYTES)",
     422: "The request is malformed",
-    503: "A concurrent change got in the way; retry after the Retry-After seconds",
+    503: "A concurrent change got in the way, or the service is overloaded; retry after Retry-After seconds",
 }
 
 _HTTP_CODES = {
@@ -157,6 +158,13 @@ def install_error_handlers(app: FastAPI) -> None:
         # same shape so clients still parse one format.
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return _body(500, "internal_error", "the server failed to handle the request; see its log")
+
+    @app.exception_handler(PoolTimeout)
+    async def _overloaded(request: Request, exc: PoolTimeout) -> JSONResponse:
+        # Every pooled database connection stayed busy past the pool's timeout: the service is overloaded
+        # (a thousand agents at once), not broken; the request changed nothing and a later one goes through.
+        log.warning("%s %s: no database connection free: %s", request.method, request.url.path, exc)
+        return _body(503, "overloaded", "every database connection is busy; nothing was changed, retry")
 
     @app.exception_handler(DBAPIError)
     async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
