@@ -423,16 +423,24 @@ async def complete_job(session: AsyncSession, job_id: uuid.UUID, at: datetime) -
     return (await session.execute(query)).scalar_one_or_none() is not None
 
 
-async def latest_plan_status(session: AsyncSession, job_id: uuid.UUID) -> tuple[int, str] | None:
-    """The newest plan's generation and status, without its per-rank sources."""
+class PlanHead(NamedTuple):
+    """A plan's identity and status, without its per-rank sources."""
+
+    id: int
+    generation: int
+    status: str
+
+
+async def latest_plan_head(session: AsyncSession, job_id: uuid.UUID) -> PlanHead | None:
+    """The newest plan's id, generation and status, without its per-rank sources."""
     query = (
-        select(RecoveryPlan.generation, RecoveryPlan.status)
+        select(RecoveryPlan.id, RecoveryPlan.generation, RecoveryPlan.status)
         .where(RecoveryPlan.job_id == job_id)
         .order_by(RecoveryPlan.generation.desc())
         .limit(1)
     )
     found = (await session.execute(query)).first()
-    return (found[0], found[1]) if found is not None else None
+    return PlanHead(*found) if found is not None else None
 
 
 # -- registrations off the job row: a rank is claimed by the live-rank unique index, the job started by a
@@ -753,18 +761,6 @@ async def suspect_machines(session: AsyncSession, job_id: uuid.UUID) -> Sequence
     """The job's suspect machines (not every machine's row with its summary and inventory)."""
     query = select(Machine).where(Machine.job_id == job_id, Machine.state == MachineState.SUSPECT)
     return (await session.execute(query)).scalars().all()
-
-
-async def latest_plan_ref(session: AsyncSession, job_id: uuid.UUID) -> tuple[int, str] | None:
-    """The newest plan's id and status, without its per-rank sources."""
-    query = (
-        select(RecoveryPlan.id, RecoveryPlan.status)
-        .where(RecoveryPlan.job_id == job_id)
-        .order_by(RecoveryPlan.generation.desc())
-        .limit(1)
-    )
-    found = (await session.execute(query)).first()
-    return (found[0], found[1]) if found is not None else None
 
 
 # -- persisted-shard reports: each writes its own shard's row; only a report that may complete its checkpoint

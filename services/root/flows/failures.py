@@ -159,8 +159,8 @@ async def joinable_failures(session: AsyncSession, job: Job) -> list[FailureEven
     """Open failures a new one may be part of: those not yet planned for, or whose recovery is still
     collecting. Once a plan is ready, ranks are restoring and restarting: a failure then is a new one,
     and the recovery it cuts short has failed (a new generation follows)."""
-    plan = await repo.latest_plan_ref(session, job.id)  # (id, status): not its per-rank sources
-    collecting = plan[0] if plan is not None and plan[1] == PlanStatus.COLLECTING else None
+    plan = await repo.latest_plan_head(session, job.id)  # not its per-rank sources
+    collecting = plan.id if plan is not None and plan.status == PlanStatus.COLLECTING else None
     return [
         e
         for e in await repo.open_failures(session, job.id)

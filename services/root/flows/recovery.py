@@ -509,8 +509,8 @@ async def record_inventory(
     """A machine's inventory for the recovery being collected: its own row, one statement, nothing shared
     locked (the job row is read, not locked). A report that races the plan's decision is harmless: the
     leader decides only once every machine's inventory of the generation is in, read from these rows."""
-    latest = await repo.latest_plan_status(session, job.id)
-    if latest is None or latest != (report.generation, PlanStatus.COLLECTING):
+    latest = await repo.latest_plan_head(session, job.id)
+    if latest is None or (latest.generation, latest.status) != (report.generation, PlanStatus.COLLECTING):
         await live_machine_at(session, job, rank, report.instance_id)  # a zombie still gets its 409
         return  # a late report for a recovery that has moved on
     values: dict[str, Any] = {
