@@ -63,7 +63,9 @@ async def test_reports_at_once_complete_the_checkpoint(client: httpx.AsyncClient
     assert not [s for s in writes if s.startswith("update jobs")], "no announcement: none was made"
     assert not [s for s in statements if "sources" in s], "the plan's per-rank sources stay unread"
     if not root_app.state.castor.database.is_sqlite:
-        assert 1 <= len([s for s in statements if locks(s)]) < MACHINES, "only reports that may complete lock"
+        # At least the report that committed last counts every shard and takes the lock (each report counts
+        # after its own commit; more than one may, when they commit before any counts).
+        assert len([s for s in statements if locks(s)]) >= 1, "no report completed the checkpoint"
     assert await checkpoints(client, job) == [(10, MACHINES)]
     # A retry of a report changes nothing (a late upload from before a rollback: test_worker).
     await report_persisted(client, job, 1, 10, 1, "ten1")

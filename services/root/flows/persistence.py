@@ -42,8 +42,8 @@ async def record_persisted(
     inside `persisted.job_scope(tier, job)`). `latency_s`: see flows.machines.persist_latency_s.
 
     Every rank persists the announced iteration at about the same time: a report writes its own shard's
-    row (an upsert) and counts the checkpoint's shards, and locks nothing shared. A report that finds every
-    rank's shard there commits, then takes the job row's lock to decide completion, announce the next
+    row (an upsert) and commits, locking nothing shared, then counts the checkpoint's shards. A report
+    that finds every rank's shard there takes the job row's lock to decide completion, announce the next
     iteration and expire old checkpoints (of the last reports at once, the first announces; the others
     find the announcement moved on and nothing left to expire)."""
     for attempt in range(SHARD_TRIES):
@@ -52,8 +52,11 @@ async def record_persisted(
                 job = await repo.get_job(session, job_id)
                 if job is None:
                     raise NotFound(f"job {job_id} does not exist", code="job_not_found")
-                if not await _record_shard(session, job, machine_rank, report, tier):
+                recorded = await _record_shard(session, job, machine_rank, report, tier)
+                if recorded is None:
                     return []
+                checkpoint_id = recorded
+                world_size = job.num_machines * job.procs_per_machine
             break
         except IntegrityError:
             # Its checkpoint was expired (deleted) between the two statements: record it anew, as a report
@@ -61,6 +64,11 @@ async def record_persisted(
             if attempt == SHARD_TRIES - 1:
                 raise
     async with database.session() as session:
+        # Counted after the shard's commit, not in its transaction: there, reports at once each missed the
+        # others' uncommitted shards and none completed the checkpoint. Counted after, the report that
+        # commits last sees every shard. Ranks still to come: nothing completes (no O(W) work per report).
+        if await repo.shard_count(session, checkpoint_id) < world_size:
+            return []
         job = await repo.get_job(session, job_id, for_update=True)
         if job is None:
             return []
@@ -73,8 +81,8 @@ SHARD_TRIES = 3
 
 async def _record_shard(
     session: AsyncSession, job: Job, machine_rank: int, report: schemas.PersistedReport, tier: persisted.Tier
-) -> bool:
-    """Check and record the shard; whether the checkpoint may be complete now (every rank's shard in)."""
+) -> int | None:
+    """Check and record the shard; its checkpoint's id (None: a late shard, not recorded)."""
     await live_machine_at(session, job, machine_rank, report.instance_id)
     hosted = persisted.hosted_ranks(machine_rank, job.procs_per_machine)
     if report.rank not in hosted:
@@ -106,9 +114,8 @@ async def _record_shard(
         generation=report.generation,
     )
     if not recorded:
-        return False  # a late upload from before a rollback: the newer history's shard stays recorded
-    # Ranks still to come: nothing completes, nothing to expire (no O(W) work per report).
-    return await repo.shard_count(session, checkpoint_id) >= job.num_machines * job.procs_per_machine
+        return None  # a late upload from before a rollback: the newer history's shard stays recorded
+    return checkpoint_id
 
 
 async def _completed(
