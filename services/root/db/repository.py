@@ -4,11 +4,11 @@ caller (a request or a background flow) owns the transaction."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import case, delete, func, select, text, update
+from sqlalchemy import Table, bindparam, case, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import defer, selectinload
@@ -121,6 +121,30 @@ async def touch_machine(
         .execution_options(synchronize_session=False)
     )
     return (await session.execute(query)).scalar_one_or_none()
+
+
+async def touch_machines(
+    session: AsyncSession, job_id: uuid.UUID, summaries: Mapping[str, dict[str, Any]], *, at: datetime
+) -> None:
+    """etcd mode: heartbeats of many machines of a job in one statement run once per machine (executemany):
+    each live machine whose instance id is a key of `summaries` gets `at` and its summary (a replaced one,
+    or an instance the job does not know, is left alone). Indexed rows only (the job's unique instance id),
+    nothing else locked."""
+    if not summaries:
+        return
+    machines = Machine.__table__  # Core, not the ORM: its bulk UPDATE matches rows by primary key only
+    assert isinstance(machines, Table)
+    query = (
+        update(machines)
+        .where(
+            machines.c.job_id == job_id,
+            machines.c.instance_id == bindparam("b_instance_id"),
+            machines.c.state != MachineState.REPLACED,
+        )
+        .values(last_heartbeat_at=at, summary=bindparam("b_summary", type_=machines.c.summary.type))
+    )
+    rows = [{"b_instance_id": iid, "b_summary": summary} for iid, summary in summaries.items()]
+    await session.execute(query, rows)
 
 
 async def machines_at_ranks(

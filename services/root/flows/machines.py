@@ -6,7 +6,7 @@ import asyncio
 import logging
 import random
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -356,17 +356,9 @@ async def record_heartbeat(
     latency_s = persist_latency_s(settings)
     generation = await repo.latest_generation(session, job.id)
     if job.num_machines <= COUNTERS_INLINE_MAX_MACHINES:
-        # A handful of machines: the counters at once, the job row written before the machine's (the
-        # orchestrator's lock order, job then machines: no deadlock between the two).
-        live = [
-            _Summary(summary if m.instance_id == request.instance_id else m.summary)
-            for m in await repo.live_machines(session, job.id)
-        ]
-        _refresh_job_counters(job, live)
-        await schedule_persist(session, job, [m.summary for m in live], generation, latency_s)
-        await session.flush()
+        live = await _counters_inline(session, job, {request.instance_id: summary}, generation, latency_s)
         # Replication rounds aligned across machines: the answer every agent acts on (domain.replication).
-        alignment = replication_alignment(m.summary for m in live)
+        alignment = replication_alignment(live)
     else:
         refresh_counters_soon(session, job.id, latency_s)
         alignment = None  # rounds run free (README, Limitations)
@@ -388,22 +380,47 @@ async def record_heartbeat(
     )
 
 
-async def record_summary(
-    session: AsyncSession, job_id: uuid.UUID, instance_id: str, summary: dict[str, Any]
+async def record_summaries(
+    session: AsyncSession, job_id: uuid.UUID, summaries: Mapping[str, dict[str, Any]]
 ) -> None:
-    """etcd mode: a heartbeat's summary, read from the agent's key, as a REST heartbeat records it."""
-    job = await repo.get_job(session, job_id)
-    machine = await repo.machine_by_instance(session, job_id, instance_id)
-    if job is None or machine is None or machine.state == MachineState.REPLACED:
+    """etcd mode: heartbeats' summaries read from the agents' keys (instance id -> its newest), recorded as
+    REST heartbeats record theirs, a batch of one job's machines in one transaction: the machines' rows in
+    one statement (a replaced machine's summary is dropped), the job's counters and persist schedule once
+    (inline for a handful of machines, else off the transaction: refresh_counters_soon).
+
+    The job row is locked first, as the leader's other transactions lock it (job, then machines): the
+    batch writes many machines' rows, and so may a judgement of the job (suspects, reinstatements) at the
+    same time; without that order each could hold a row the other waits for (a deadlock, broken only after
+    Postgres' deadlock_timeout by aborting one). Unlike REST heartbeats, this is one transaction per job
+    and pass of the leader's, not one per machine: a thousand machines do not queue on the lock."""
+    job = await repo.get_job(session, job_id, for_update=True)
+    if job is None or not summaries:
         return
-    machine.summary, machine.last_heartbeat_at = summary, utcnow()
+    latency_s = persist_latency_s(None)
     if job.num_machines <= COUNTERS_INLINE_MAX_MACHINES:
-        live = list(await repo.live_machines(session, job.id))
-        _refresh_job_counters(job, live)
-        generation = await repo.latest_generation(session, job.id)
-        await schedule_persist(session, job, [m.summary for m in live], generation, persist_latency_s(None))
+        generation = await repo.latest_generation(session, job_id)
+        await _counters_inline(session, job, summaries, generation, latency_s)
     else:
-        refresh_counters_soon(session, job_id, persist_latency_s(None))
+        refresh_counters_soon(session, job_id, latency_s)
+    await repo.touch_machines(session, job_id, summaries, at=utcnow())
+
+
+async def _counters_inline(
+    session: AsyncSession,
+    job: Job,
+    fresh: Mapping[str, dict[str, Any]],
+    generation: int | None,
+    latency_s: float,
+) -> list[dict[str, Any]]:
+    """A handful of machines: the job's counters and persist schedule at once, from its live machines'
+    summaries with `fresh` (instance id -> summary, not written yet) in place of their rows'; the job row
+    written (flushed) before the machines' are (the orchestrator's lock order, job then machines: no
+    deadlock between the two). The live summaries."""
+    live = [fresh.get(m.instance_id, m.summary) for m in await repo.live_machines(session, job.id)]
+    _refresh_job_counters(job, [_Summary(summary) for summary in live])
+    await schedule_persist(session, job, live, generation, latency_s)
+    await session.flush()
+    return live
 
 
 # Job-wide counters (newest iteration, checkpoints, replication) come from every live machine's summary:
