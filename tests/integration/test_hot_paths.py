@@ -132,3 +132,41 @@ async def test_concurrent_directive_requests_share_one_read(
     assert {a.status_code for a in answers} == {200}
     assert len({a.json()["revision"] for a in answers}) == 1 and len(answers[0].json()["machines"]) == 4
     assert len(reads) < 10, f"{len(reads)} reads of the plan for 40 requests"
+
+
+async def test_a_locked_job_row_holds_back_one_counters_refresh_not_a_connection_each(
+    client: httpx.AsyncClient, root_app: FastAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    database = root_app.state.castor.database
+    if database.is_sqlite:
+        pytest.skip("SQLite has no row locks: one writer at a time")
+    monkeypatch.setattr(machine_flows, "COUNTERS_EVERY_S", 0.05)
+    job = await registered_job(client, BIG)
+    async with database.session() as session:
+        await session.execute(select(Job).where(Job.id == job["id"]).with_for_update())
+        for iteration in range(1, 21):  # heartbeats for a dozen refresh periods while the row stays locked
+            for rank in range(BIG):
+                assert (await heartbeat(client, job, rank, iteration)).status_code == 200
+            await asyncio.sleep(0.05)
+        # Before: a refresh task per period, each waiting for the row with a pooled connection.
+        assert len(machine_flows._counter_tasks) == 1, "one refresh per job at a time"
+        waiting = await database.engine.connect()
+        try:
+            blocked = (
+                await waiting.exec_driver_sql(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND query ILIKE 'UPDATE jobs SET checkpoints_committed%' AND datname = current_database()"
+                )
+            ).scalar_one()
+        finally:
+            await waiting.close()
+        assert blocked == 0, "a counters refresh waits for the job row, holding a connection"
+        fetched = (await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())).json()
+        assert fetched["newest_iteration"] is None, "nothing refreshed while the row was locked"
+    for _ in range(200):  # the lock released, the waiting refresh goes through
+        fetched = (await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())).json()
+        if fetched["newest_iteration"] == 20:
+            break
+        await asyncio.sleep(0.05)
+    assert fetched["newest_iteration"] == 20
+    assert fetched["checkpoints_committed"] == 20 * BIG

@@ -28,14 +28,21 @@ from services.root.db.models import (
 )
 
 
-async def get_job(session: AsyncSession, job_id: uuid.UUID, *, for_update: bool = False) -> Job | None:
+async def get_job(
+    session: AsyncSession, job_id: uuid.UUID, *, for_update: bool = False, skip_locked: bool = False
+) -> Job | None:
     """The job; `for_update`: its row locked until the transaction ends, against every other writer of it.
     On Postgres that is FOR NO KEY UPDATE (its id never changes): an insert of a row that refers to the job
-    (a registration's machine) checks its foreign key with FOR KEY SHARE, which FOR UPDATE would block."""
+    (a registration's machine) checks its foreign key with FOR KEY SHARE, which FOR UPDATE would block.
+    `skip_locked` (with `for_update`): None at once, not a wait, when another transaction holds the row."""
     query = select(Job).where(Job.id == job_id)
     if for_update:
-        query = query.with_for_update(key_share=True)
+        query = query.with_for_update(key_share=True, skip_locked=skip_locked)
     return (await session.execute(query)).scalar_one_or_none()
+
+
+async def job_exists(session: AsyncSession, job_id: uuid.UUID) -> bool:
+    return (await session.execute(select(Job.id).where(Job.id == job_id))).first() is not None
 
 
 async def job_by_name(session: AsyncSession, name: str) -> Job | None:

@@ -428,7 +428,11 @@ async def _counters_inline(
 # runs at most every COUNTERS_EVERY_S per job, in a transaction of its own after the heartbeats' commits.
 COUNTERS_INLINE_MAX_MACHINES = 32
 COUNTERS_EVERY_S = 1.0
+# One refresh per job and process at a time: a job whose summaries changed while its refresh ran is refreshed
+# again by the same task. (A task per second, each waiting for the job row, held a pooled connection each
+# while the job was locked: at 1,000 machines they piled up until no request got a connection.)
 _counters_scheduled: set[uuid.UUID] = set()
+_counters_stale: set[uuid.UUID] = set()
 _counter_tasks: set[asyncio.Task[None]] = set()
 
 
@@ -451,7 +455,8 @@ _COUNTERS_DUE = "castor_counters_due"
 def _schedule_counters(sync_session: Session) -> None:
     for job_id, (engine, latency_s) in sync_session.info.pop(_COUNTERS_DUE, {}).items():
         if job_id in _counters_scheduled:
-            continue  # a refresh that has not read the summaries yet will see this one's
+            _counters_stale.add(job_id)  # its refresh may have read the summaries already: it goes again
+            continue
         _counters_scheduled.add(job_id)
         task = asyncio.get_running_loop().create_task(_refresh_counters(engine, job_id, latency_s))
         _counter_tasks.add(task)
@@ -459,18 +464,36 @@ def _schedule_counters(sync_session: Session) -> None:
 
 
 async def _refresh_counters(engine: AsyncEngine, job_id: uuid.UUID, latency_s: float) -> None:
-    await asyncio.sleep(COUNTERS_EVERY_S)
-    _counters_scheduled.discard(job_id)  # before reading: a heartbeat committed from now on schedules anew
+    """Refresh the job's counters every COUNTERS_EVERY_S until a refresh went through with no summary
+    committed since it began."""
     try:
-        async with AsyncSession(engine, expire_on_commit=False) as session, session.begin():
-            job = await repo.get_job(session, job_id)
-            if job is not None:
-                summaries = await repo.live_summaries(session, job_id)
-                _refresh_job_counters(job, [_Summary(s) for s in summaries])
-                generation = await repo.latest_generation(session, job_id)
-                await schedule_persist(session, job, summaries, generation, latency_s)
-    except Exception as exc:  # the next heartbeat schedules another
-        log.warning("refreshing the counters of job %s failed: %s", job_id, exc)
+        while True:
+            await asyncio.sleep(COUNTERS_EVERY_S)
+            _counters_stale.discard(job_id)  # before reading: a heartbeat committed from now on marks it
+            try:
+                done = await _refresh_counters_once(engine, job_id, latency_s)
+            except Exception as exc:  # the next heartbeat schedules another
+                log.warning("refreshing the counters of job %s failed: %s", job_id, exc)
+                return
+            if done and job_id not in _counters_stale:
+                return
+    finally:
+        _counters_scheduled.discard(job_id)
+        _counters_stale.discard(job_id)
+
+
+async def _refresh_counters_once(engine: AsyncEngine, job_id: uuid.UUID, latency_s: float) -> bool:
+    """False when the job's row is locked (the orchestrator, a registration): tried again later, without
+    holding a connection while it waits."""
+    async with AsyncSession(engine, expire_on_commit=False) as session, session.begin():
+        job = await repo.get_job(session, job_id, for_update=True, skip_locked=True)
+        if job is None:
+            return not await repo.job_exists(session, job_id)  # gone, or locked
+        summaries = await repo.live_summaries(session, job_id)
+        _refresh_job_counters(job, [_Summary(s) for s in summaries])
+        generation = await repo.latest_generation(session, job_id)
+        await schedule_persist(session, job, summaries, generation, latency_s)
+        return True
 
 
 # The placement never changes after the job is created: read once per job by the heartbeats.
