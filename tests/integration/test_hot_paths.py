@@ -154,8 +154,8 @@ async def test_a_locked_job_row_holds_back_one_counters_refresh_not_a_connection
         try:
             blocked = (
                 await waiting.exec_driver_sql(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND query ILIKE 'UPDATE jobs SET checkpoints_committed%' AND datname = current_database()"
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND "
+                    "query ILIKE 'UPDATE jobs SET checkpoints_committed%' AND datname = current_database()"
                 )
             ).scalar_one()
         finally:
