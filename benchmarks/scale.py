@@ -11,7 +11,7 @@ The root runs as in production (`python -m services.cli serve`, one uvicorn proc
 started the way the tests start it (tests/harness.py), and with --etcd on a throwaway etcd started the way
 the tests start it (--heartbeat-interval=50 --election-timeout=500, periodic auto-compaction). The machines
 are asyncio tasks in this process (no torch, no shared memory, no data plane), each speaking the worker API
-as an agent does (worker_lib.client.RootClient over one shared connection pool, failing over between root
+as an agent does (worker_lib.client.RootClient, a connection pool per 25 machines, failing over between root
 replicas): register; long-poll its machine's directive (`machine=`, as an agent does); report its inventory
 when a recovery collects (its ranks at the iteration of the failure, and the replicas its placement gives
 it), `restored` and `resumed` when a plan is ready; heartbeat every interval with a summary of its P ranks
@@ -98,6 +98,7 @@ from worker_lib.client import RootClient, RootRejected, RootUnavailable  # noqa:
 ADMIN_TOKEN = "castor-admin.scale-benchmark"
 PEERS_REFRESH_S = 10.0  # worker_lib.agent.services.PEERS_REFRESH_S
 MACHINES_PER_ETCD_CONNECTION = 25
+MACHINES_PER_HTTP_POOL = 25
 DIRECTIVE_FIELDS = {
     "revision": re.compile(r'"revision":\s*(-?\d+)'),
     "status": re.compile(r'"status":\s*"(\w+)"'),
@@ -106,10 +107,13 @@ DIRECTIVE_FIELDS = {
 
 
 class LeaseKeepAlives:
-    """Lease refreshes of many simulated machines over one long-lived LeaseKeepAlive stream of one etcd
-    connection, as etcd's Go client multiplexes a client's leases. aetcd's `Lease.refresh` opens a new gRPC
-    stream per refresh: three a second per machine at a 1 s TTL, which from one process for all machines
-    made this harness lapse its own leases (a real agent refreshes only its own)."""
+    """One simulated machine's lease refreshes over a long-lived LeaseKeepAlive stream of a shared etcd
+    connection. aetcd's `Lease.refresh` opens a new gRPC stream per refresh: three a second per machine at a
+    1 s TTL, which from one process for all machines made this harness lapse its own leases (a real agent
+    refreshes only its own). One stream per machine, not per connection: etcd answers a stream's keepalives
+    in order, and a keepalive for a lease that has expired waits until the lease's revocation is through
+    raft, so on a shared stream one machine's lapse held back every other machine's refresh behind it until
+    their leases lapsed too (TimeoutErrors after 5 s, hundreds of lapses a minute at 100 x 8, TTL 1 s)."""
 
     def __init__(self, client: Any):
         self.client = client
@@ -160,10 +164,16 @@ class LeaseKeepAlives:
 
 @dataclass
 class EtcdConnection:
-    """One etcd connection shared by MACHINES_PER_ETCD_CONNECTION simulated machines."""
+    """One etcd connection shared by MACHINES_PER_ETCD_CONNECTION simulated machines, each with its own
+    keepalive stream on it."""
 
     client: Any
-    keepalives: LeaseKeepAlives
+    keepalives: list[LeaseKeepAlives] = field(default_factory=list)
+
+    def stream(self) -> LeaseKeepAlives:
+        keepalives = LeaseKeepAlives(self.client)
+        self.keepalives.append(keepalives)
+        return keepalives
 
 
 @dataclass
@@ -339,6 +349,7 @@ class SimulatedMachine:
         assert self.config is not None and self.config.etcd_key is not None
         key, interval = self.config.etcd_key.encode(), self.config.interval_s
         ttl = max(1, round(self.config.timeout_s))
+        keepalives = etcd.stream()
         lease: Any = None
         last: bytes | None = None
         put_at = -math.inf
@@ -348,7 +359,7 @@ class SimulatedMachine:
             try:
                 if lease is None:
                     lease, last = await etcd.client.lease(ttl), None
-                refreshed = await etcd.keepalives.refresh(lease.id, timeout_s=5.0)
+                refreshed = await keepalives.refresh(lease.id, timeout_s=5.0)
                 if getattr(refreshed, "TTL", 1) <= 0:
                     lease = None  # it lapsed: a new one, at once
                     self.stats.error("lease lapsed")
@@ -585,20 +596,26 @@ class Run:
             body = {"name": name, "machines": args.machines, "procs_per_machine": args.procs, "replicas": 2}
             created = (await self.admin.post(f"{self.url}/api/v1/jobs", json=body)).raise_for_status().json()
             self.job_id, token = created["id"], created["worker_token"]
+            # One client, copied per machine (each copy keeps its own replica index), over a pool per
+            # MACHINES_PER_HTTP_POOL machines: a thousand pools (and TLS contexts) would measure this process,
+            # and so did one pool for all: httpcore matches every queued request against every connection
+            # on each request (O(requests x connections)), which at 1,000 machines kept this process at a
+            # full core and no registration through in 12 minutes.
             limits = httpx.Limits(
-                max_connections=3 * args.machines + 50, max_keepalive_connections=3 * args.machines
+                max_connections=3 * MACHINES_PER_HTTP_POOL + 10,
+                max_keepalive_connections=3 * MACHINES_PER_HTTP_POOL,
             )
-            shared = httpx.AsyncClient(
-                headers={"Authorization": f"Bearer {token}"},
-                timeout=httpx.Timeout(30.0, connect=10.0),
-                limits=limits,
-            )
-            # One client, copied per machine (each copy keeps its own replica index), over one pool: a
-            # thousand pools (and TLS contexts) would measure this process, not the root.
+            self.http_pools = [
+                httpx.AsyncClient(
+                    headers={"Authorization": f"Bearer {token}"},
+                    timeout=httpx.Timeout(30.0, connect=10.0),
+                    limits=limits,
+                )
+                for _ in range(-(-args.machines // MACHINES_PER_HTTP_POOL) + 1)  # + 1: the replacements'
+            ]
             urls = [url for _, url in self.roots]
             self.base = RootClient(urls, self.job_id, token, timeout_s=30.0, retry_for_s=900.0)
             await self.base._http.aclose()
-            self.base._http = shared
             self.machines = [self.machine(rank) for rank in range(args.machines)]
             if args.etcd_endpoint:
                 import aetcd
@@ -606,7 +623,7 @@ class Run:
                 host, _, port = args.etcd_endpoint.partition(":")
                 for _ in range(max(1, -(-args.machines // MACHINES_PER_ETCD_CONNECTION))):
                     client = aetcd.Client(host, int(port), timeout=5)
-                    self.etcd_clients.append(EtcdConnection(client, LeaseKeepAlives(client)))
+                    self.etcd_clients.append(EtcdConnection(client))
             watch = asyncio.create_task(self.watch_leadership())
             try:
                 await self.scenarios()
@@ -622,13 +639,18 @@ class Run:
                     task.cancel()
                 await asyncio.gather(*self.tasks, return_exceptions=True)
                 for connection in self.etcd_clients:
-                    await connection.keepalives.close()
+                    for keepalives in connection.keepalives:
+                        await keepalives.close()
                     with contextlib.suppress(Exception):
                         await connection.client.close()
-                await shared.aclose()
+                for pool in self.http_pools:
+                    await pool.aclose()
 
     def machine(self, rank: int, instance_id: str | None = None) -> SimulatedMachine:
         client = copy.copy(self.base)
+        client._http = self.http_pools[
+            rank // MACHINES_PER_HTTP_POOL if instance_id is None else len(self.http_pools) - 1
+        ]
         # Machines spread over the replicas (each fails over to the others), as agents given every URL.
         shift = rank % len(client.urls)
         client.urls = client.urls[shift:] + client.urls[:shift]
@@ -753,6 +775,7 @@ class Run:
             )
         for prefix, scenario in scenarios:
             try:
+                await self.settle()
                 self.figures.update(await scenario())
             except Exception as exc:  # the other scenarios' figures still count; this one says why not
                 print(f"{prefix or 'machine_'}scenario failed: {exc!r}", file=sys.stderr, flush=True)
@@ -765,6 +788,16 @@ class Run:
 
     def live(self) -> list[SimulatedMachine]:
         return [m for m in self.machines if m.alive]
+
+    async def settle(self, timeout_s: float = 30.0) -> None:
+        """Before a scenario picks its victims, until the root holds every live machine healthy or
+        `timeout_s`: right after a recovery machines may not be yet, and a pick among none healthy fell
+        back to one machine where the scenario meant a whole group."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not {m.rank for m in self.live()} - self.healthy():
+                return
+            await asyncio.sleep(0.5)
 
     def healthy(self) -> set[int]:
         """The ranks whose machine the root holds healthy (a false positive's is failed already)."""
