@@ -374,7 +374,7 @@ class SimulatedMachine:
                 if self.stats.recording:
                     self.stats.heartbeat_ms.append((time.monotonic() - sent) * 1000)
             except (aetcd.exceptions.ClientError, OSError, TimeoutError) as exc:
-                self.stats.error(f"lease: {type(exc).__name__}")
+                self.stats.error(f"lease: {type(exc).__name__}: {str(exc)[:60]}".rstrip(": "))
                 lease = None
             except Exception as exc:  # counted: worker_lib's loop would end on these
                 self.stats.error(f"lease, unexpected: {type(exc).__name__}")
