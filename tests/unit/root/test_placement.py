@@ -111,3 +111,22 @@ def test_rejects_impossible_shapes(n: int, m: int, message: str) -> None:
 def test_group_strategy_refused_when_m_does_not_divide_n() -> None:
     with pytest.raises(ValueError, match="mixed"):
         plan_placement(5, 2, "group")
+
+
+def test_the_wire_form_is_built_once_per_job_and_follows_the_placement() -> None:
+    import types
+    import uuid
+    from typing import Any
+
+    from services.root.flows.jobs import placement_out
+
+    job: Any = types.SimpleNamespace(id=uuid.uuid4(), recovery_probabilities={"1": 1.0})
+    mixed = plan_placement(5, 2)
+    first = placement_out(job, mixed)
+    assert [(r.holders, r.sends_to) for r in first.ranks] == [
+        (list(mixed.holders(r)), list(mixed.sends_to(r))) for r in range(5)
+    ]
+    assert placement_out(job, mixed).ranks[4] is first.ranks[4], "built once per job"
+    # Another placement under the same job id (never happens: a placement is fixed) is not answered stale.
+    ring = plan_placement(5, 2, "ring")
+    assert [r.sends_to for r in placement_out(job, ring).ranks] == [list(ring.sends_to(r)) for r in range(5)]
