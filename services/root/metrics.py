@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -146,9 +147,16 @@ async def database_families(database: Database) -> list[Metric]:
         tiers = await queries.recoveries_by_tier(session)
         recovered = await queries.recovered_failures(session)
         active = await queries.active_jobs(session)
-        summaries = await queries.live_machine_summaries(session, [job.id for job in active])
-        ettrs = await ettr_flows.ettr_by_job(session, active)
+        ids = [job.id for job in active]
+        # The machines' summaries read once for their counters and the ETTR's checkpoint stalls.
+        summaries, stalls = await queries.machine_summaries(session, ids)
+        events = await ettr_flows.failures_of(session, ids)
         persisted = await _persisted_iterations(session, active)
+    now = datetime.now(UTC)
+    ettrs = {
+        job.id: ettr_flows.job_ettr(job, events.get(job.id, []), now, stalls.get(job.id, []))
+        for job in active
+    }
 
     result: list[Metric] = []
     family = GaugeMetricFamily("castor_jobs", "Jobs by state.", labels=["state"])

@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import defer
 
 from services.root.db.models import FailureEvent, FailureState, Job, JobState, Machine, MachineState
 
@@ -105,24 +106,6 @@ async def active_jobs(session: AsyncSession) -> Sequence[Job]:
 SUMMARY_COUNTERS = ("committed", "replicated", "skipped", "replicas_skipped", "replication_lag_s")
 
 
-async def live_machine_summaries(
-    session: AsyncSession, job_ids: Sequence[Any]
-) -> Sequence[tuple[Any, int, dict[str, Any]]]:
-    """(job id, machine rank, heartbeat summary) of the live machines of `job_ids`; of each summary only
-    the SUMMARY_COUNTERS /metrics shows (the database extracts them: not the per-rank maps)."""
-    if not job_ids:
-        return []
-    query = (
-        select(Machine.job_id, Machine.rank, *(Machine.summary[key] for key in SUMMARY_COUNTERS))
-        .where(Machine.job_id.in_(job_ids), Machine.state != MachineState.REPLACED)
-        .order_by(Machine.job_id, Machine.rank)
-    )
-    return [
-        (job_id, int(rank), {k: v for k, v in zip(SUMMARY_COUNTERS, values, strict=True) if v is not None})
-        for job_id, rank, *values in (await session.execute(query)).all()
-    ]
-
-
 async def stall_summaries(
     session: AsyncSession, job_ids: Sequence[Any]
 ) -> dict[Any, list[Mapping[str, Any]]]:
@@ -137,3 +120,57 @@ async def stall_summaries(
     for job_id, stalled, calls in (await session.execute(query)).all():
         found.setdefault(job_id, []).append({"stalled_s": stalled, "save_calls": calls})
     return found
+
+
+async def machine_states(session: AsyncSession, job_id: Any) -> list[tuple[int, str, Any]]:
+    """(rank, state, its summary's replicas_skipped) of each live machine of the job, by rank: what the job
+    page counts and pages by, without the machines' rows (the database extracts the one counter)."""
+    query = (
+        select(Machine.rank, Machine.state, Machine.summary["replicas_skipped"])
+        .where(Machine.job_id == job_id, Machine.state != MachineState.REPLACED)
+        .order_by(Machine.rank)
+    )
+    return [(int(rank), str(state), skipped) for rank, state, skipped in (await session.execute(query)).all()]
+
+
+async def live_machines_at(session: AsyncSession, job_id: Any, ranks: Sequence[int]) -> Sequence[Machine]:
+    """The job's live machines of these ranks, without their inventories: the ones a page draws."""
+    if not ranks:
+        return []
+    query = (
+        select(Machine)
+        .options(defer(Machine.inventory))
+        .where(
+            Machine.job_id == job_id, Machine.state != MachineState.REPLACED, Machine.rank.in_(list(ranks))
+        )
+        .order_by(Machine.rank)
+    )
+    return (await session.execute(query)).scalars().all()
+
+
+async def machine_summaries(
+    session: AsyncSession, job_ids: Sequence[Any]
+) -> tuple[list[tuple[Any, int, dict[str, Any]]], dict[Any, list[Mapping[str, Any]]]]:
+    """In one read of the machines of `job_ids`, what /metrics takes of their heartbeat summaries: (job
+    id, rank, the SUMMARY_COUNTERS) of each live machine by job and rank, and as `stall_summaries`, per
+    job the stall maps of every machine (replaced ones too). The summaries come whole: sending the stored
+    JSON text costs the database nothing, where extracting seven fields from each made it parse each
+    summary seven times (1,000 machines: tens of milliseconds of the database's time a scrape)."""
+    if not job_ids:
+        return [], {}
+    query = (
+        select(Machine.job_id, Machine.rank, Machine.state, Machine.summary)
+        .where(Machine.job_id.in_(list(job_ids)))
+        .order_by(Machine.job_id, Machine.rank)
+    )
+    live: list[tuple[Any, int, dict[str, Any]]] = []
+    stalls: dict[Any, list[Mapping[str, Any]]] = {}
+    for job_id, rank, state, summary in (await session.execute(query)).all():
+        summary = summary if isinstance(summary, dict) else {}
+        stalls.setdefault(job_id, []).append(
+            {"stalled_s": summary.get("stalled_s"), "save_calls": summary.get("save_calls")}
+        )
+        if state != MachineState.REPLACED:
+            counters = {key: summary[key] for key in SUMMARY_COUNTERS if summary.get(key) is not None}
+            live.append((job_id, int(rank), counters))
+    return live, stalls

@@ -3,6 +3,7 @@
     /login, /logout                         the token form; a server-side session (logout by POST only)
     /                                       jobs (?state=, ?page=)
     /jobs/{id}                              one job: placement, failures, iterations, checkpoints
+                                            (?machines=: its machines' page, past 64 machines)
     /jobs/{id}/failures/{failure id}        one failure in full
     /static/{name}                          the stylesheet and the refresh script
 
@@ -208,9 +209,11 @@ async def _job(db: SessionDep, job_id: str) -> Any:
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse, dependencies=LoggedIn)
-async def job_page(request: Request, db: SessionDep, job_id: str) -> Response:
+async def job_page(request: Request, db: SessionDep, job_id: str, machines: str | None = None) -> Response:
+    """One job; `machines`: the page of its machines drawn (a job of more than
+    contexts.MACHINES_PER_PAGE machines; past the last one, the last)."""
     job = await _job(db, job_id)
-    context = await contexts.job_page(db, job, history_of(request))
+    context = await contexts.job_page(db, job, history_of(request), machines_page=_page_number(machines))
     return render(request, "job.html", page=context, live=context.live, now=context.now)
 
 

@@ -10,8 +10,9 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 from fastapi import FastAPI
+from sqlalchemy import event, insert
 
-from services.root.db.models import FailureEvent, PersistedCheckpoint, PersistedShard, RecoveryPlan
+from services.root.db.models import FailureEvent, Machine, PersistedCheckpoint, PersistedShard, RecoveryPlan
 from services.root.web.contexts.common import TIMELINE_LIMIT
 from services.root.web.contexts.job import CHECKPOINT_LIMIT, PLAN_LIMIT
 from tests.integration.conftest import create_job
@@ -103,3 +104,114 @@ async def test_job_page_lists_the_newest_and_counts_the_rest(
     page = await signed_in.get(f"/jobs/{job_id}/failures/{event_id}")
     assert page.status_code == 200, page.text
     assert f"#{failures + 1}" in page.text and "peer" in page.text
+
+
+async def test_job_page_of_a_thousand_machines_pages_them_and_draws_the_unhealthy_first(
+    signed_in: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    """1,000 machines: the page draws one page of ranks and every machine that is not healthy, counts them
+    all by state, and reads the full rows of only the machines it draws, in a bounded number of queries."""
+    job = await create_job(signed_in, machines=1000, procs_per_machine=8, replicas=2)
+    job_id = uuid.UUID(str(job["id"]))
+    suspect, failed, unregistered = 517, 702, 999
+    now = datetime.now(UTC)
+    rows = [
+        {
+            "job_id": job_id,
+            "rank": rank,
+            "instance_id": f"i-{rank}",
+            "address": "10.0.0.1",
+            "data_port": 7000,
+            "state": "suspect" if rank == suspect else "failed" if rank == failed else "healthy",
+            "last_heartbeat_at": now,
+            # The grace before a suspect machine is declared lost counts from here: ahead, so that the
+            # test app's leader leaves it suspect while the test reads the page.
+            "suspected_at": now + timedelta(days=1) if rank == suspect else None,
+            "summary": {"local": {str(8 * rank + p): 40 + rank for p in range(8)}, "replicas_skipped": 1},
+        }
+        for rank in range(1000)
+        if rank != unregistered
+    ]
+    async with root_app.state.castor.database.session() as session:
+        await session.execute(insert(Machine), rows)
+
+    loaded: list[int] = []
+    statements: list[str] = []
+
+    def on_load(machine: Machine, _: object) -> None:
+        loaded.append(machine.rank)
+
+    def on_execute(*args: object) -> None:
+        statements.append(str(args[2]))
+
+    engine = root_app.state.castor.database.engine.sync_engine
+    event.listen(Machine, "load", on_load)
+    event.listen(engine, "before_cursor_execute", on_execute)
+    try:
+        response = await signed_in.get(f"/jobs/{job_id}")
+    finally:
+        event.remove(Machine, "load", on_load)
+        event.remove(engine, "before_cursor_execute", on_execute)
+    assert response.status_code == 200, response.text
+    page = response.text
+    text = " ".join(re.sub(r"<[^>]+>", " ", page).split())
+    assert "1,000 machines: 997 healthy · 1 suspect · 1 failed · 1 unregistered" in text
+    assert "999 replicas skipped" in text, "counted over every machine, not only those drawn"
+    drawn = [int(r) for r in re.findall(r'<article class="machine [^"]*" aria-label="machine (\d+)"', page)]
+    # The unhealthy ones first (each linking to its page of ranks), then ranks 0-63 in their groups.
+    assert drawn == [suspect, failed, unregistered, *range(64)]
+    assert 'aria-label="machine 517"' in page and "?machines=9#placement" in page
+    assert 'class="machine state-suspect" aria-label="machine 517"' in page
+    assert "machines 0 to 63 of 1,000 (page 1 of 16)" in text
+    assert "Group 0 2/2 healthy" in text and "Group 31 2/2 healthy" in text and "Group 32" not in text
+    # Bounded reads: full rows of the drawn machines only, and no query per machine.
+    assert sorted(loaded) == sorted({suspect, failed, *range(64)}), "only the drawn machines' rows"
+    assert len(statements) < 40, statements
+
+    # The suspect machine's own page of ranks: its group says one of two is healthy.
+    response = await signed_in.get(f"/jobs/{job_id}?machines=9")
+    text = " ".join(re.sub(r"<[^>]+>", " ", response.text).split())
+    drawn = [int(r) for r in re.findall(r'aria-label="machine (\d+)"', response.text)]
+    assert drawn == [suspect, failed, unregistered, *range(512, 576)]
+    assert "Group 258 1/2 healthy" in text and "machines 512 to 575 of 1,000 (page 9 of 16)" in text
+    # Past the last page: the last one (ranks 960-999, the unregistered one in its group).
+    response = await signed_in.get(f"/jobs/{job_id}?machines=99")
+    assert "machines 960 to 999 of 1,000 (page 16 of 16)" in " ".join(
+        re.sub(r"<[^>]+>", " ", response.text).split()
+    )
+    assert "Group 499 1/2 healthy" in " ".join(re.sub(r"<[^>]+>", " ", response.text).split())
+
+
+async def test_a_ready_plans_tiers_are_counted_once(signed_in: httpx.AsyncClient, root_app: FastAPI) -> None:
+    """A ready plan's sources never change: the database counts its tiers for the first page drawn, not
+    for every refresh; a plan not ready yet is counted again each time."""
+    job = await create_job(signed_in, machines=2, procs_per_machine=1)
+    job_id = uuid.UUID(str(job["id"]))
+    sources = [{"rank": 0, "tier": "local"}, {"rank": 1, "tier": "peer"}]
+    async with root_app.state.castor.database.session() as session:
+        ready = RecoveryPlan(
+            job_id=job_id, generation=2, iteration=5, status="ready", ready_at=T0, sources=sources
+        )
+        collecting = RecoveryPlan(job_id=job_id, generation=3, status="collecting", sources=sources)
+        session.add_all([ready, collecting])
+        await session.flush()
+        ids = {"ready": ready.id, "collecting": collecting.id}
+    statements: list[str] = []
+
+    def on_execute(*args: object) -> None:
+        statement = str(args[2])
+        if "json_array_elements" in statement or "json_each" in statement:
+            statements.append(statement)
+
+    def counted(plan_id: int) -> int:
+        return sum(1 for s in statements if re.search(rf"IN \([^)]*\b{plan_id}\b", s))
+
+    engine = root_app.state.castor.database.engine.sync_engine
+    event.listen(engine, "before_cursor_execute", on_execute)
+    try:
+        pages = [(await signed_in.get(f"/jobs/{job_id}")).text for _ in range(3)]
+    finally:
+        event.remove(engine, "before_cursor_execute", on_execute)
+    assert counted(ids["ready"]) == 1, statements
+    assert counted(ids["collecting"]) == 3, statements
+    assert all(page.count("local x1, peer x1") == 2 for page in pages)

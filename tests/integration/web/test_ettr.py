@@ -8,8 +8,9 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 from fastapi import FastAPI
+from sqlalchemy import JSON, cast, literal, update
 
-from services.root.db.models import FailureEvent, Job, JobState
+from services.root.db.models import FailureEvent, Job, JobState, Machine
 from tests.integration.conftest import admin, create_job
 from tests.integration.web.scenario import running_job
 from tests.integration.web.test_metrics import scrape, value
@@ -149,3 +150,44 @@ async def test_heartbeats_that_report_checkpoint_stalls_make_the_overhead_measur
     assert value(samples, "castor_job_wasted_by_cause_seconds", job=name, cause="checkpoint") == 4.5
     page = (await signed_in.get(f"/jobs/{job.id}")).text
     assert "checkpoint stalls 4.5 s" in page and "not measured" not in page
+
+
+async def test_the_checkpoint_stall_counts_only_well_formed_entries_over_every_machine(
+    root_app: FastAPI, client: httpx.AsyncClient
+) -> None:
+    """Summaries from etcd are not validated: the stall sums, per rank over every machine that ran it (a
+    replaced one too), only non-negative finite seconds, and rank keys that are numbers ("00" is rank 0);
+    the rest is skipped."""
+    job = await running_job(client)
+    job_id = uuid.UUID(job.id)
+    summaries = {
+        0: '{"stalled_s": {"0": 1.0, "1": -5, "2": "7", "3": true, "x": 50}, "save_calls": {"0": 10}}',
+        1: '{"stalled_s": {"00": 1.0, "4": 1e400}, "save_calls": {"00": 2.5}}',
+        2: '{"stalled_s": "bad", "save_calls": {"2": 1}}',
+        3: '{"stalled_s": {"5": 4.0, "0": -1.0}, "save_calls": [1]}',
+    }
+    async with root_app.state.castor.database.session() as session:
+        row = await session.get(Job, job_id)
+        assert row is not None
+        row.started_at = datetime.now(UTC) - timedelta(hours=1)
+        for rank, summary in summaries.items():  # the JSON text as it is, not as Python would write it
+            value = (
+                literal(summary) if root_app.state.castor.database.is_sqlite else cast(literal(summary), JSON)
+            )
+            await session.execute(
+                update(Machine).where(Machine.job_id == job_id, Machine.rank == rank).values(summary=value)
+            )
+        session.add(
+            Machine(
+                job_id=job_id,
+                rank=0,
+                instance_id="gone-0",
+                address="127.0.0.1",
+                data_port=7000,
+                state="replaced",
+                summary={"stalled_s": {"0": 2.5}, "save_calls": {"0": 3}},
+            )
+        )
+    ettr = (await client.get(f"/api/v1/jobs/{job.id}", headers=admin())).json()["ettr"]
+    # Rank 0: 1.0 + 1.0 ("00") + 2.5 (the replaced machine) = 4.5 s, above rank 5's 4.0 s.
+    assert ettr["checkpoint_overhead_s"] == pytest.approx(4.5)

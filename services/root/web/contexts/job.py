@@ -3,6 +3,10 @@ the timeline of its failures."""
 
 from __future__ import annotations
 
+import math
+import uuid
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -11,9 +15,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.root import schemas
 from services.root.db import repository as repo
-from services.root.db.models import Job, Machine
+from services.root.db.models import Job, Machine, MachineState, PlanStatus
 from services.root.flows import jobs as job_flows
-from services.root.web import charts
+from services.root.web import charts, queries
 from services.root.web.contexts.common import (
     LIVE_JOB_STATES,
     TIMELINE_LIMIT,
@@ -25,16 +29,25 @@ from services.root.web.contexts.common import (
 from services.root.web.sampler import IterationHistory
 
 # What the page lists of a job's history, newest first; it says how many more there are (the API pages
-# through them all). The machines of every rank are always drawn.
+# through them all).
 REPLACED_LIMIT = 100
 PLAN_LIMIT = TIMELINE_LIMIT
 CHECKPOINT_LIMIT = 20
+# The machines' boxes: a job of up to MACHINES_PER_PAGE machines has all of them drawn; a larger one has
+# them paged by rank (?machines=N), with every machine that is not healthy (up to ATTENTION_LIMIT of them,
+# lowest rank first) drawn above the pages and the machines counted by state.
+MACHINES_PER_PAGE = 64
+ATTENTION_LIMIT = 48
 
 __all__ = [
+    "ATTENTION_LIMIT",
+    "MACHINES_PER_PAGE",
     "CheckpointRow",
     "GroupView",
     "JobPage",
     "MachineBox",
+    "MachineOverview",
+    "MachinePager",
     "PlanRow",
     "Probability",
     "Timeline",
@@ -66,8 +79,50 @@ class MachineBox:
 class GroupView:
     index: int
     kind: str
-    machines: list[MachineBox]
-    healthy: int
+    machines: list[MachineBox]  # those on the page shown (a ring may span pages)
+    healthy: int  # of all its members
+    size: int = 0  # all its members
+
+    @property
+    def partial(self) -> bool:
+        return len(self.machines) < self.size
+
+
+@dataclass(frozen=True)
+class MachinePager:
+    """Which ranks the page draws: page `page` of `pages`, ranks first_rank..last_rank."""
+
+    page: int
+    pages: int
+    first_rank: int
+    last_rank: int
+
+    @staticmethod
+    def href(page: int) -> str:
+        return f"?machines={page}#placement"
+
+    @property
+    def prev_href(self) -> str | None:
+        return self.href(self.page - 1) if self.page > 1 else None
+
+    @property
+    def next_href(self) -> str | None:
+        return self.href(self.page + 1) if self.page < self.pages else None
+
+
+@dataclass(frozen=True)
+class MachineOverview:
+    """A large job's machines at a glance: counted by state, and the ones that are not healthy."""
+
+    counts: list[tuple[str, int]]  # (state, machines), healthy first; "unregistered": ranks nobody took
+    attention: list[MachineBox]  # not healthy, lowest rank first, at most ATTENTION_LIMIT
+    attention_total: int
+    pager: MachinePager
+    page_of: dict[int, int]  # rank -> its page, for the attention boxes' links
+
+    @property
+    def attention_hidden(self) -> int:
+        return self.attention_total - len(self.attention)
 
 
 @dataclass(frozen=True)
@@ -129,15 +184,13 @@ class JobPage:
     replaced_total: int = 0  # replaced machines in all (the newest REPLACED_LIMIT are listed)
     plans_hidden: int = 0  # older plans not listed
     checkpoints_hidden: int = 0  # older persisted checkpoints not listed
+    # Commits the live machines' replication never sent (the job's saves skipped are counted apart).
+    replicas_skipped: int = 0
+    overview: MachineOverview | None = None  # a job of more than MACHINES_PER_PAGE machines
 
     @property
     def title(self) -> str:
         return self.job.name
-
-    @property
-    def replicas_skipped(self) -> int:
-        """Commits the live machines' replication never sent (the job's saves skipped are counted apart)."""
-        return sum(m.replicas_skipped for group in self.groups for m in group.machines)
 
 
 def _iterations(values: dict[str, Any]) -> tuple[int | None, str]:
@@ -187,26 +240,94 @@ def _tier_summary(counts: dict[str, int]) -> str:
     return ", ".join(f"{t} x{counts[t]}" for t in sorted(counts, key=lambda t: [*order, t].index(t)))
 
 
-async def job_page(
-    session: AsyncSession, job: Job, history: IterationHistory, now: datetime | None = None
-) -> JobPage:
+# Tier counts of ready plans, by (plan id, job, generation, ready at): a ready plan's sources never change,
+# and counting them makes the database parse each plan's per-rank JSON (8,000 sources for 1,000 machines of
+# 8 processes: 50 such plans took it most of a second). Each root process counts a plan once.
+_TIERS_KEPT = 4096
+_ready_tiers: OrderedDict[tuple[int, uuid.UUID, int, datetime | None], dict[str, int]] = OrderedDict()
 
+
+async def _plan_tiers(
+    session: AsyncSession, job_id: uuid.UUID, plans: Sequence[repo.PlanLine]
+) -> dict[int, dict[str, int]]:
+    """Per plan id, its sources counted by tier: ready plans from what this process counted before, the
+    others (and ready ones it has not seen) by the database."""
+
+    def key(plan: repo.PlanLine) -> tuple[int, uuid.UUID, int, datetime | None]:
+        return (plan.id, job_id, plan.generation, plan.ready_at)
+
+    found: dict[int, dict[str, int]] = {}
+    for plan in plans:
+        if plan.status == PlanStatus.READY and key(plan) in _ready_tiers:
+            _ready_tiers.move_to_end(key(plan))
+            found[plan.id] = _ready_tiers[key(plan)]
+    counted = await repo.plan_tier_counts(session, [p.id for p in plans if p.id not in found])
+    for plan in plans:
+        if plan.id not in found:
+            found[plan.id] = counted.get(plan.id, {})
+            if plan.status == PlanStatus.READY:
+                _ready_tiers[key(plan)] = found[plan.id]
+    while len(_ready_tiers) > _TIERS_KEPT:
+        _ready_tiers.popitem(last=False)
+    return found
+
+
+async def job_page(
+    session: AsyncSession,
+    job: Job,
+    history: IterationHistory,
+    now: datetime | None = None,
+    machines_page: int = 1,
+) -> JobPage:
+    """The page's context. Its reads are bounded by what it shows: the full rows of the machines drawn
+    (one page of ranks, and those that need attention), of the others only their rank and state."""
     now = now or datetime.now(UTC)
     job_out = await job_flows.job_out(session, job)
-    placement = await job_flows.job_placement(session, job)
-    live_by_rank = {m.rank: m for m in await repo.live_machines_light(session, job.id)}
-    sends = {r.rank: r.sends_to for r in placement.ranks}
+    placement = await job_flows.load_placement(session, job)
+    states = await queries.machine_states(session, job.id)
+    state_of = {rank: state for rank, state, _ in states}
+    replicas_skipped = sum(int(as_number(skipped) or 0) for _, _, skipped in states)
+    n = job.num_machines
+    pages = max(1, math.ceil(n / MACHINES_PER_PAGE))
+    page = min(max(1, machines_page), pages)
+    first, last = (page - 1) * MACHINES_PER_PAGE, min(n, page * MACHINES_PER_PAGE) - 1
+    # One page: every machine is drawn in its group. More: those not healthy are drawn above the pages.
+    attention = [r for r in range(n) if state_of.get(r) != MachineState.HEALTHY] if pages > 1 else []
+    drawn = sorted({*range(first, last + 1), *attention[:ATTENTION_LIMIT]})
+    machine_rows = {m.rank: m for m in await queries.live_machines_at(session, job.id, drawn)}
+
+    def box(rank: int) -> MachineBox:
+        return machine_box(rank, machine_rows.get(rank), list(placement.sends_to(rank)))
+
     groups = []
     for group in placement.groups:
-        boxes = [machine_box(r, live_by_rank.get(r), list(sends.get(r, []))) for r in group.members]
-        groups.append(
-            GroupView(group.index, group.kind, boxes, sum(1 for b in boxes if b.state == "healthy"))
+        members = [r for r in group.members if first <= r <= last]
+        if members:
+            healthy = sum(1 for r in group.members if state_of.get(r) == MachineState.HEALTHY)
+            groups.append(
+                GroupView(group.index, group.kind, [box(r) for r in members], healthy, len(group.members))
+            )
+    overview = None
+    if pages > 1:
+        counted = Counter(state_of.values())
+        counted["unregistered"] = n - len(state_of)
+        order = [MachineState.HEALTHY, MachineState.SUSPECT, MachineState.FAILED, MachineState.PENDING]
+        overview = MachineOverview(
+            counts=[
+                (str(state), counted[state])
+                for state in sorted(counted, key=lambda s: ([*order, s].index(s), s))
+                if counted[state]
+            ],
+            attention=[box(r) for r in attention[:ATTENTION_LIMIT]],
+            attention_total=len(attention),
+            pager=MachinePager(page, pages, first, last),
+            page_of={r: r // MACHINES_PER_PAGE + 1 for r in attention[:ATTENTION_LIMIT]},
         )
     replaced_rows, replaced_total = await repo.replaced_machines(session, job.id, limit=REPLACED_LIMIT)
     replaced = [machine_box(m.rank, m, []) for m in replaced_rows]
     probabilities = [
         Probability(int(k), float(p), round(1000 * float(p), 1))
-        for k, p in sorted(placement.recovery_probability.items(), key=lambda kv: int(kv[0]))
+        for k, p in sorted((job.recovery_probabilities or {}).items(), key=lambda kv: int(kv[0]))
     ]
 
     # The newest TIMELINE_LIMIT failures (newest first) and how many there are: LIMIT and count() in SQL.
@@ -222,7 +343,7 @@ async def job_page(
 
     # The newest PLAN_LIMIT plans without their per-rank sources; their tiers counted by the database.
     plans, total_plans = await repo.plan_lines(session, job.id, limit=PLAN_LIMIT)
-    tiers = await repo.plan_tier_counts(session, [p.id for p in plans])
+    tiers = await _plan_tiers(session, job.id, plans)
     live = job.state in LIVE_JOB_STATES
     chart = charts.iteration_chart(
         [(s.at, s.iteration) for s in history.samples(job.id)],
@@ -287,6 +408,8 @@ async def job_page(
         replaced_total=replaced_total,
         plans_hidden=max(0, total_plans - len(plan_rows)),
         checkpoints_hidden=max(0, total_checkpoints - len(checkpoints)),
+        replicas_skipped=replicas_skipped,
+        overview=overview,
         sampling_since=history.started_at,
         now=now,
     )
