@@ -625,12 +625,14 @@ class Run:
                     client = aetcd.Client(host, int(port), timeout=5)
                     self.etcd_clients.append(EtcdConnection(client))
             watch = asyncio.create_task(self.watch_leadership())
+            progress = asyncio.create_task(self.report_progress())
             try:
                 await self.scenarios()
                 return self.figures
             finally:
                 watch.cancel()
-                await asyncio.gather(watch, return_exceptions=True)
+                progress.cancel()
+                await asyncio.gather(watch, progress, return_exceptions=True)
                 self.figures["leaderless_s"] = round(self.leaderless_s, 1)
                 self.figures["leader_changes"] = self.leader_changes
                 for machine in self.machines:
@@ -824,6 +826,19 @@ class Run:
             if 0 not in members and all(r in by_rank and not by_rank[r].replacement for r in members):
                 return [by_rank[r] for r in sorted(members)]
         return [self.a_machine(avoid=0)]
+
+    async def report_progress(self, every_s: float = 30.0) -> None:
+        """A line on stderr every `every_s`: machines with a lease or heartbeat answered lately, and the
+        errors so far (a long run that goes wrong says so before its end)."""
+        while True:
+            await asyncio.sleep(every_s)
+            recent = sum(1 for m in self.live() if time.time() - m.last_answered < every_s)
+            print(
+                f"{time.monotonic() - self.stats.started:.0f}s: {recent} of {len(self.live())} live machines "
+                f"answered in the last {every_s:.0f}s; errors {self.stats.errors}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     async def watch_leadership(self) -> None:
         """Every second: which replica says it leads. `leaderless_s` adds up the seconds none did (a
