@@ -388,12 +388,13 @@ async def record_summaries(
     one statement (a replaced machine's summary is dropped), the job's counters and persist schedule once
     (inline for a handful of machines, else off the transaction: refresh_counters_soon).
 
-    The job row is locked first, as the leader's other transactions lock it (job, then machines): the
-    batch writes many machines' rows, and so may a judgement of the job (suspects, reinstatements) at the
-    same time; without that order each could hold a row the other waits for (a deadlock, broken only after
-    Postgres' deadlock_timeout by aborting one). Unlike REST heartbeats, this is one transaction per job
-    and pass of the leader's, not one per machine: a thousand machines do not queue on the lock."""
-    job = await repo.get_job(session, job_id, for_update=True)
+    The job row is read, not locked (a large job's is not written either): a lock serialized every batch
+    behind the recovery driver's and the judgements' transactions, which hold it for seconds when most
+    leases lapse at once, and the summaries of the machines coming back waited there. A judgement writing
+    several of the same machines' rows meanwhile can deadlock with a batch; Postgres aborts one of the two
+    after its deadlock_timeout (the leader retries a judgement at its next tick; a batch is dropped, and a
+    returned machine's next summary is written at once)."""
+    job = await repo.get_job(session, job_id)
     if job is None or not summaries:
         return
     latency_s = persist_latency_s(None)
