@@ -5,6 +5,7 @@ and a large job's counters still follow the heartbeats (refreshed off the reques
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 import httpx
@@ -170,3 +171,32 @@ async def test_a_locked_job_row_holds_back_one_counters_refresh_not_a_connection
         await asyncio.sleep(0.05)
     assert fetched["newest_iteration"] == 20
     assert fetched["checkpoints_committed"] == 20 * BIG
+
+
+async def test_the_leaders_step_on_a_running_job_without_failures_reads_no_plan_and_no_machine(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    from services.root.db import repository as repo
+    from services.root.flows import recovery
+
+    job = await registered_job(client, BIG)
+    castor = root_app.state.castor
+    statements: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(" ".join(statement.split()).lower())
+
+    engine = castor.database.engine.sync_engine
+    async with castor.database.session() as session:
+        job_row = await repo.get_job(session, uuid.UUID(job["id"]))
+        assert job_row is not None and job_row.state == "running"
+        event.listen(engine, "before_cursor_execute", record)
+        try:
+            # The leader does this every tick for every active job.
+            actions = await recovery.advance(session, job_row, castor.settings)
+        finally:
+            event.remove(engine, "before_cursor_execute", record)
+    assert actions == []
+    assert statements and not [s for s in statements if "from recovery_plans" in s or "from machines" in s], (
+        statements
+    )

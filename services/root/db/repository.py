@@ -299,6 +299,12 @@ async def open_failures(session: AsyncSession, job_id: uuid.UUID) -> Sequence[Fa
     return (await session.execute(query)).scalars().all()
 
 
+async def has_fresh_failures(session: AsyncSession, job_id: uuid.UUID) -> bool:
+    """Whether the job has a failure event that no recovery generation took up yet (state `detected`)."""
+    query = select(FailureEvent.id).where(FailureEvent.job_id == job_id, FailureEvent.state == "detected")
+    return (await session.execute(query.limit(1))).first() is not None
+
+
 async def failures_of_plan(session: AsyncSession, plan_id: int) -> Sequence[FailureEvent]:
     query = select(FailureEvent).where(FailureEvent.plan_id == plan_id).order_by(FailureEvent.detected_at)
     return (await session.execute(query)).scalars().all()

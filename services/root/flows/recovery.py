@@ -103,6 +103,10 @@ async def _step(
     None for a job whose recovery is not orchestrated (not running or recovering, embedded mode)."""
     if job.state not in (JobState.RUNNING, JobState.RECOVERING):
         return None
+    if job.state == JobState.RUNNING and not await repo.has_fresh_failures(session, job.id):
+        # Nothing to drive, and the leader looks every tick: loading the newest plan (every rank's source)
+        # and every machine to find that out kept the root of an idle 1,000-machine job busy.
+        return RecoveryState.RUNNING, RecoveryState.RUNNING, []
     now = utcnow()
     plan = await repo.latest_plan(session, job.id)
     assert plan is not None, "every job has a plan from its creation"
