@@ -16,7 +16,8 @@ replicas): register; long-poll its machine's directive (`machine=`, as an agent 
 when a recovery collects (its ranks at the iteration of the failure, and the replicas its placement gives
 it), `restored` and `resumed` when a plan is ready; heartbeat every interval with a summary of its P ranks
 whose iterations advance (REST, or with --etcd as an agent does: its own etcd lease, refreshed every
-interval, its key put when the lease is new and then at most every 2 s, over a pool of etcd connections);
+interval, its key put when the lease is new and then at most every summary period the root gives (2 s up to
+200 machines, N / 100 s beyond), over a pool of etcd connections);
 re-fetch the directive every PEERS_REFRESH_S as an
 agent refreshes its peers.
 
@@ -91,7 +92,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests import harness  # noqa: E402
-from worker_lib.agent.heartbeat import SUMMARY_PERIOD_S  # noqa: E402
 from worker_lib.api.worker import HeartbeatConfig, RegisterResponse  # noqa: E402
 from worker_lib.client import RootClient, RootRejected, RootUnavailable  # noqa: E402
 
@@ -342,8 +342,9 @@ class SimulatedMachine:
 
     async def lease(self, etcd: Any) -> None:
         """etcd mode, as worker_lib.agent.heartbeat.etcd_heartbeats: a lease of the root's TTL, refreshed
-        every interval, the key put (on the lease) when the lease is new and then at most every
-        SUMMARY_PERIOD_S when the summary changed. The agent's own connection is one of a shared pool here."""
+        every interval, the key put (on the lease) when the lease is new and then at most every summary
+        period the root gave (HeartbeatConfig.summary_period_s) when the summary changed. The agent's own
+        connection is one of a shared pool here."""
         import aetcd
 
         assert self.config is not None and self.config.etcd_key is not None
@@ -366,7 +367,7 @@ class SimulatedMachine:
                     continue
                 if self.alive:
                     self.last_answered = sent_wall
-                if last is None or time.monotonic() - put_at >= SUMMARY_PERIOD_S:
+                if last is None or time.monotonic() - put_at >= self.config.summary_period_s:
                     value = json.dumps(self.summary(), sort_keys=True).encode()
                     if value != last:
                         await etcd.client.put(key, value, lease=lease)

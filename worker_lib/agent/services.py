@@ -339,6 +339,7 @@ class MachineServices:
                     config.timeout_s,
                     config.interval_s,
                     self.summary,
+                    summary_period_s=config.summary_period_s,
                 )
             else:
                 await rest_heartbeats(

@@ -51,6 +51,13 @@ class HeartbeatConfig(WireModel):
     timeout_s: float
     etcd_endpoints: list[str] = []
     etcd_key: str | None = None
+    summary_period_s: float = Field(
+        2.0,
+        gt=0,
+        description="etcd mode: the agent rewrites its summary key at most this often (the lease's keepalive "
+        "alone carries liveness); longer for larger jobs, so that a job's summaries stay a bounded write "
+        "rate for etcd and the root's leader.",
+    )
 
 
 class RegisterResponse(WireModel):
