@@ -29,7 +29,7 @@ from services.root.clients.etcd import CoordinatorUnavailable, EtcdCoordinator, 
 from services.root.db import repository as repo
 from services.root.db.models import FailureKind, Job, JobState, Machine, MachineState, utcnow
 from services.root.domain import suspicion
-from services.root.flows.failures import joinable_failures, latest_silent_loss, machine_lost, reinstate
+from services.root.flows.failures import joinable_failures, latest_silent_losses, machine_lost, reinstate
 from services.root.flows.machines import record_summaries
 from services.root.orchestration.leadership import Deposed, Leadership
 from services.root.orchestration.per_job import PerJob
@@ -132,6 +132,7 @@ class Detectors:
                 key=lambda m: m.last_heartbeat_at or m.registered_at,
             )
             events = list(await repo.open_failures(session, job_id))
+            silent_losses = latest_silent_losses(events)
             for machine in machines:
                 seen = _seen(machine)
                 if watch_lapses and suspicion.lapsed(seen, now, self.settings.heartbeat_timeout_s):
@@ -145,7 +146,7 @@ class Detectors:
                     )
                     continue
                 if machine.state == MachineState.FAILED:
-                    failure = latest_silent_loss(events, machine)
+                    failure = silent_losses.get(machine.id)
                     if failure is not None and suspicion.reinstatable(
                         machine.state,
                         machine.last_heartbeat_at,
