@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/pages.py --machines 200 --times 5
     .venv/bin/python benchmarks/pages.py --tree /tmp/B-before     # another checkout's root, same database
     .venv/bin/python benchmarks/pages.py --profile /tmp/B-pages   # cProfile of both, in this process
+    .venv/bin/python benchmarks/pages.py --quick                  # 80 machines: checks that it runs
 
 A throwaway Postgres started the way the tests start it (tests/harness.py) is filled straight through SQL
 with one running job of --machines machines x --procs processes (m = --replicas, group placement), each
@@ -65,7 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tree", type=Path, default=REPO, help="the checkout whose root serves the pages")
     parser.add_argument("--profile", type=Path, default=None, help="profile in process; statistics here")
     parser.add_argument("--save-page", type=Path, default=None, help="write the job page's HTML here")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--quick", action="store_true", help="80 machines, 5 failures, 1 checkpoint, 3 times: that it runs"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.machines, args.failures, args.checkpoints, args.times = 80, 5, 1, 3
+    return args
 
 
 # -- the database ------------------------------------------------------------------------------------------

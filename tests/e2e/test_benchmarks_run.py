@@ -47,6 +47,7 @@ def run_benchmark(script: str) -> Any:
         ("replication.py", {"raw_socket_gbps", "replicate_gbps", "peer_fetch_gbps", "training_slowdown_pct"}),
         ("recovery.py", {"software", "etcd_detect_s"}),
         ("agent_cost.py", {"agent_cpu_s_per_iteration", "save_blocked_ms", "training_cpu_s_per_iteration"}),
+        ("pages.py", {"job_page_ms", "metrics_ms", "job_api_ms"}),
         (
             "scale.py",
             {"machines", "register_all_s", "heartbeat_p99_ms", "false_positives", "detect_s", "job_page_ms"},
