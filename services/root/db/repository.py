@@ -725,6 +725,18 @@ async def checkpoint_lines(
     return lines, total
 
 
+async def live_machines_unreported(session: AsyncSession, job_id: uuid.UUID) -> Sequence[Machine]:
+    """`live_machines` without their summaries and inventories (JSON documents of every rank): for the
+    leader's suspicion pass, which runs every tick while a machine is suspect or failed and reads neither."""
+    query = (
+        select(Machine)
+        .options(defer(Machine.summary, raiseload=True), defer(Machine.inventory, raiseload=True))
+        .where(Machine.job_id == job_id, Machine.state != MachineState.REPLACED)
+        .order_by(Machine.rank)
+    )
+    return (await session.execute(query)).scalars().all()
+
+
 async def live_machines_light(session: AsyncSession, job_id: uuid.UUID) -> Sequence[Machine]:
     """`live_machines` without their inventories (the status pages draw every rank, never an inventory)."""
     query = (

@@ -128,11 +128,12 @@ class Detectors:
             # The longest silent first: a dead machine takes its peers' exits as its symptoms before a
             # merely slow one (suspect at the same time) could take them for its own second signal.
             machines = sorted(
-                await repo.live_machines(session, job_id),
+                await repo.live_machines_unreported(session, job_id),
                 key=lambda m: m.last_heartbeat_at or m.registered_at,
             )
             events = list(await repo.open_failures(session, job_id))
             silent_losses = latest_silent_losses(events)
+            exits: list[Any] | None = None  # read when a suspect needs them, again after each loss
             for machine in machines:
                 seen = _seen(machine)
                 if watch_lapses and suspicion.lapsed(seen, now, self.settings.heartbeat_timeout_s):
@@ -160,22 +161,24 @@ class Detectors:
                 if machine.state != MachineState.SUSPECT:
                     continue
                 # Exits not yet explained: those a machine lost before folded into its failure are gone.
-                exits = [
-                    e.detected_at
-                    for e in await joinable_failures(session, job)
-                    if e.kind == FailureKind.SOFTWARE and e.machine_id != machine.id
-                ]
+                if exits is None:
+                    exits = [
+                        (e.machine_id, e.detected_at)
+                        for e in await joinable_failures(session, job)
+                        if e.kind == FailureKind.SOFTWARE
+                    ]
                 why = suspicion.verdict(
                     seen,
                     now,
                     self.settings.suspect_grace_s,
-                    peer_failures=exits,
+                    peer_failures=[at for machine_id, at in exits if machine_id != machine.id],
                     operator_says_gone=self._operator_says_gone(machine.instance_id),
                 )
                 if why is not None:
                     log.warning(
                         "job %s: machine %d (%s) %s", job.name, machine.rank, machine.instance_id, why
                     )
+                    exits = None  # its loss folds the exits it explains: the next suspect reads them anew
                     await machine_lost(
                         session,
                         job,
