@@ -82,7 +82,9 @@ class RecoveryDriver:
         carries out, and the next step continues it."""
         try:
             async with self.leadership.session() as session:
-                machines = await repo.all_machines(session, action.job.id)
+                # The failed machine alone (one per job and instance), not every machine's row: a thousand
+                # machines' summaries and inventories decoded per replacement starved a 1,000-machine root.
+                failed = await repo.machine_by_instance(session, action.job.id, action.machine.instance_id)
                 # Not to hand out: instances machines hold or held (of every job: the group may serve
                 # several) and those other replacements chose or launched (recorded on their failure
                 # events: a new leader knows them too).
@@ -92,7 +94,6 @@ class RecoveryDriver:
                 )
                 others = (await session.execute(open_events)).all()
                 bound = set(held) | replacement.claimed(d for i, d in others if i != action.event_id)
-                failed = next((m for m in machines if m.instance_id == action.machine.instance_id), None)
             if failed is not None and failed.state != MachineState.FAILED:
                 log.info("machine %d was reinstated: not replacing it", action.machine.rank)
                 self._replacing.discard(action.event_id)
