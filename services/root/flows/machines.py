@@ -7,8 +7,8 @@ import logging
 import random
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from dataclasses import asdict
+from typing import Any
 
 from sqlalchemy import event as orm_event
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
@@ -432,7 +432,7 @@ async def _counters_inline(
     written (flushed) before the machines' are (the orchestrator's lock order, job then machines: no
     deadlock between the two). The live summaries."""
     live = [fresh.get(m.instance_id, m.summary) for m in await repo.live_machines(session, job.id)]
-    _refresh_job_counters(job, [_Summary(summary) for summary in live])
+    _refresh_job_counters(job, live)
     await schedule_persist(session, job, live, generation, latency_s)
     await session.flush()
     return live
@@ -449,11 +449,6 @@ COUNTERS_EVERY_S = 1.0
 _counters_scheduled: set[uuid.UUID] = set()
 _counters_stale: set[uuid.UUID] = set()
 _counter_tasks: set[asyncio.Task[None]] = set()
-
-
-@dataclass(frozen=True)
-class _Summary:
-    summary: dict[str, Any]
 
 
 def refresh_counters_soon(session: AsyncSession, job_id: uuid.UUID, latency_s: float | None = None) -> None:
@@ -505,7 +500,7 @@ async def _refresh_counters_once(engine: AsyncEngine, job_id: uuid.UUID, latency
         if job is None:
             return not await repo.job_exists(session, job_id)  # gone, or locked
         summaries = await repo.live_summaries(session, job_id)
-        _refresh_job_counters(job, [_Summary(s) for s in summaries])
+        _refresh_job_counters(job, summaries)
         generation = await repo.latest_generation(session, job_id)
         await schedule_persist(session, job, summaries, generation, latency_s)
         return True
@@ -526,25 +521,20 @@ async def cached_placement(session: AsyncSession, job: Job) -> Placement:
     return placement
 
 
-class _HasSummary(Protocol):
-    @property
-    def summary(self) -> dict[str, Any]: ...
-
-
-def _refresh_job_counters(job: Job, live: Sequence[_HasSummary]) -> None:
-    """Job-wide counters from the machines' newest summaries: the iteration every rank has committed,
+def _refresh_job_counters(job: Job, live: Sequence[dict[str, Any]]) -> None:
+    """Job-wide counters from the live machines' newest summaries: the iteration every rank has committed,
     checkpoints taken and skipped, and the effective checkpoint frequency."""
     newest: dict[int, int] = {}
-    for machine in live:
-        for rank, iteration in machine.summary.get("local", {}).items():
+    for summary in live:
+        for rank, iteration in summary.get("local", {}).items():
             newest[int(rank)] = max(iteration, newest.get(int(rank), -1))
     world_size = job.num_machines * job.procs_per_machine
     job.newest_iteration = min(newest.values()) if len(newest) == world_size else None
-    job.checkpoints_committed = sum(m.summary.get("committed", 0) for m in live)
-    job.checkpoints_skipped = sum(m.summary.get("skipped", 0) for m in live)
-    rates = [m.summary["per_minute"] for m in live if m.summary.get("per_minute") is not None]
+    job.checkpoints_committed = sum(summary.get("committed", 0) for summary in live)
+    job.checkpoints_skipped = sum(summary.get("skipped", 0) for summary in live)
+    rates = [summary["per_minute"] for summary in live if summary.get("per_minute") is not None]
     job.checkpoints_per_minute = min(rates) if rates else None
-    progress = job_replication(m.summary for m in live)
+    progress = job_replication(live)
     job.replicated_iteration, job.replication_interval = progress.replicated_iteration, progress.interval
     job.replication_lag, job.replication_state = progress.lag, progress.state
 
