@@ -111,10 +111,12 @@ def placement_out(job: Job, placement: Placement) -> schemas.PlacementOut:
             schemas.PlacementGroupOut(index=g.index, kind=g.kind, members=list(g.members))
             for g in placement.groups
         ]
-        ranks = []
-        for rank in range(placement.num_machines):
-            holders = placement.holders(rank)
-            ranks.append(schemas.RankPlacement(rank=rank, holders=list(holders), sends_to=list(holders[1:])))
+        ranks = [
+            schemas.RankPlacement(
+                rank=rank, holders=list(placement.holders(rank)), sends_to=list(placement.sends_to(rank))
+            )
+            for rank in range(placement.num_machines)
+        ]
         parts = (placement, groups, ranks)
         if len(_placement_parts) >= PLACEMENTS_OUT_CACHED:
             del _placement_parts[next(iter(_placement_parts))]
