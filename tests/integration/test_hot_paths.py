@@ -200,3 +200,33 @@ async def test_the_leaders_step_on_a_running_job_without_failures_reads_no_plan_
     assert statements and not [s for s in statements if "from recovery_plans" in s or "from machines" in s], (
         statements
     )
+
+
+async def test_the_suspicion_pass_loads_only_the_machines_it_has_to_judge(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    from datetime import timedelta
+
+    from services.root.db import repository as repo
+    from services.root.db.models import Machine, MachineState, utcnow
+
+    job = await registered_job(client, BIG)
+    job_id = uuid.UUID(job["id"])
+    database = root_app.state.castor.database
+    now = utcnow()
+    async with database.session() as session:
+        machines = {
+            m.rank: m
+            for m in (await session.execute(select(Machine).where(Machine.job_id == job_id))).scalars()
+        }
+        machines[3].state, machines[3].suspected_at = MachineState.SUSPECT, now
+        machines[5].state = MachineState.FAILED
+        machines[7].last_heartbeat_at = now - timedelta(hours=1)  # silent: lapsed under REST heartbeats
+        # Registered long ago and never heard from since: lapsed too.
+        machines[11].last_heartbeat_at, machines[11].registered_at = None, now - timedelta(hours=1)
+        await session.commit()
+    async with database.session() as session:
+        etcd = await repo.machines_to_judge(session, job_id, lapsed_before=None)
+        rest = await repo.machines_to_judge(session, job_id, lapsed_before=now - timedelta(minutes=5))
+    assert [m.rank for m in etcd] == [3, 5], "etcd: only the suspect and the failed machine"
+    assert [m.rank for m in rest] == [3, 5, 7, 11], "REST: and those silent past the timeout"

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import Table, bindparam, case, delete, func, select, text, update
+from sqlalchemy import ColumnElement, Table, and_, bindparam, case, delete, func, or_, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import defer, selectinload
@@ -725,13 +725,28 @@ async def checkpoint_lines(
     return lines, total
 
 
-async def live_machines_unreported(session: AsyncSession, job_id: uuid.UUID) -> Sequence[Machine]:
-    """`live_machines` without their summaries and inventories (JSON documents of every rank): for the
-    leader's suspicion pass, which runs every tick while a machine is suspect or failed and reads neither."""
+def needs_judging(lapsed_before: datetime | None) -> ColumnElement[bool]:
+    """The machines the leader's suspicion pass has something to decide about: suspect or failed ones
+    (declared lost, or reinstated when they heartbeat again) and, given `lapsed_before` (REST heartbeats),
+    healthy or pending ones last heard from before it. Every other machine it would skip."""
+    attention: ColumnElement[bool] = Machine.state.in_((MachineState.SUSPECT, MachineState.FAILED))
+    if lapsed_before is not None:
+        last_heard = func.coalesce(Machine.last_heartbeat_at, Machine.registered_at)
+        unsuspected = Machine.state.in_((MachineState.HEALTHY, MachineState.PENDING))
+        attention = or_(attention, and_(unsuspected, last_heard < lapsed_before))
+    return attention
+
+
+async def machines_to_judge(
+    session: AsyncSession, job_id: uuid.UUID, lapsed_before: datetime | None
+) -> Sequence[Machine]:
+    """The job's machines that `needs_judging` selects, without their summaries and inventories (JSON
+    documents the suspicion pass never reads): a pass over a 1,000-machine job with one suspect loads that
+    machine, not the job's every row, at every tick."""
     query = (
         select(Machine)
         .options(defer(Machine.summary, raiseload=True), defer(Machine.inventory, raiseload=True))
-        .where(Machine.job_id == job_id, Machine.state != MachineState.REPLACED)
+        .where(Machine.job_id == job_id, needs_judging(lapsed_before))
         .order_by(Machine.rank)
     )
     return (await session.execute(query)).scalars().all()

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select
@@ -100,35 +100,37 @@ class Detectors:
     async def _jobs_to_judge(self) -> list[uuid.UUID]:
         """Active jobs with a machine to look at, in one query: a suspect, a failed machine (reinstated if
         it heartbeats), or (REST) a machine silent past the timeout."""
-        attention: Any = Machine.state.in_((MachineState.SUSPECT, MachineState.FAILED))
-        rest = self.coordinator is None
-        # A new leader gives agents one timeout to reach it before it suspects anyone.
-        if rest and time.monotonic() - self.leadership.leader_since >= self.settings.heartbeat_timeout_s:
-            cutoff = utcnow() - timedelta(seconds=self.settings.heartbeat_timeout_s)
-            attention = attention | (Machine.state.in_(_ALIVE) & (Machine.last_heartbeat_at < cutoff))
         query = (
             select(Machine.job_id)
             .join(Job, Job.id == Machine.job_id)
-            .where(Job.state.in_(ACTIVE), attention)
+            .where(Job.state.in_(ACTIVE), repo.needs_judging(self._lapsed_before(utcnow())))
             .distinct()
         )
         async with self.leadership.session() as session:
             return list((await session.execute(query)).scalars().all())
 
+    def _lapsed_before(self, now: datetime) -> datetime | None:
+        """REST heartbeats: a healthy machine last heard from before this instant has lapsed. None under
+        etcd (a lease's expiry says so instead) and during a new leader's first timeout in office, which
+        gives agents one timeout to reach it before it suspects anyone."""
+        in_office = time.monotonic() - self.leadership.leader_since
+        if self.coordinator is not None or in_office < self.settings.heartbeat_timeout_s:
+            return None
+        return now - timedelta(seconds=self.settings.heartbeat_timeout_s)
+
     async def judge(self, job_id: uuid.UUID) -> None:
         """Suspicion for one job's machines (see suspicion), in one transaction with the job row locked."""
-        rest = self.coordinator is None
-        in_office = time.monotonic() - self.leadership.leader_since
-        watch_lapses = rest and in_office >= self.settings.heartbeat_timeout_s
         async with self.leadership.session() as session:
             job = await repo.get_job(session, job_id, for_update=True)
             if job is None or job.state not in ACTIVE:
                 return
             now = utcnow()
+            lapsed_before = self._lapsed_before(now)
+            watch_lapses = lapsed_before is not None
             # The longest silent first: a dead machine takes its peers' exits as its symptoms before a
             # merely slow one (suspect at the same time) could take them for its own second signal.
             machines = sorted(
-                await repo.live_machines_unreported(session, job_id),
+                await repo.machines_to_judge(session, job_id, lapsed_before),
                 key=lambda m: m.last_heartbeat_at or m.registered_at,
             )
             events = list(await repo.open_failures(session, job_id))
