@@ -39,10 +39,11 @@ interleaved where the replication interval is measured and machines are lost at 
   pins taken to the last verified replica; Replicator.stats.last_round_s), the time between two rounds'
   completions, and the two in tail iterations (the rest of a period is the wait for the next round: every
   machine done, a proposal led by the lead, every machine's pin, the go).
-* profile_idle_fraction: the idle fraction of the profile the sender schedules by (the union of a window
-  of 8 iterations' busy spans: jitter between iterations makes it smaller than one iteration's idle
-  fraction); replication_interval_profile_bound: the bound with that idle fraction, mu (0.8) of it, and the
-  tail's iteration time: what the interleaved sender can achieve by design before any alignment wait.
+* profile_idle_fraction: the idle fraction of the profile the sender schedules by (a window of 8
+  iterations, idle where 6 of them were, worker_lib.interleave.profile: jitter between iterations makes it
+  smaller than one iteration's idle fraction); replication_interval_profile_bound: the bound with that
+  idle fraction, mu (0.8) of it, and the tail's iteration time: what the interleaved sender can achieve
+  by design before any alignment wait.
 * machine_losses / peer_restores: at random instants of the tail a machine is declared lost and its rank's
   checkpoint of the job's aligned iteration is fetched from its peer's memory over the data plane (verified,
   and bit-exact against the lost machine's own copy) while every survivor still holds that iteration
@@ -276,8 +277,8 @@ def interleaving(
         figures["round_period_s"] = round(period_s, 3)
         figures["interval_transfer_iterations"] = round(transfer_s / tail_iteration_s, 2)
         figures["interval_wait_iterations"] = round(max(0.0, period_s - transfer_s) / tail_iteration_s, 2)
-    # The idle time the sender schedules by: the profile training publishes (the union of a window's busy
-    # spans, worker_lib.interleave.profile), which jitter between iterations shrinks below one iteration's.
+    # The idle time the sender schedules by: the profile training publishes (worker_lib.interleave.profile
+    # over a window of iterations), which jitter between iterations shrinks below one iteration's.
     window = 8  # netmachine.py train --profile-window
     history = []
     for index in range(len(starts) - 1):

@@ -24,6 +24,10 @@ MU = 0.8  # the paper's coefficient for the variance of idle spans across iterat
 ALPHA_S = 0.002  # startup time of one chunk (a send call and the first segment's round trip)
 CHUNK_MAX = 32 << 20  # the paper's R / p: 128 MB reserved, 4 sub-buffers
 CHUNK_MIN = 256 << 10  # below this a chunk is not worth its startup time
+# The share of a window's iterations that must have been idle at an instant for the profile to count it idle
+# (see profile): 6 of 8, 8 of 10. The union of every iteration's busy spans (1.0) left a quarter of an
+# iteration idle where each iteration had half of one, under the jitter of a loaded host (docs/training.md).
+COVERAGE = 0.75
 
 
 @dataclass(frozen=True)
@@ -83,15 +87,34 @@ def idle_spans(busy: Sequence[Span], period: float) -> list[Span]:
     return idle
 
 
-def profile(iterations: Sequence[IterationComm]) -> CommProfile | None:
-    """The profile of a window of iterations: the median length, and the union of their busy spans (an idle
-    span is one in which no profiled iteration communicated: conservative under jitter). None without
+def profile(iterations: Sequence[IterationComm], coverage: float = COVERAGE) -> CommProfile | None:
+    """The profile of a window of iterations: the median length, and as busy every instant at which more
+    than 1 - `coverage` of the iterations communicated. An instant is idle in the profile when at least
+    `coverage` of the profiled iterations were idle then: a busy span's end in the profile is about the
+    `coverage` quantile of the iterations' ends (its start the complementary quantile of their starts),
+    so one late iteration in a window does not erase the idle span every other iteration had. `coverage`
+    1.0 is the union of every iteration's busy spans (an instant is idle only if no iteration
+    communicated then). The iterations the profile does not cover are the sender's in-flight check's
+    (next_grant: nothing is granted while training's collectives are on the wire). None without
     iterations."""
     usable = [it for it in iterations if it.duration > 0]
     if not usable:
         return None
     period = statistics.median(it.duration for it in usable)
-    busy = merge([span for it in usable for span in it.busy])
+    # Busy in the profile: at least `needed` of the iterations busy at that instant (1: the union).
+    needed = max(1, math.floor((1.0 - coverage) * len(usable) + 1e-9) + 1)
+    # A sweep over every iteration's merged spans: +1 where one starts, -1 where one ends (ends first at
+    # a tie, so two iterations' touching spans leave a point gap, which merge() closes again).
+    events = sorted((t, delta) for it in usable for s, e in merge(it.busy) for t, delta in ((s, 1), (e, -1)))
+    spans: list[Span] = []
+    count, opened = 0, 0.0
+    for at, delta in events:
+        if delta > 0 and count + 1 == needed:
+            opened = at
+        elif delta < 0 and count == needed:
+            spans.append((opened, at))
+        count += delta
+    busy = merge(spans)
     return CommProfile(period, tuple((s, min(e, period)) for s, e in busy if s < period))
 
 

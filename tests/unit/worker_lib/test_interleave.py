@@ -57,6 +57,47 @@ def test_a_profile_takes_the_median_period_and_every_iterations_busy_time() -> N
     assert profile([]) is None
 
 
+def test_one_late_iteration_does_not_erase_the_idle_span_of_the_others() -> None:
+    # Eight iterations of 1 s whose all-reduce ends between 0.40 and 0.46 s, and one whose ends at 0.9 s (a
+    # loaded host): the union would leave 0.1 s idle; the profile keeps the span the others had idle.
+    ends = [0.40, 0.41, 0.42, 0.43, 0.44, 0.45, 0.46, 0.90]
+    iterations = [IterationComm(1.0, ((0.2 + i * 0.01, end),)) for i, end in enumerate(ends)]
+    found = profile(iterations)  # the default: idle where 6 of the 8 were
+    assert found is not None
+    assert found.busy == (pytest.approx((0.22, 0.45)),)  # the third earliest start, the third latest end
+    assert found.idle_fraction == pytest.approx(0.77)
+    seven = profile(iterations, coverage=0.875)  # idle where 7 of the 8 were
+    assert seven is not None and seven.busy == (pytest.approx((0.21, 0.46)),)
+    union = profile(iterations, coverage=1.0)
+    assert union is not None and union.busy == (pytest.approx((0.2, 0.9)),)
+    assert union.idle_fraction == pytest.approx(0.3)
+    # At 0.5 s into an iteration the sender may send (the late iteration is the in-flight check's).
+    assert next_grant(found, 0.5, 0, 100 * MB, 100e6).size > 0
+    assert next_grant(union, 0.5, 0, 100 * MB, 100e6).size == 0
+    assert next_grant(found, 0.5, 1, 100 * MB, 100e6).size == 0
+
+
+def test_the_profile_covers_most_iterations_and_every_recurring_pattern() -> None:
+    # Three of eight iterations late (ends at 0.7 s): more than a quarter, so covered; two are not.
+    found = profile([IterationComm(1.0, ((0.2, end),)) for end in [0.4] * 5 + [0.7] * 3])
+    assert found is not None and found.busy == (pytest.approx((0.2, 0.7)),)
+    found = profile([IterationComm(1.0, ((0.2, end),)) for end in [0.4] * 6 + [0.7] * 2])
+    assert found is not None and found.busy == (pytest.approx((0.2, 0.4)),)
+    # Two buckets whose spans alternate between iterations: both are busy in the profile (each recurs), and
+    # the gap no iteration communicated in stays idle.
+    iterations = [IterationComm(1.0, ((0.2, 0.3), (0.5, 0.6) if i % 2 else (0.6, 0.7))) for i in range(8)]
+    found = profile(iterations)
+    assert found is not None and found.busy == (pytest.approx((0.2, 0.3)), pytest.approx((0.5, 0.7)))
+    # Overlapping buckets of one iteration count once: one iteration busy twice over is still one, and
+    # three are needed.
+    busy = [((0.2, 0.4), (0.3, 0.8))] * 2 + [((0.2, 0.4),)] * 6
+    found = profile([IterationComm(1.0, spans) for spans in busy])
+    assert found is not None and found.busy == (pytest.approx((0.2, 0.4)),)
+    # Few iterations: each is more than a quarter of them, and the profile is their union.
+    found = profile([IterationComm(1.0, ((0.2, 0.4),)), IterationComm(1.0, ((0.3, 0.6),))])
+    assert found is not None and found.busy == (pytest.approx((0.2, 0.6)),)
+
+
 def test_idle_left_counts_from_the_phase_and_wraps_the_head_of_the_iteration() -> None:
     found = CommProfile(1.0, ((0.3, 0.5),))
     assert idle_left(found, 0.6) == pytest.approx(0.7)  # 0.6 -> 1.3
