@@ -140,7 +140,7 @@ async def report_persisted(
     shard's row; only one that finds every rank's shard in takes the job row's lock."""
     tier = persistence.tier_of(state.settings)
     expired = await persistence.record_persisted(
-        state.database, job_id, rank, body, tier, machine_flows.persist_latency_s(state.settings)
+        state.database, job_id, rank, body, tier, state.settings
     )
     if expired:
         background.add_task(delete_persisted, state.settings, str(job_id), expired)

@@ -367,7 +367,7 @@ async def record_heartbeat(
     locked: a thousand machines heartbeat a second). Its group's peers and the newest plan's generation are
     small reads; the job-wide counters follow off the request for jobs past COUNTERS_INLINE_MAX_MACHINES."""
     summary = request.summary.model_dump(mode="json")
-    latency_s = persist_latency_s(settings)
+    latency_s = persist_latency_s(settings, job.num_machines)
     generation = await repo.latest_generation(session, job.id)
     if job.num_machines <= COUNTERS_INLINE_MAX_MACHINES:
         live = await _counters_inline(session, job, {request.instance_id: summary}, generation, latency_s)
@@ -411,7 +411,7 @@ async def record_summaries(
     job = await repo.get_job(session, job_id)
     if job is None or not summaries:
         return
-    latency_s = persist_latency_s(None)
+    latency_s = _etcd_persist_latency_s(job.num_machines)
     if job.num_machines <= COUNTERS_INLINE_MAX_MACHINES:
         generation = await repo.latest_generation(session, job_id)
         await _counters_inline(session, job, summaries, generation, latency_s)
@@ -454,7 +454,7 @@ _counter_tasks: set[asyncio.Task[None]] = set()
 def refresh_counters_soon(session: AsyncSession, job_id: uuid.UUID, latency_s: float | None = None) -> None:
     """Have the job's counters refreshed once this session's transaction committed (its summary in them),
     and the persist schedule moved on if it is due (`latency_s`: see persist_latency_s)."""
-    latency = persist_latency_s(None) if latency_s is None else latency_s
+    latency = PERSIST_LATENCY_DEFAULT_S if latency_s is None else latency_s
     session.info.setdefault(_COUNTERS_DUE, {})[job_id] = (session.bind, latency)
 
 
@@ -547,14 +547,22 @@ PERSIST_LATENCY_DEFAULT_S = 2.0
 ANNOUNCE_S = 0.5
 
 
-def persist_latency_s(settings: Settings | None) -> float:
-    """How stale the newest reported iteration may be when an announcement reaches the fastest rank: a
-    heartbeat interval (the summary's age) and the announcement's way to the agents. A rank that is a few
-    iterations past the target when it hears of it still finds it in one of its slots (or reports it
-    missed, and the root announces another)."""
+def persist_latency_s(settings: Settings | None, num_machines: int) -> float:
+    """How stale the newest reported iteration may be when an announcement reaches the fastest rank: the
+    summary's age and the announcement's way to the agents. A rank that is a few iterations past the
+    target when it hears of it still finds it in one of its slots (or reports it missed, and the root
+    announces another). The summary's age is a heartbeat interval over REST; under etcd, summaries are put
+    every summary_period_s (10 s at 1,000 machines), and a lead sized for a 2 s heartbeat announced
+    iterations every rank had already overwritten: no complete persisted checkpoint at that scale."""
     if settings is None:
         return PERSIST_LATENCY_DEFAULT_S
+    if settings.etcd_endpoints:
+        return _etcd_persist_latency_s(num_machines)
     return settings.heartbeat_interval_s + ANNOUNCE_S
+
+
+def _etcd_persist_latency_s(num_machines: int) -> float:
+    return summary_period_s(num_machines) + ANNOUNCE_S
 
 
 async def schedule_persist(

@@ -36,10 +36,10 @@ async def record_persisted(
     machine_rank: int,
     report: schemas.PersistedReport,
     tier: persisted.Tier,
-    latency_s: float | None = None,
+    settings: Settings | None = None,
 ) -> list[str]:
     """Record one rank's uploaded shard; returns the key prefixes of checkpoints to delete now (all
-    inside `persisted.job_scope(tier, job)`). `latency_s`: see flows.machines.persist_latency_s.
+    inside `persisted.job_scope(tier, job)`). `settings`: for flows.machines.persist_latency_s.
 
     Every rank persists the announced iteration at about the same time: a report writes its own shard's
     row (an upsert) and commits, locking nothing shared, then counts the checkpoint's shards. A report
@@ -72,7 +72,7 @@ async def record_persisted(
         job = await repo.get_job(session, job_id, for_update=True)
         if job is None:
             return []
-        return await _completed(session, job, report, tier, latency_s)
+        return await _completed(session, job, report, tier, settings)
 
 
 # How often a shard report is tried when its checkpoint is deleted under it (a late report, expiring).
@@ -123,7 +123,7 @@ async def _completed(
     job: Job,
     report: schemas.PersistedReport,
     tier: persisted.Tier,
-    latency_s: float | None,
+    settings: Settings | None,
 ) -> list[str]:
     """Under the job row's lock: if the report's checkpoint is complete, announce the next iteration (if it
     was the announced one) and expire what retention drops."""
@@ -143,7 +143,7 @@ async def _completed(
             job,
             await repo.live_summaries(session, job.id),
             await repo.latest_generation(session, job.id),
-            persist_latency_s(None) if latency_s is None else latency_s,
+            persist_latency_s(settings, job.num_machines),
             complete=True,
         )
     return await _expire(session, job, tier, resumed_from)

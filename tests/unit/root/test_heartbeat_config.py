@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from services.root.flows.machines import SUMMARY_WRITES_PER_S, heartbeat_config
+from services.root.domain.persist_schedule import lead_iterations
+from services.root.flows.machines import SUMMARY_WRITES_PER_S, heartbeat_config, persist_latency_s
 from services.root.settings import Settings
 
 
@@ -28,3 +29,18 @@ def test_the_etcd_summary_period_keeps_a_jobs_writes_bounded(machines: int, peri
 def test_rest_heartbeats_carry_their_summary_in_every_request() -> None:
     config = heartbeat_config(job(1000), 0, "i-0", Settings())
     assert config.mode == "rest" and config.interval_s == Settings().heartbeat_interval_s
+
+
+@pytest.mark.parametrize("machines", [4, 1000, 4096])
+@pytest.mark.parametrize("etcd", [True, False])
+def test_the_persist_lead_covers_how_old_a_summary_can_be(machines: int, etcd: bool) -> None:
+    """The root announces the iteration every rank persists from the newest reported iterations plus the
+    fastest rank's progress over persist_latency_s; under etcd a summary is up to its period old (10 s at
+    1,000 machines), and a lead shorter than that announces iterations the ranks already overwrote."""
+    settings = Settings(etcd_endpoints=["127.0.0.1:2379"] if etcd else [])
+    config = heartbeat_config(job(machines), 0, "i-0", settings)
+    summary_age_s = config.summary_period_s if etcd else config.interval_s
+    assert summary_age_s is not None
+    assert persist_latency_s(settings, machines) > summary_age_s
+    # 60 iterations a minute: the lead (iterations ahead of the newest report) spans the summary's age.
+    assert lead_iterations(60.0, persist_latency_s(settings, machines)) > summary_age_s
