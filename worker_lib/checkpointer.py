@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -56,13 +56,39 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
 class Restored:
-    """A checkpoint read back: its iteration, the state as saved, and the manifest's meta (rank, ...)."""
+    """A checkpoint read back: its iteration, the state as saved, and the manifest's meta (rank, ...).
 
-    iteration: int
-    state: Any
-    meta: dict[str, JsonValue] = field(default_factory=dict)
+    A restore into the very state this process saved (see Checkpointer.restore) has nothing left to do once
+    the bytes are in place: its `state` (the same tensors, in the saved structure) is then decoded the first
+    time it is read, not inside restore()."""
+
+    __slots__ = ("_decode", "_lock", "_state", "iteration", "meta")
+
+    def __init__(
+        self,
+        iteration: int,
+        state: Any = None,
+        meta: dict[str, JsonValue] | None = None,
+        *,
+        decode: Callable[[], Any] | None = None,
+    ):
+        self.iteration = iteration
+        self.meta: dict[str, JsonValue] = {} if meta is None else meta
+        self._state = state
+        self._decode = decode
+        self._lock = threading.Lock() if decode is not None else None
+
+    @property
+    def state(self) -> Any:
+        if self._lock is not None:
+            with self._lock:
+                if self._decode is not None:
+                    self._state, self._decode = self._decode(), None
+        return self._state
+
+    def __repr__(self) -> str:
+        return f"Restored(iteration={self.iteration!r}, meta={self.meta!r})"
 
     def load_into(self, target: Any) -> None:
         """Load the state into modules, optimizers and tensors: see `load_state`."""
@@ -278,12 +304,12 @@ class Checkpointer:
             with self._store.open_read(iteration) as (manifest, data):
                 # Verifies every stripe before copying it out (one pass over the bytes, see restore.py).
                 matched = self._matched(manifest, into)
-                state = restore_state(manifest, data, into, self._engine, matched, self._restore_plans)
+                decode = restore_state(manifest, data, into, self._engine, matched, self._restore_plans)
         except CheckpointNotFoundError:
             if iteration is None:
                 return None
             raise
-        return Restored(manifest.iteration, state, manifest.meta)
+        return Restored(manifest.iteration, meta=manifest.meta, decode=decode)
 
     def close(self, *, finished: bool = True) -> None:
         """Finish the pending save and release threads, hooks and mappings (the checkpoints stay).

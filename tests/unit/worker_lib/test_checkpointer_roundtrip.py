@@ -328,3 +328,91 @@ def test_restores_into_the_saved_state_stay_exact_and_verified(shm_dir: Path) ->
         ):
             checkpointer.restore(into=state)
         assert torch.equal(model[3].weight, torch.full_like(model[3].weight, 7.0))
+
+
+def _optimizer_values(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer's state_dict with every tensor cloned (step counts included) and its dtypes noted."""
+    state = copy.deepcopy(optimizer.state_dict())
+    state["dtypes"] = sorted({str(v.dtype) for s in optimizer.state.values() for v in s.values()})
+    return state
+
+
+def test_a_restore_into_the_saved_state_resumes_training_bit_exact(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore into the very state this process saved skips optimizer.load_state_dict where it would
+    change nothing (torch's own optimizer, no hooks, every state tensor restored in place as it is): the
+    step counts, moments and param_groups are the saved ones, and training goes on exactly as from the
+    state it saved. Where load_state_dict would change something (a hook, a subclass, a state tensor of
+    another dtype than its parameter's), it is called as before."""
+    import worker_lib.restore as restore_module
+
+    skipped: list[bool] = []
+    decide = restore_module._load_changes_nothing
+    monkeypatch.setattr(
+        restore_module, "_load_changes_nothing", lambda o: skipped.append(decide(o)) or skipped[-1]
+    )
+    reference, reference_optimizer = make_model(seed=5)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, amsgrad=True)
+    train(reference, reference_optimizer, range(3))
+    at_three = (
+        {k: v.clone() for k, v in reference.state_dict().items()},
+        _optimizer_values(reference_optimizer),
+    )
+    train(reference, reference_optimizer, range(3, 6))
+
+    model, _ = make_model(seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True)
+    state = {"model": model, "optimizer": optimizer}
+    with Checkpointer(shm_dir) as checkpointer:
+        train(model, optimizer, range(3))
+        checkpointer.save(3, state)
+        train(model, optimizer, range(3, 5))  # two more steps: moments, step counts and weights move on
+        restored = checkpointer.restore(into=state, iteration=3)
+        assert restored is not None and skipped == [True]
+        assert_bit_equal(model.state_dict(), at_three[0])
+        assert_bit_equal(_optimizer_values(optimizer), at_three[1])  # step == 3 in every parameter's state
+        assert restored.state["optimizer"]["state"][0]["step"].item() == 3  # decoded when read
+        train(model, optimizer, range(3, 6))
+        assert_bit_equal(model.state_dict(), reference.state_dict())
+        assert_bit_equal(_optimizer_values(optimizer), _optimizer_values(reference_optimizer))
+
+        # A load_state_dict post-hook (it could do anything): loaded as before, the hook runs.
+        hooked: list[int] = []
+        handle = optimizer.register_load_state_dict_post_hook(lambda o: hooked.append(1))
+        checkpointer.save(6, state)
+        train(model, optimizer, range(6, 7))
+        checkpointer.restore(into=state, iteration=6)
+        handle.remove()
+        assert hooked == [1] and skipped[-1] is False
+
+        # A moment held in another dtype than its parameter: load_state_dict casts it, as before.
+        first = next(iter(optimizer.state.values()))
+        first["exp_avg"] = first["exp_avg"].double()
+        checkpointer.save(7, state)
+        checkpointer.restore(into=state, iteration=7)
+        assert skipped[-1] is False and first is not next(iter(optimizer.state.values()))
+        assert next(iter(optimizer.state.values()))["exp_avg"].dtype == torch.float32
+
+
+class _CountingAdam(torch.optim.Adam):
+    loads = 0
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        type(self).loads += 1
+        super().load_state_dict(state_dict)
+
+
+def test_an_optimizer_that_is_not_torchs_own_is_always_loaded(shm_dir: Path) -> None:
+    model, _ = make_model(seed=6)
+    optimizer = _CountingAdam(model.parameters(), lr=1e-2)
+    train(model, optimizer, range(2))
+    state = {"model": model, "optimizer": optimizer}
+    with Checkpointer(shm_dir) as checkpointer:
+        checkpointer.save(2, state)
+        saved = _optimizer_values(optimizer)
+        train(model, optimizer, range(2, 3))
+        checkpointer.restore(into=state, iteration=2)
+    assert _CountingAdam.loads == 1
+    assert_bit_equal(_optimizer_values(optimizer), saved)
+
