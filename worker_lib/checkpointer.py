@@ -36,7 +36,15 @@ from worker_lib.fences import BUSY_WAIT_LIMIT_S, BufferSnapshot, fence_optimizer
 from worker_lib.restore import RestorePlans, load_state, restore_state
 from worker_lib.store.copy import CopyEngine, SaveStripe, Transfer, compile_save
 from worker_lib.store.cuda import PinnedStager
-from worker_lib.store.layout import Layout, Signature, blob_source, plan, save_transfers, signature
+from worker_lib.store.layout import (
+    Layout,
+    Signature,
+    blob_source,
+    plan,
+    save_transfers,
+    signature,
+    storage_addresses,
+)
 from worker_lib.store.manifest import JsonValue, Manifest, Stripe, content_digest
 from worker_lib.store.slots import OnBusy, SlotStore, SlotWriter
 from worker_lib.store.tree import FlatState, FlattenMemo, flatten, tree_json
@@ -179,8 +187,10 @@ class Checkpointer:
         flat = flatten(state, self._memo)
         # The previous copy is finished (settled above): the side buffers can take this save's values. A
         # blocking save copies everything before it returns and needs no snapshot.
-        tensors = flat.tensors if self._blocking else self._buffers.capture(flat.tensors, flat.modules)
-        layout = self._layout_for(tensors, flat.keys)
+        tensors, storages = flat.tensors, storage_addresses(flat.tensors)
+        if not self._blocking:
+            tensors, storages = self._buffers.capture(tensors, flat.modules, storages)
+        layout = self._layout_for(tensors, flat.keys, storages)
         writer = self._store.open_write(iteration, layout.data_bytes, self._on_busy)
         if writer is None and self._blocking:
             self._skipped(iteration)
@@ -362,8 +372,10 @@ class Checkpointer:
             return None
         return flat
 
-    def _layout_for(self, tensors: Sequence[torch.Tensor], keys: Sequence[str]) -> Layout:
-        current = signature(tensors, keys)
+    def _layout_for(
+        self, tensors: Sequence[torch.Tensor], keys: Sequence[str], storages: list[int]
+    ) -> Layout:
+        current = signature(tensors, keys, storages)
         if self._layout is None or self._layout[0] != current:
             self._layout = (current, plan(tensors, keys))
         return self._layout[1]

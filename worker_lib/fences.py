@@ -77,10 +77,13 @@ class BufferSnapshot:
     def __init__(self) -> None:
         self._side: list[torch.Tensor] = []
 
-    def capture(self, tensors: list[torch.Tensor], modules: Sequence[nn.Module]) -> list[torch.Tensor]:
-        """`tensors` with those that live in a buffer's storage replaced by views of a fresh copy."""
+    def capture(
+        self, tensors: list[torch.Tensor], modules: Sequence[nn.Module], storages: list[int]
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """`tensors` with those that live in a buffer's storage replaced by views of a fresh copy, and the
+        storage address of each (`storages`: those of `tensors`, see layout.storage_addresses)."""
         if not modules:
-            return tensors
+            return tensors, storages
         owned = {
             _storage_key(local)
             for module in modules
@@ -89,12 +92,15 @@ class BufferSnapshot:
             if type(local := getattr(buffer, "_local_tensor", buffer)) is torch.Tensor and local.numel()
         }
         if not owned:
-            return tensors
+            return tensors, storages
+        addresses = {address for _, address in owned}
         groups: dict[tuple[int, int], list[int]] = {}
-        for i, tensor in enumerate(tensors):
-            if tensor.numel() and (key := _storage_key(tensor)) in owned:
+        for i, address in enumerate(storages):
+            # The address alone first: a set of ints, then the device and bytes of the few it finds.
+            if address in addresses and (key := _storage_key(tensors[i])) in owned and tensors[i].numel():
                 groups.setdefault(key, []).append(i)
         captured = list(tensors)
+        captured_storages = list(storages)
         side: list[torch.Tensor] = []
         for n, members in enumerate(groups.values()):
             extents = [_byte_extent(tensors[i]) for i in members]
@@ -109,6 +115,7 @@ class BufferSnapshot:
             copy.copy_(source)
             side.append(copy)
             for i in members:
+                captured_storages[i] = copy.untyped_storage().data_ptr()
                 tensor = tensors[i]
                 itemsize = tensor.element_size()
                 view = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
@@ -124,7 +131,7 @@ class BufferSnapshot:
                     view = torch._neg_view(view)
                 captured[i] = view
         self._side = side
-        return captured
+        return captured, captured_storages
 
     def release(self) -> None:
         self._side = []

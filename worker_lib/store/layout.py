@@ -54,16 +54,29 @@ class Layout:
     data_bytes: int
 
 
-def signature(tensors: Sequence[torch.Tensor], keys: Sequence[str]) -> Signature:
+def signature(
+    tensors: Sequence[torch.Tensor], keys: Sequence[str], storages: Sequence[int] | None = None
+) -> Signature:
     """Everything the layout depends on; a save whose signature matches the last one reuses its layout.
 
-    It runs on the training thread at every save, hence the single plain loop.
+    Per tensor its dtype, shape, strides, storage offset, device and lazy bits, and which tensors share a
+    storage (`storages`: each tensor's storage address, see storage_addresses, when the caller has them).
+    Addresses themselves are not in it: a state whose tensors were reallocated keeps its layout. It runs on
+    the training thread at every save (and at a restore into the saved state), hence one plain loop of as
+    few calls per tensor as will do (about 1 us per tensor here).
     """
     described = [
-        (t.dtype, t.shape, t.stride(), t.storage_offset(), t.is_cuda, t.is_conj() or t.is_neg())
+        (t.dtype, t.shape, t.stride(), t.storage_offset(), t.get_device(), t.is_neg() or t.is_conj())
         for t in tensors
     ]
-    return (tuple(keys), tuple(described), tuple(_storage_owners(tensors)))
+    if storages is None:
+        storages = storage_addresses(tensors)
+    return (tuple(keys), tuple(described), _owners(tensors, storages, [d[4] for d in described]))
+
+
+def storage_addresses(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Each tensor's storage address (its device is apart: get_device())."""
+    return [t.untyped_storage().data_ptr() for t in tensors]
 
 
 def plan(tensors: Sequence[torch.Tensor], keys: Sequence[str]) -> Layout:
@@ -153,19 +166,33 @@ _DTYPES: dict[str, torch.dtype] = {}
 
 def _storage_owners(tensors: Sequence[torch.Tensor]) -> list[int]:
     """For each tensor, the index of the first tensor sharing its storage, or -1 when it shares nothing."""
+    return list(_owners(tensors, storage_addresses(tensors), [t.get_device() for t in tensors]))
+
+
+def _owners(
+    tensors: Sequence[torch.Tensor], storages: Sequence[int], devices: Sequence[int]
+) -> tuple[int, ...]:
+    """_storage_owners from each tensor's storage address and device (get_device(): -1 on the CPU). Only
+    tensors whose storage another one has too are looked at further: in most states there are none."""
     first: dict[tuple[int, int], int] = {}
-    owners: list[int] = []
-    for i, tensor in enumerate(tensors):
+    owner = [first.setdefault(key, i) for i, key in enumerate(zip(devices, storages, strict=True))]
+    if len(first) == len(owner):
+        return (-1,) * len(owner)  # no two tensors share a storage
+    groups: dict[int, list[int]] = {o: [] for i, o in enumerate(owner) if o != i}
+    for i, o in enumerate(owner):
+        if o in groups:
+            groups[o].append(i)
+    owners = [-1] * len(owner)
+    for members in groups.values():
         # Empty and conjugate/negative views are always saved on their own: they have no bytes to share, or
         # their raw bits are not their values.
-        if tensor.numel() == 0 or tensor.is_conj() or tensor.is_neg():
-            owners.append(-1)
-            continue
-        # get_device() is -1 on the CPU and the device index on CUDA.
-        storage_key = (tensor.get_device(), tensor.untyped_storage().data_ptr())
-        owners.append(first.setdefault(storage_key, i))
-    shared = {owner for i, owner in enumerate(owners) if owner >= 0 and owner != i}
-    return [owner if owner in shared else -1 for owner in owners]
+        sharing = [
+            i for i in members if tensors[i].numel() and not (tensors[i].is_conj() or tensors[i].is_neg())
+        ]
+        if len(sharing) > 1:
+            for i in sharing:
+                owners[i] = sharing[0]
+    return tuple(owners)
 
 
 def _byte_extent(tensor: torch.Tensor) -> tuple[int, int]:

@@ -416,3 +416,28 @@ def test_an_optimizer_that_is_not_torchs_own_is_always_loaded(shm_dir: Path) -> 
     assert _CountingAdam.loads == 1
     assert_bit_equal(_optimizer_values(optimizer), saved)
 
+
+def test_a_restore_into_the_saved_state_notices_a_tensor_changed_in_place(shm_dir: Path) -> None:
+    """The shortcut of a restore into the saved state (and its cached copies) holds only while every
+    target has the layout it was saved with: the same tensor objects at the same addresses, transposed or
+    reshaped in place, take the long way, which restores them by value or refuses them."""
+    square = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    other = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+    state = {"square": square, "other": other}
+    saved = {k: v.clone() for k, v in state.items()}
+    with Checkpointer(shm_dir) as checkpointer:
+        checkpointer.save(1, state)
+        for _ in range(2):  # the second restore reuses the first one's copies
+            restored = checkpointer.restore(into=state, iteration=1)
+            assert restored is not None
+        address = square.data_ptr()
+        square.t_()  # the same object and bytes, its strides swapped
+        square.zero_()
+        restored = checkpointer.restore(into=state, iteration=1)
+        assert square.data_ptr() == address and square.stride() == (1, 4)
+        assert torch.equal(square, saved["square"])  # by value: element (i, j) of the saved tensor
+        square.t_()
+        assert_bit_equal(checkpointer.restore(into=state, iteration=1).state, saved)
+        other.resize_(2, 6)  # the same storage, another shape
+        with pytest.raises(ValueError, match=r"the checkpoint has a tensor of \[3, 4\], the target a tensor"):
+            checkpointer.restore(into=state, iteration=1)
