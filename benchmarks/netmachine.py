@@ -35,6 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 PORT = 7100  # the data plane's, in every namespace (each has its own ports)
+# How often an agent heartbeats (writes its summary, reads the driver's answer, looks for a new commit) and
+# the driver answers. The root's answer to a heartbeat is immediate; these polls stand for its round trip.
+# At 0.1 s, three of them (a machine's summary, the driver, the answer back) per step of an aligned round
+# (the last machine done, the next proposal, its adoption, every pin, the go) were half an iteration.
+POLL_S = 0.025
 PHASES = ("none", "eager", "interleaved")
 
 
@@ -130,6 +135,7 @@ def agent(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     rounds: list[tuple[float, int | None, int | None, str, float | None]] = []
     seen: int | None = None
+    noticed: int | None = None
     summary_file, alignment_file = root / "summary.json", root / "alignment.json"
     aligned_at = 0.0
     while not stop.is_set() and not (root / "stop").exists():
@@ -138,6 +144,13 @@ def agent(args: argparse.Namespace) -> None:
         if args.phased:
             pacer.phase = phase
             pacer.policy = "eager" if phase == "eager" else args.policy
+        # The agent hears of each commit (worker_lib/agent/services.py, from the training process): here
+        # from the rank's store. It pins an agreed iteration the moment it is committed, and the commit
+        # rate lets a proposal's lead follow the pace (Replicator._needed_lead).
+        newest = holdings.newest("local", args.rank)
+        if newest is not None and newest.iteration != noticed:
+            noticed = newest.iteration
+            replicator.notice_commit(args.rank, noticed)
         stats = replicator.stats
         if stats.replicated_iteration != seen:
             seen = stats.replicated_iteration
@@ -155,7 +168,7 @@ def agent(args: argparse.Namespace) -> None:
                     replicator.align(said["aligned_iteration"], said["target"], said["go"])
             except (OSError, ValueError, KeyError):
                 pass
-        time.sleep(0.1)
+        time.sleep(POLL_S)
     replicator.stop()
     server.stop()
     newest = holdings.newest("local", args.rank)
@@ -353,7 +366,7 @@ def drive(
                     )
                     loss.start()
                     next_loss = None  # drawn again once this loss is over
-            time.sleep(0.1)
+            time.sleep(POLL_S)
         if loss is not None:
             loss.join(120)
         for root in roots:

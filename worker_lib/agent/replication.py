@@ -81,7 +81,12 @@ PIN_MIN_SLOTS = 3
 # machine and back (AGREE_PERIODS of the root's answers, at the observed commit rate), at least LEAD; the
 # lead is doubled each time the agreed iteration was overwritten before every local rank's copy could be
 # pinned (the root's answer came too late anyway) and eases off by a quarter with each one pinned in time.
-LEAD = 2
+# A lead of 1 is the iteration training is computing now: a round waits for no iteration beyond it. An
+# agreed iteration that a machine committed shortly before the proposal reached it is still pinned from
+# its slot: with four slots and the aligned iteration pinned, an iteration stays in its slot until the
+# save three iterations later takes it, about two iterations after its commit, more than the one iteration
+# a lead rounded up to the travel time can fall short by.
+LEAD = 1
 LEAD_MAX = 1 << 12
 # A proposal goes up with this machine's next heartbeat and reaches each other machine with its next one: two
 # heartbeat periods at worst, and half a period more for jitter.
@@ -520,11 +525,11 @@ class Replicator:
 
     def _needed_lead(self) -> int:
         """The iterations committed while a proposal reaches every machine: AGREE_PERIODS heartbeat periods at
-        the observed commit rate (LEAD until both paces are known)."""
+        the observed commit rate, rounded up (LEAD until both paces are known)."""
         iteration_s, period_s = self._iteration_s(), self._answer_period_s()
         if iteration_s is None or period_s is None:
             return LEAD
-        return min(LEAD_MAX, max(LEAD, math.ceil(AGREE_PERIODS * period_s / iteration_s) + 1))
+        return min(LEAD_MAX, max(LEAD, math.ceil(AGREE_PERIODS * period_s / iteration_s)))
 
     def _stalled(self) -> bool:
         """Whether training stopped committing here (see STALL_MIN_S)."""
@@ -623,8 +628,9 @@ class Replicator:
         )
         if self._next is None and not ahead and held is not None:
             if not stalled:
-                self._next = held + max(self._lead, self._needed_lead())
-                log.debug("proposing iteration %d (newest common %d, lead %d)", self._next, held, self._lead)
+                lead = max(self._lead, self._needed_lead())
+                self._next = held + lead
+                log.debug("proposing iteration %d (newest common %d, lead %d)", self._next, held, lead)
             elif self._job_aligned is None or held > self._job_aligned:
                 # Training stopped: the newest iteration every local rank holds, pinned at once.
                 self._next = held
