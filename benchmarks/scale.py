@@ -1065,10 +1065,22 @@ class Run:
             timeout(),
         )
         ids = {f["id"] for f in failures}
+        detected_at = {_timestamp(f["detected_at"]) for f in failures}
 
         async def recovered() -> list[dict[str, Any]]:
-            done = [f for f in await self.failures() if f["id"] in ids and f.get("recovery_s") is not None]
-            return done if len(done) == len(ids) else []
+            listed = await self.failures()
+            # A failure can vanish into another: an exit is folded into a machine loss declared after it
+            # (a cascade entry of that loss, at the exit's detection time). Its recovery is that loss's.
+            present = {f["id"] for f in listed}
+            folded = {
+                f["id"]
+                for f in listed
+                for entry in (f.get("details") or {}).get("cascade", [])
+                if isinstance(entry, dict) and entry.get("at") and _timestamp(entry["at"]) in detected_at
+            }
+            wanted = (ids & present) | (folded if ids - present else set())
+            done = [f for f in listed if f["id"] in wanted and f.get("recovery_s") is not None]
+            return done if wanted and len(done) == len(wanted) else []
 
         done = await self.until(f"{prefix}training resumed", recovered, timeout())
         answered = self.stats.ready_wall.get(new_generation, [])
@@ -1088,6 +1100,10 @@ class Run:
 
 async def _now(value: Any) -> Any:
     return value
+
+
+def _timestamp(iso: Any) -> float:
+    return datetime.fromisoformat(str(iso)).timestamp()
 
 
 def add_past_failures(server: harness.Postgres, database: str, job_id: str, count: int) -> None:
