@@ -76,6 +76,10 @@ class BufferSnapshot:
 
     def __init__(self) -> None:
         self._side: list[torch.Tensor] = []
+        # Per group of the last capture: what it was made for, the view of the buffer's storage that is
+        # copied, and each member's view of the side copy (made again only when the group changes: two
+        # torch calls per view, about 10 us per buffer).
+        self._views: list[tuple[tuple[object, ...], torch.Tensor, list[torch.Tensor]]] = []
 
     def capture(
         self, tensors: list[torch.Tensor], modules: Sequence[nn.Module], storages: list[int]
@@ -102,11 +106,31 @@ class BufferSnapshot:
         captured = list(tensors)
         captured_storages = list(storages)
         side: list[torch.Tensor] = []
-        for n, members in enumerate(groups.values()):
+        views: list[tuple[tuple[object, ...], torch.Tensor, list[torch.Tensor]]] = []
+        for n, (storage_key, members) in enumerate(groups.items()):
+            # Everything the views depend on: the buffer's storage (device, address, and its size: a
+            # storage resized in place keeps its address) and each member's place in it.
+            first = tensors[members[0]]
+            described = [
+                (i, t.dtype, t.storage_offset(), t.shape, t.stride(), t.is_conj(), t.is_neg())
+                for i in members
+                for t in (tensors[i],)
+            ]
+            key = (storage_key, first.untyped_storage().nbytes(), tuple(described))
+            cached = self._views[n] if n < len(self._views) else None
+            if cached is not None and cached[0] == key:
+                copy = self._side[n]
+                copy.copy_(cached[1])
+                side.append(copy)
+                views.append(cached)
+                address = copy.untyped_storage().data_ptr()
+                for i, view in zip(members, cached[2], strict=True):
+                    captured_storages[i] = address
+                    captured[i] = view
+                continue
             extents = [_byte_extent(tensors[i]) for i in members]
             start = min(lo for lo, _ in extents) // 16 * 16  # every itemsize divides it
             nbytes = max(hi for _, hi in extents) - start
-            first = tensors[members[0]]
             source = torch.empty(0, dtype=torch.uint8, device=first.device)
             source.set_(first.untyped_storage(), start, (nbytes,), (1,))
             copy = self._side[n] if n < len(self._side) else None
@@ -114,8 +138,10 @@ class BufferSnapshot:
                 copy = torch.empty(nbytes, dtype=torch.uint8, device=first.device)
             copy.copy_(source)
             side.append(copy)
+            address = copy.untyped_storage().data_ptr()
+            made: list[torch.Tensor] = []
             for i in members:
-                captured_storages[i] = copy.untyped_storage().data_ptr()
+                captured_storages[i] = address
                 tensor = tensors[i]
                 itemsize = tensor.element_size()
                 view = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
@@ -130,11 +156,15 @@ class BufferSnapshot:
                 if tensor.is_neg():
                     view = torch._neg_view(view)
                 captured[i] = view
+                made.append(view)
+            views.append((key, source, made))
         self._side = side
+        self._views = views
         return captured, captured_storages
 
     def release(self) -> None:
         self._side = []
+        self._views = []
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
