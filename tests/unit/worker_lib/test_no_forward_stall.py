@@ -127,6 +127,31 @@ def test_every_save_captures_the_buffers_at_its_own_call(shm_dir: Path, gate: Ga
             assert_bit_equal(restored.state["model"], saved[iteration])
 
 
+def test_a_buffer_replaced_or_transposed_between_saves_is_saved_as_it_is_then(
+    shm_dir: Path, gate: Gate
+) -> None:
+    """The snapshot keeps its views of a buffer from save to save only while the buffer keeps its storage
+    and layout: another tensor, or the same one transposed in place, is captured as it is at its save."""
+    gate.release.set()
+    model = nn.Linear(4, 4)
+    model.register_buffer("table", torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    with Checkpointer(shm_dir, slots=4) as checkpointer:
+        for iteration in range(1, 5):
+            if iteration == 3:
+                model.table = torch.arange(100, 112, dtype=torch.float32).reshape(4, 3)
+            if iteration == 4:
+                model.table.t_()  # the same tensor and storage, its strides swapped
+            saved[iteration] = {key: value.clone() for key, value in model.state_dict().items()}
+            checkpointer.save(iteration, {"model": model})
+            checkpointer.wait()
+            model.table.add_(1000)  # after the save: not in it
+        for iteration in range(1, 5):
+            restored = checkpointer.restore(iteration=iteration)
+            assert restored is not None
+            assert_bit_equal(restored.state["model"], saved[iteration])
+
+
 def test_the_optimizer_step_still_waits_for_the_copy(shm_dir: Path, gate: Gate) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
