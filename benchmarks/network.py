@@ -40,10 +40,10 @@ interleaved where the replication interval is measured and machines are lost at 
   completions, and the two in tail iterations (the rest of a period is the wait for the next round: every
   machine done, a proposal led by the lead, every machine's pin, the go).
 * profile_idle_fraction: the idle fraction of the profile the sender schedules by (a window of 8
-  iterations, idle where 6 of them were, worker_lib.interleave.profile: jitter between iterations makes it
-  smaller than one iteration's idle fraction); replication_interval_profile_bound: the bound with that
-  idle fraction, mu (0.8) of it, and the tail's iteration time: what the interleaved sender can achieve
-  by design before any alignment wait.
+  iterations, spans ending where 6 of them ended, worker_lib.interleave.profile: jitter between
+  iterations makes it smaller than one iteration's idle fraction); replication_interval_profile_bound: the
+  bound with that idle fraction, mu (0.8) of it, and the tail's iteration time: what the interleaved
+  sender can achieve by design before any alignment wait.
 * machine_losses / peer_restores: at random instants of the tail a machine is declared lost and its rank's
   checkpoint of the job's aligned iteration is fetched from its peer's memory over the data plane (verified,
   and bit-exact against the lost machine's own copy) while every survivor still holds that iteration

@@ -8,8 +8,8 @@
 each bucket's all-reduce from the moment DDP hands it over to the moment its future completes, and a forward
 pre-hook that marks each iteration's start. Every iteration's busy spans (relative to its start) go into a
 sliding window; after the first `warmup + window` iterations, and again every `every` iterations, the
-window's profile (worker_lib.interleave.profile: median iteration length, busy where more than a quarter
-of the window's iterations communicated: a quantile, not the union) is published.
+window's profile (worker_lib.interleave.profile: median iteration length, busy spans from the earliest
+start to the end that 3/4 of the window's iterations stopped by: a quantile, not the union) is published.
 
 Publishing is a small file in the rank's shared-memory directory ($CASTOR_SHM_DIR, next to its checkpoint
 slots), mapped by both sides: the agent that already reads this rank's checkpoints from that directory reads

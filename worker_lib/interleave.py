@@ -24,8 +24,8 @@ MU = 0.8  # the paper's coefficient for the variance of idle spans across iterat
 ALPHA_S = 0.002  # startup time of one chunk (a send call and the first segment's round trip)
 CHUNK_MAX = 32 << 20  # the paper's R / p: 128 MB reserved, 4 sub-buffers
 CHUNK_MIN = 256 << 10  # below this a chunk is not worth its startup time
-# The share of a window's iterations that must have been idle at an instant for the profile to count it idle
-# (see profile): 6 of 8, 8 of 10. The union of every iteration's busy spans (1.0) left a quarter of an
+# The share of a window's iterations whose collectives a busy span of the profile must outlast (see
+# profile): 6 of 8, 8 of 10. The union of every iteration's busy spans (1.0) left a quarter of an
 # iteration idle where each iteration had half of one, under the jitter of a loaded host (docs/training.md).
 COVERAGE = 0.75
 
@@ -88,33 +88,42 @@ def idle_spans(busy: Sequence[Span], period: float) -> list[Span]:
 
 
 def profile(iterations: Sequence[IterationComm], coverage: float = COVERAGE) -> CommProfile | None:
-    """The profile of a window of iterations: the median length, and as busy every instant at which more
-    than 1 - `coverage` of the iterations communicated. An instant is idle in the profile when at least
-    `coverage` of the profiled iterations were idle then: a busy span's end in the profile is about the
-    `coverage` quantile of the iterations' ends (its start the complementary quantile of their starts),
-    so one late iteration in a window does not erase the idle span every other iteration had. `coverage`
-    1.0 is the union of every iteration's busy spans (an instant is idle only if no iteration
-    communicated then). The iterations the profile does not cover are the sender's in-flight check's
-    (next_grant: nothing is granted while training's collectives are on the wire). None without
-    iterations."""
+    """The profile of a window of iterations: the median length, and busy spans that begin where the
+    earliest iteration began communicating and end where at least `coverage` of the iterations had stopped.
+
+    The two ends are treated differently because the sender is guarded differently at each. A collective
+    that ends later than the profile says is the sender's in-flight check's (next_grant: nothing is
+    granted while training's collectives are on the wire), so a busy span ends at about the `coverage`
+    quantile of the iterations' ends: one late iteration in a window does not erase the idle span every
+    other iteration had. A collective that starts earlier than the profile says meets a chunk already
+    granted and queued on the socket, which no check can call back, so a busy span starts where the union
+    of the iterations' spans starts. Precisely: an instant is quantile-busy when more than 1 - `coverage`
+    of the iterations communicated then; each span of the union that holds quantile-busy instants is busy
+    from its start to its last quantile-busy instant, and a span of the union that holds none (a
+    collective seen in too few iterations) is left out. `coverage` 1.0 is the union of every iteration's
+    busy spans. None without iterations."""
     usable = [it for it in iterations if it.duration > 0]
     if not usable:
         return None
     period = statistics.median(it.duration for it in usable)
-    # Busy in the profile: at least `needed` of the iterations busy at that instant (1: the union).
+    # Quantile-busy: at least `needed` of the iterations busy at that instant (1: the union).
     needed = max(1, math.floor((1.0 - coverage) * len(usable) + 1e-9) + 1)
     # A sweep over every iteration's merged spans: +1 where one starts, -1 where one ends (ends first at
     # a tie, so two iterations' touching spans leave a point gap, which merge() closes again).
     events = sorted((t, delta) for it in usable for s, e in merge(it.busy) for t, delta in ((s, 1), (e, -1)))
-    spans: list[Span] = []
+    quantile: list[Span] = []
     count, opened = 0, 0.0
     for at, delta in events:
         if delta > 0 and count + 1 == needed:
             opened = at
         elif delta < 0 and count == needed:
-            spans.append((opened, at))
+            quantile.append((opened, at))
         count += delta
-    busy = merge(spans)
+    busy: list[Span] = []
+    for start, end in merge([span for it in usable for span in it.busy]):
+        inside = [e for s, e in merge(quantile) if start <= s and e <= end]
+        if inside:
+            busy.append((start, max(inside)))
     return CommProfile(period, tuple((s, min(e, period)) for s, e in busy if s < period))
 
 
