@@ -81,12 +81,18 @@ PIN_MIN_SLOTS = 3
 # machine and back (AGREE_PERIODS of the root's answers, at the observed commit rate), at least LEAD; the
 # lead is doubled each time the agreed iteration was overwritten before every local rank's copy could be
 # pinned (the root's answer came too late anyway) and eases off by a quarter with each one pinned in time.
-# A lead of 1 is the iteration training is computing now: a round waits for no iteration beyond it. An
-# agreed iteration that a machine committed shortly before the proposal reached it is still pinned from
-# its slot: with four slots and the aligned iteration pinned, an iteration stays in its slot until the
-# save three iterations later takes it, about two iterations after its commit, more than the one iteration
-# a lead rounded up to the travel time can fall short by.
-LEAD = 1
+# A lead of 1 is the iteration training is computing now. An agreed iteration that a machine committed
+# shortly before the proposal reached it is still pinned from its slot: with four slots and the aligned
+# iteration pinned, an iteration stays in its slot until the save three iterations later takes it, about
+# two iterations after its commit, more than the one iteration a lead rounded up to the travel time can
+# fall short by. When the travel takes at most NOW_TRAVEL of an iteration (the root's answers come many
+# times an iteration), the lead is 0: the newest iteration every local rank committed, pinned at once here
+# and, within that half iteration, from their slots on the others (with DDP's lockstep at most one
+# iteration ahead: a margin of half an iteration or more). Stores of fewer than LEAD_NOW_SLOTS slots keep
+# a lead of at least 1.
+LEAD = 1  # until the paces are known
+NOW_TRAVEL = 0.5
+LEAD_NOW_SLOTS = 4
 LEAD_MAX = 1 << 12
 # A proposal goes up with this machine's next heartbeat and reaches each other machine with its next one: two
 # heartbeat periods at worst, and half a period more for jitter.
@@ -276,7 +282,7 @@ class Replicator:
         # "" adopted, "pinned" (every rank), "running", "done" (this machine replicated it)
         self._next_state = ""
         self._go = False
-        self._lead = LEAD  # the backoff after misses; a proposal leads by at least the observed need
+        self._lead = 0  # the backoff after misses; a proposal leads by at least the observed need
         # The paces a proposal's lead follows: (time.monotonic(), iteration) of one local rank's commits, the
         # time of the root's answers (heartbeat responses), and of this machine's last commit.
         self._commit_times: deque[tuple[float, int]] = deque(maxlen=PACE_WINDOW)
@@ -525,11 +531,17 @@ class Replicator:
 
     def _needed_lead(self) -> int:
         """The iterations committed while a proposal reaches every machine: AGREE_PERIODS heartbeat periods at
-        the observed commit rate, rounded up (LEAD until both paces are known)."""
+        the observed commit rate, rounded up; 0 when that is at most NOW_TRAVEL of an iteration (and every
+        local store has LEAD_NOW_SLOTS slots); LEAD until both paces are known."""
         iteration_s, period_s = self._iteration_s(), self._answer_period_s()
         if iteration_s is None or period_s is None:
             return LEAD
-        return min(LEAD_MAX, max(LEAD, math.ceil(AGREE_PERIODS * period_s / iteration_s)))
+        travel = AGREE_PERIODS * period_s / iteration_s
+        if travel <= NOW_TRAVEL and all(
+            self.holdings.local_store(rank).slots >= LEAD_NOW_SLOTS for rank in self._local_ranks()
+        ):
+            return 0
+        return min(LEAD_MAX, max(1, math.ceil(travel)))
 
     def _stalled(self) -> bool:
         """Whether training stopped committing here (see STALL_MIN_S)."""
@@ -560,7 +572,7 @@ class Replicator:
             if len({version(p.manifest) for p in self._next_pins.values()}) == 1:
                 self._next_state = "pinned"
                 log.debug("iteration %d pinned for every local rank", self._next)
-                self._lead = max(LEAD, self._lead * 3 // 4)
+                self._lead = self._lead * 3 // 4
             else:  # ranks of different histories (a rollback under way): propose anew
                 self._drop_next()
 
@@ -588,7 +600,7 @@ class Replicator:
                 "a training process needs the slot pinned ahead for iteration %s: unpinned", self._next
             )
             self._drop_next()  # training first; the next proposal leads by more
-            self._lead = min(LEAD_MAX, max(self._lead, self._needed_lead()) * 2)
+            self._lead = min(LEAD_MAX, max(1, self._lead, self._needed_lead()) * 2)
         held = min(m.iteration for m in newest.values()) if newest and len(newest) == len(ranks) else None
         self._newest_common = held
         stalled = self._stalled()
@@ -620,7 +632,7 @@ class Replicator:
                 )
                 self._drop_next()
                 self.stats.missed += 1
-                self._lead = min(LEAD_MAX, max(self._lead, self._needed_lead()) * 2)
+                self._lead = min(LEAD_MAX, max(1, self._lead, self._needed_lead()) * 2)
         ahead = (
             self._pinned_version is not None
             and self._job_aligned is not None
@@ -631,6 +643,9 @@ class Replicator:
                 lead = max(self._lead, self._needed_lead())
                 self._next = held + lead
                 log.debug("proposing iteration %d (newest common %d, lead %d)", self._next, held, lead)
+                for rank in ranks if lead == 0 else ():  # committed already: pinned at once
+                    if self._next is not None and self._next_state == "" and rank not in self._next_pins:
+                        self._pin_next(rank)
             elif self._job_aligned is None or held > self._job_aligned:
                 # Training stopped: the newest iteration every local rank holds, pinned at once.
                 self._next = held

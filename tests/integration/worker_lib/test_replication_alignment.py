@@ -361,6 +361,39 @@ def test_iterations_shorter_than_a_heartbeat_period_miss_no_agreed_iteration(
     )
 
 
+def test_iterations_far_longer_than_the_answers_agree_on_an_iteration_already_committed(
+    ring: Ring, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The root answers each machine many times an iteration (a proposal travels in well under half an
+    iteration): a proposal leads by nothing, the newest iteration every rank committed, pinned from the slots
+    at once, so no round waits for a commit; none is overwritten before it is pinned, and at every iteration
+    the aligned one is in memory for every rank whichever machine is lost."""
+    caplog.set_level(logging.DEBUG, logger="worker_lib.agent.replication")
+    advances: list[int] = []
+    agreed_committed = 0  # targets named while every rank had already committed them
+    for _ in range(200):
+        ring.commit()
+        for _ in range(8):  # heartbeats of every machine between two commits
+            time.sleep(0.005)
+            for machine in range(MACHINES):
+                alignment = ring.heartbeat(machine)
+                if alignment.target is not None and alignment.target <= ring.iteration:
+                    agreed_committed += 1
+        aligned = alignment.aligned_iteration
+        if aligned is not None:
+            for lost in range(MACHINES):
+                assert aligned in common_after_losing(lost, ring.holdings), (lost, aligned)
+            if not advances or advances[-1] != aligned:
+                advances.append(aligned)
+        if len(advances) >= 6:
+            break
+    assert len(advances) >= 6, f"the aligned iteration advances: {advances} by iteration {ring.iteration}"
+    proposals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("proposing iteration")]
+    assert any(m.endswith("lead 0)") for m in proposals), proposals
+    assert agreed_committed > 0
+    assert overwritten(caplog) == 0
+
+
 def test_training_that_stops_still_gets_its_last_iteration_aligned_and_replicated(ring: Ring) -> None:
     """Every rank waits after an iteration (a pause, a stalled collective) while the agreed iteration is
     still to come: the machines agree on an iteration they all hold instead, and replicate it."""
