@@ -116,14 +116,14 @@ class BufferSnapshot:
                 for i in members
                 for t in (tensors[i],)
             ]
-            key = (storage_key, first.untyped_storage().nbytes(), tuple(described))
+            made_for = (storage_key, first.untyped_storage().nbytes(), tuple(described))
             cached = self._views[n] if n < len(self._views) else None
-            if cached is not None and cached[0] == key:
-                copy = self._side[n]
-                copy.copy_(cached[1])
-                side.append(copy)
+            if cached is not None and cached[0] == made_for:
+                kept = self._side[n]
+                kept.copy_(cached[1])
+                side.append(kept)
                 views.append(cached)
-                address = copy.untyped_storage().data_ptr()
+                address = kept.untyped_storage().data_ptr()
                 for i, view in zip(members, cached[2], strict=True):
                     captured_storages[i] = address
                     captured[i] = view
@@ -157,7 +157,7 @@ class BufferSnapshot:
                     view = torch._neg_view(view)
                 captured[i] = view
                 made.append(view)
-            views.append((key, source, made))
+            views.append((made_for, source, made))
         self._side = side
         self._views = views
         return captured, captured_storages
