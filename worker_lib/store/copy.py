@@ -34,9 +34,10 @@ from worker_lib.store.faults import pause_point
 # 2 MiB: a restore hashes a stripe before copying it out, so a stripe per copy thread must stay in cache
 # between the two (1 GiB restored in 81 ms here with 2 MiB stripes, 89 ms with 8 MiB; saves the same).
 STRIPE_BYTES = 2 << 20
-# A piece and its source fit in L2 (1 MiB per core here, 1-2 MiB on current server cores) with room to
-# spare, so the hash that follows the copy reads cache; fewer, larger pieces would only save Python calls
-# (about a microsecond each, a few thousand per GiB).
+# A piece and its source fit in L2 (512 KiB per core here: lscpu's 1 MiB is over 2 instances; 1-2 MiB on
+# current server cores), so the hash that follows the copy reads cache; fewer, larger pieces would only save
+# Python calls (about a microsecond each, a few thousand per GiB). Smaller ones were no better here: 64 and
+# 128 KiB pieces cost as much CPU per save as 256 KiB (docs/store.md, "Sharded states").
 PIECE_BYTES = 256 << 10
 # True: a save hashes a stripe's contiguous sources first, then copies them from cache. One thread alone
 # gains from it (13.4 GB/s per stripe against 12.0 for a plain memmove), but with every core copying, the
