@@ -139,9 +139,7 @@ async def report_persisted(
     beyond the newest P are deleted, only ever inside this job's own prefix. A report writes its own
     shard's row; only one that finds every rank's shard in takes the job row's lock."""
     tier = persistence.tier_of(state.settings)
-    expired = await persistence.record_persisted(
-        state.database, job_id, rank, body, tier, state.settings
-    )
+    expired = await persistence.record_persisted(state.database, job_id, rank, body, tier, state.settings)
     if expired:
         background.add_task(delete_persisted, state.settings, str(job_id), expired)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
