@@ -119,9 +119,10 @@ def profile(iterations: Sequence[IterationComm], coverage: float = COVERAGE) -> 
         elif delta < 0 and count == needed:
             quantile.append((opened, at))
         count += delta
+    quantile = merge(quantile)
     busy: list[Span] = []
     for start, end in merge([span for it in usable for span in it.busy]):
-        inside = [e for s, e in merge(quantile) if start <= s and e <= end]
+        inside = [e for s, e in quantile if start <= s and e <= end]
         if inside:
             busy.append((start, max(inside)))
     return CommProfile(period, tuple((s, min(e, period)) for s, e in busy if s < period))
