@@ -34,6 +34,12 @@ from worker_lib.agent.heartbeat import etcd_heartbeats
 
 HEARTBEAT_TIMEOUT_S = 1.5
 LONG_GRACE_S = 3600.0
+# What a gloo rank raises when the peer it was reading from is gone (torch 2.13, measured).
+GLOO_RESET = {
+    "type": "RuntimeError",
+    "message": "RuntimeError: [third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+    "[10.0.0.2]:62647: Connection reset by peer.",
+}
 
 
 @pytest.fixture(scope="module", params=["postgres", "sqlite"])
@@ -110,7 +116,7 @@ async def test_a_silent_machine_is_suspect_and_lost_when_its_peer_fails_then_rei
         assert (await scenario.api(""))["state"] == "running"
 
         # Machine 0's training process fails in a collective: the second signal.
-        await scenario.kill_process(0)
+        await scenario.kill_process(0, 1, GLOO_RESET)
         assert await machine_state(scenario, 1) == "failed"
         (event,) = await scenario.api("/failures")
         assert (event["kind"], event["rank"]) == ("hardware", 1)
@@ -130,6 +136,29 @@ async def test_a_silent_machine_is_suspect_and_lost_when_its_peer_fails_then_rei
         assert "heartbeats resumed" in event["details"]["reinstated"]["why"]
         # The recovery its loss opened goes on with it: it reports what it holds like the survivor.
         await scenario.plan(2, "collecting")
+
+
+async def test_a_peer_failure_of_its_own_leaves_a_slow_suspect_suspect(client: httpx.AsyncClient) -> None:
+    """A process that fails for a reason of its own (its ValueError, the OOM killer's SIGKILL) was not
+    waiting on the silent machine: the silent machine stays suspect (on AWS it is not terminated), and the
+    exit opens its own software failure. A collective failure after it is the second signal."""
+    scenario = await two_machines(client)
+    async with heartbeating(scenario, [0]):
+        await eventually(lambda: in_state(scenario, 1, "suspect"), "machine 1 to be suspect")
+        await scenario.kill_process(0, 1, {"type": "ValueError", "message": "ValueError: bad batch"})
+        await scenario.kill_process(0, -9)
+        assert await machine_state(scenario, 1) == "suspect"
+        (event,) = await scenario.api("/failures")
+        assert (event["kind"], event["rank"]) == ("software", 0)
+        assert "ValueError: bad batch" in event["cause"]
+        # The leader's pass judges the suspect against the open exits too: they stay its own.
+        await asyncio.sleep(3 * HEARTBEAT_TIMEOUT_S)
+        assert await machine_state(scenario, 1) == "suspect"
+
+        await scenario.kill_process(0, 1, GLOO_RESET)
+        assert await machine_state(scenario, 1) == "failed"
+        causes = sorted((e["kind"], e["rank"]) for e in await scenario.api("/failures"))
+        assert causes == [("hardware", 1), ("software", 0)], "the ValueError stays a failure of its own"
 
 
 async def _replacement_status(scenario: Scenario, status: str) -> bool:

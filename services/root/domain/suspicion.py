@@ -5,8 +5,8 @@ opinion, and applies the verdict.
 A lapse of heartbeats alone (a REST timeout, an expired etcd lease) makes a machine `suspect`: on a loaded
 host a healthy agent's heartbeats can queue past their timeout, and replacing a healthy machine costs a
 recovery (and, on AWS, the instance). A suspect is declared lost on a second signal:
-- its peers' training processes failed after its last sign of life (they were waiting on it in a
-  collective), reported by their agents;
+- its peers' training processes failed after its last sign of life in a way that points at a peer (they
+  were waiting on it in a collective: `implicates_a_peer`), reported by their agents;
 - the cloud operator says its instance is gone (the local operator saw its agent process exit; the Auto
   Scaling Group no longer has it healthy);
 or after `grace` seconds of suspicion without either. Its heartbeats resuming first reinstates it; a failed
@@ -15,12 +15,51 @@ machine whose heartbeats resume before a replacement took its rank is reinstated
 
 from __future__ import annotations
 
+import re
+import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 # How long before a suspect's last heartbeat a peer's crash still counts as caused by it (the heartbeat is
 # periodic: the machine may have died up to one interval after it), as flows.failures.SYMPTOM_SLACK.
 PEER_SLACK = timedelta(seconds=2)
+
+
+# Exceptions that say a process lost a peer: torch.distributed's own error types, gloo's and NCCL's
+# transport errors (gloo: "Read error ...: Connection reset by peer", "Timed out waiting 5000ms for recv
+# operation to complete"; NCCL: "Watchdog caught collective operation timeout"), a store that went away,
+# and a process the agent's hang watchdog stopped (it stopped committing: most often stuck in a collective).
+_PEER_ERROR_TYPES = frozenset({"DistBackendError", "DistNetworkError", "DistStoreError", "DistError", "Hung"})
+_PEER_ERROR_WORDS = re.compile(
+    r"gloo|nccl|c10d|processgroup|collective|connection (?:reset|closed|refused|aborted)|broken pipe"
+    r"|timed out waiting|socket timeout|store->get",
+    re.IGNORECASE,
+)
+# Signals that come from outside the process (the kernel's OOM killer, an operator, a scheduler): a process
+# they ended was not failing in a collective. SIGABRT is not among them: NCCL's watchdog aborts the process
+# when a collective times out, and gloo's threads can too.
+_EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
+
+def implicates_a_peer(exit_code: int | None, error: Mapping[str, Any] | None) -> bool:
+    """Whether a training process's failure may be its waiting on a dead peer, so that it can be a
+    silent machine's second signal (and fold into its loss as a symptom).
+
+    With the exception the process recorded (torchelastic's error file, or the hang watchdog's report),
+    only a communication failure does: a ValueError in the training code or a CUDA out-of-memory says
+    nothing about the peers. Without one, a kill by a signal from outside the process does not, and
+    anything else (a script without `@record` exiting with 1, an abort) may: the exit code alone cannot
+    tell, and treating it as a symptom keeps what a machine loss costs to its old bound."""
+    if error:
+        kind = str(error.get("type") or "").rsplit(".", 1)[-1]
+        text = f"{error.get('message') or ''}"
+        return kind in _PEER_ERROR_TYPES or bool(_PEER_ERROR_WORDS.search(text))
+    if exit_code is None:
+        return True
+    signum = -exit_code if exit_code < 0 else exit_code - 128 if exit_code > 128 else 0
+    return signum not in _EXTERNAL_SIGNALS
 
 
 @dataclass(frozen=True)
@@ -61,7 +100,8 @@ def verdict(
 ) -> str | None:
     """Why a suspect is lost now (the cause recorded on its failure event), or None: still suspect.
 
-    `peer_failures`: when the job's open process-exit failures on other machines were detected;
+    `peer_failures`: when the job's open process-exit failures on other machines that implicate a peer
+    (`implicates_a_peer`) were detected;
     `operator_says_gone`: the cloud operator's health check (None: it does not know this machine)."""
     if machine.state != "suspect" or machine.suspected_at is None:
         return None

@@ -29,6 +29,7 @@ from services.root.db.models import (
     PlanStatus,
     utcnow,
 )
+from services.root.domain.suspicion import implicates_a_peer
 from services.root.flows.machines import live_machine_at
 
 ACTIVE_STATES = (JobState.RUNNING, JobState.RECOVERING)
@@ -57,8 +58,14 @@ async def record_exit(
     job = locked
     # A peer whose heartbeats lapsed is what this process was waiting on in a collective: the second
     # signal that declares it lost. Its failure opens first, so this exit joins it as a consequence. One
-    # exit explains one suspect, the longest silent (another suspect may merely be slow).
-    suspects = [m for m in await repo.suspect_machines(session, job.id) if m.id != machine.id]
+    # exit explains one suspect, the longest silent (another suspect may merely be slow). An exit that
+    # says nothing of its peers (its own ValueError, an OOM kill) leaves a slow suspect to the grace.
+    error = request.error.model_dump() if request.error is not None else None
+    suspects = (
+        [m for m in await repo.suspect_machines(session, job.id) if m.id != machine.id]
+        if implicates_a_peer(request.exit_code, error)
+        else []
+    )
     if suspects:
         suspect = min(suspects, key=lambda m: m.last_heartbeat_at or m.registered_at)
         await machine_lost(
@@ -81,7 +88,7 @@ async def record_exit(
         # The exception itself, not only its exit code: in the cause (the pages' and the CLI's one line,
         # within the column's 500 characters) and whole in the details (the failure page's traceback).
         what = f"{what}: {request.error.message}"[:500]
-        details["error"] = request.error.model_dump()
+        details["error"] = error
     current = await joinable_failures(session, job)
     if current:
         consequence = current[0]
@@ -115,8 +122,9 @@ async def machine_lost(
 ) -> FailureEvent | None:
     """The machine is gone (agent, processes and memory): a hardware failure; it will be replaced.
 
-    Training processes on other machines that crashed after this machine's last sign of life were waiting
-    on it in a collective: they are symptoms, not failures of their own. Their events fold into this one,
+    Training processes on other machines that crashed after this machine's last sign of life in a way that
+    points at a peer (`is_peer_symptom`) were waiting on it in a collective: they are symptoms, not
+    failures of their own. Their events fold into this one,
     whose detection time becomes the first symptom's (the failure was noticed then; it is classified now).
     """
     if machine.state in (MachineState.FAILED, MachineState.REPLACED) or job.state not in ACTIVE_STATES:
@@ -127,9 +135,7 @@ async def machine_lost(
     symptoms = [
         e
         for e in await joinable_failures(session, job)
-        if e.kind == FailureKind.SOFTWARE
-        and e.machine_id != machine.id
-        and e.detected_at >= last_seen - SYMPTOM_SLACK
+        if is_peer_symptom(e) and e.machine_id != machine.id and e.detected_at >= last_seen - SYMPTOM_SLACK
     ]
     event = FailureEvent(
         job_id=job.id,
@@ -153,6 +159,14 @@ async def machine_lost(
     session.add(event)
     await session.flush()
     return event
+
+
+def is_peer_symptom(event: FailureEvent) -> bool:
+    """A process's failure that may be its waiting on a dead peer (see suspicion.implicates_a_peer)."""
+    details = event.details or {}
+    return event.kind == FailureKind.SOFTWARE and implicates_a_peer(
+        details.get("exit_code"), details.get("error")
+    )
 
 
 async def joinable_failures(session: AsyncSession, job: Job) -> list[FailureEvent]:

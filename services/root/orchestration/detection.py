@@ -27,9 +27,15 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.root.clients import CloudOperator
 from services.root.clients.etcd import CoordinatorUnavailable, EtcdCoordinator, MachineKey
 from services.root.db import repository as repo
-from services.root.db.models import FailureKind, Job, JobState, Machine, MachineState, utcnow
+from services.root.db.models import Job, JobState, Machine, MachineState, utcnow
 from services.root.domain import suspicion
-from services.root.flows.failures import joinable_failures, latest_silent_losses, machine_lost, reinstate
+from services.root.flows.failures import (
+    is_peer_symptom,
+    joinable_failures,
+    latest_silent_losses,
+    machine_lost,
+    reinstate,
+)
 from services.root.flows.machines import record_summaries
 from services.root.orchestration.leadership import Deposed, Leadership
 from services.root.orchestration.per_job import PerJob
@@ -167,7 +173,7 @@ class Detectors:
                     exits = [
                         (e.machine_id, e.detected_at)
                         for e in await joinable_failures(session, job)
-                        if e.kind == FailureKind.SOFTWARE
+                        if is_peer_symptom(e)
                     ]
                 why = suspicion.verdict(
                     seen,

@@ -75,13 +75,15 @@ class Scenario:
             }
             await self.post(f"/machines/{rank}/heartbeat", {"instance_id": instance, "summary": summary}, 200)
 
-    async def kill_process(self, rank: int, exit_code: int = -9) -> int:
-        body = {
+    async def kill_process(self, rank: int, exit_code: int = -9, error: dict[str, str] | None = None) -> int:
+        body: dict[str, Any] = {
             "instance_id": self.instances[rank],
             "local_rank": 0,
             "global_rank": rank,
             "exit_code": exit_code,
         }
+        if error is not None:
+            body["error"] = error
         response = await self.post(f"/machines/{rank}/exits", body, 202)
         failure_id = response.json()["failure_id"]
         assert isinstance(failure_id, int)

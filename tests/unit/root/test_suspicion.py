@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from services.root.domain.suspicion import Seen, lapsed, reinstatable, resumed, verdict
+from services.root.domain.suspicion import Seen, implicates_a_peer, lapsed, reinstatable, resumed, verdict
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -62,3 +62,35 @@ def test_a_failed_machine_is_reinstated_only_before_its_replacement_registered()
     assert not reinstatable("failed", at(5), at(4), replaced=True)
     assert not reinstatable("failed", at(3), at(4), replaced=False), "no heartbeat since it failed"
     assert not reinstatable("healthy", at(5), at(4), replaced=False)
+
+
+def error(kind: str, message: str) -> dict[str, str]:
+    return {"type": kind, "message": f"{kind}: {message}", "traceback": ""}
+
+
+def test_only_a_failure_that_may_be_waiting_on_a_peer_implicates_one() -> None:
+    gloo = (
+        "[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:1: Connection reset by peer"
+    )
+    for exit_code, recorded in [
+        (1, error("RuntimeError", gloo)),
+        (1, error("RuntimeError", "[unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation")),
+        (1, error("torch.distributed.DistBackendError", "Watchdog caught collective operation timeout")),
+        (1, error("DistNetworkError", "failed to recv, got 0 bytes")),
+        (-9, error("Hung", "no commit for 60s")),  # the agent's hang watchdog stopped it
+        (1, None),  # no error file (a script without @record): it may be
+        (-6, None),  # an abort: NCCL's watchdog
+        (134, None),
+        (None, None),
+    ]:
+        assert implicates_a_peer(exit_code, recorded), (exit_code, recorded)
+    for exit_code, recorded in [
+        (1, error("ValueError", "bad batch")),
+        (1, error("torch.OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB")),
+        (1, error("KeyError", "'labels'")),
+        (-9, None),  # the OOM killer
+        (137, None),
+        (-15, None),
+        (-2, None),
+    ]:
+        assert not implicates_a_peer(exit_code, recorded), (exit_code, recorded)
