@@ -467,7 +467,13 @@ async def metrics(request: Request) -> Response:
         "castor_machines_reinstated", "Suspect or failed machines reinstated when their heartbeats resumed."
     )
     reinstated.add_metric([], state.castor.orchestrator.reinstated)
-    families += [up, leader, step_failures, reinstated, *state.castor_metrics.registry.collect()]
+    en_masse = GaugeMetricFamily(
+        "castor_jobs_silent_en_masse",
+        "Jobs so many of whose machines are silent at once that none is declared lost on silence alone "
+        "(CASTOR_MASS_SILENCE_FRACTION): look at the root's host, etcd and the network to them.",
+    )
+    en_masse.add_metric([], state.castor.orchestrator.jobs_silent_en_masse)
+    families += [up, leader, step_failures, reinstated, en_masse, *state.castor_metrics.registry.collect()]
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(f for f in families if not isinstance(f, RowsFamily)))
     rows = "".join(f.render() for f in families if isinstance(f, RowsFamily)).encode()

@@ -66,6 +66,16 @@ class Settings(BaseSettings):
         "local operator, the cloud's health check). Its heartbeats resuming first reinstates it.",
     )
 
+    mass_silence_fraction: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="When at least this share of a job's machines (and at least 3) are silent at once "
+        "(suspect, or declared lost and not replaced yet), the grace alone declares none of them lost: so "
+        "many silent at once points at the observer (the root's host, etcd, the network to them) rather "
+        "than the machines. A second signal still declares a suspect lost.",
+    )
+
     inventory_timeout_s: float = Field(
         30.0,
         gt=0,

@@ -195,6 +195,39 @@ async def test_a_suspect_without_a_second_signal_is_lost_after_the_grace(
         await scenario.plan(2, "collecting")
 
 
+async def test_machines_silent_en_masse_are_not_declared_lost_on_the_grace_alone(
+    client: httpx.AsyncClient, suspicious_app: FastAPI
+) -> None:
+    """3 of 4 machines silent at once (the default share, 25 %, and at least 3): the root suspects itself
+    or etcd rather than the machines and declares none lost on silence, says so on /metrics, and still
+    takes a second signal; once fewer are silent, the grace applies again."""
+    scenario = Scenario(client, await create_job(client, machines=4, replicas=2))
+    await scenario.register(["i-0", "i-1", "i-2", "i-3"])
+    await scenario.heartbeat(5)
+    suspicious_app.state.castor.settings.suspect_grace_s = 0.5
+    async with heartbeating(scenario, [0]):
+        for rank in (1, 2, 3):
+            await eventually(lambda r=rank: in_state(scenario, r, "suspect"), f"machine {rank} to be suspect")
+        await asyncio.sleep(3 * HEARTBEAT_TIMEOUT_S)  # well past the grace, several leader passes
+        assert [await machine_state(scenario, rank) for rank in (1, 2, 3)] == ["suspect"] * 3
+        assert await scenario.api("/failures") == []
+        assert "castor_jobs_silent_en_masse 1.0" in (await client.get("/metrics")).text
+
+        # A second signal still declares one lost: a collective failure on machine 0 explains the longest
+        # silent (machine 1: the scenario's heartbeats went in rank order).
+        await scenario.kill_process(0, 1, GLOO_RESET)
+        assert [await machine_state(scenario, rank) for rank in (1, 2, 3)] == ["failed", "suspect", "suspect"]
+
+        # Machine 2 comes back: one silent machine is believable again, and the grace declares it lost.
+        async with heartbeating(scenario, [2]):
+            await eventually(lambda: in_state(scenario, 3, "failed"), "the grace to apply again")
+            assert await _metric_is(client, "castor_jobs_silent_en_masse", 0.0)
+
+
+async def _metric_is(client: httpx.AsyncClient, name: str, value: float) -> bool:
+    return f"{name} {value}" in (await client.get("/metrics")).text
+
+
 async def test_a_reinstated_machine_that_goes_silent_again_is_lost_again_and_stays_lost(
     client: httpx.AsyncClient, suspicious_app: FastAPI
 ) -> None:

@@ -9,12 +9,17 @@ recovery (and, on AWS, the instance). A suspect is declared lost on a second sig
   were waiting on it in a collective: `implicates_a_peer`), reported by their agents;
 - the cloud operator says its instance is gone (the local operator saw its agent process exit; the Auto
   Scaling Group no longer has it healthy);
-or after `grace` seconds of suspicion without either. Its heartbeats resuming first reinstates it; a failed
-machine whose heartbeats resume before a replacement took its rank is reinstated too.
+or after `grace` seconds of suspicion without either, unless the job's machines are silent en masse
+(`mass_silence`): when a large share of them lapse at once, the observer (the root's host, etcd, the
+network to them) is the likelier fault, and silence alone declares none lost (as Kubernetes' node
+controller stops evicting in a zone where most nodes went unready at once). Its heartbeats resuming
+first reinstates it; a failed machine whose heartbeats resume before a replacement took its rank is
+reinstated too.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import signal
 from collections.abc import Mapping
@@ -62,6 +67,16 @@ def implicates_a_peer(exit_code: int | None, error: Mapping[str, Any] | None) ->
     return signum not in _EXTERNAL_SIGNALS
 
 
+# Below this many suspects a job's silence is never "en masse": a group of 2 of a 4-machine job (a real
+# rack's loss) must still be declared lost on the grace alone.
+MASS_SILENCE_MIN = 3
+
+
+def mass_silence(suspects: int, machines: int, fraction: float) -> bool:
+    """Whether `suspects` of a job's `machines` silent at once are too many to believe (see the module)."""
+    return suspects >= max(MASS_SILENCE_MIN, math.ceil(fraction * machines))
+
+
 @dataclass(frozen=True)
 class Seen:
     """What the leader knows of one machine."""
@@ -97,8 +112,12 @@ def verdict(
     *,
     peer_failures: list[datetime],
     operator_says_gone: bool | None,
+    en_masse: bool = False,
 ) -> str | None:
     """Why a suspect is lost now (the cause recorded on its failure event), or None: still suspect.
+
+    `en_masse`: the job's machines are silent in such numbers (`mass_silence`) that the grace declares
+    nothing; the second signals still do.
 
     `peer_failures`: when the job's open process-exit failures on other machines that implicate a peer
     (`implicates_a_peer`) were detected;
@@ -111,7 +130,7 @@ def verdict(
     if any(at >= last - PEER_SLACK for at in peer_failures):
         return "stopped heartbeating, and its peers' training processes failed"
     silent = (now - machine.suspected_at).total_seconds()
-    if silent > grace_s:
+    if silent > grace_s and not en_masse:
         return f"stopped heartbeating (suspect for {silent:.0f}s without a sign of life)"
     return None
 

@@ -182,28 +182,21 @@ async def joinable_failures(session: AsyncSession, job: Job) -> list[FailureEven
     ]
 
 
-async def reinstate(session: AsyncSession, job: Job, machine: Machine, why: str) -> FailureEvent | None:
-    """A suspect or failed machine's heartbeats resumed: it is healthy again. A failed one's open failure
-    records the reinstatement and its replacement request is cancelled (a replacement already started that
-    later registers finds the rank taken). The recovery it opened goes on: training stopped for it, and the
-    reinstated machine reports what it holds like every survivor. Returns the failure event, if any."""
-    was = machine.state
+def reinstate(machine: Machine, why: str, loss: FailureEvent | None = None) -> None:
+    """A suspect or failed machine's heartbeats resumed: it is healthy again. A failed one's loss (its
+    newest open one declared for its silence, see latest_silent_losses: the caller has the job's open
+    failures in hand) records the reinstatement and its replacement request is cancelled (a replacement
+    already started that later registers finds the rank taken). The recovery it opened goes on: training
+    stopped for it, and the reinstated machine reports what it holds like every survivor."""
     machine.state, machine.suspected_at = MachineState.HEALTHY, None
-    if was != MachineState.FAILED:
-        return None
-    now = utcnow()
-    # Its newest loss: an older one of a loss already reinstated stays as it was recorded.
-    for event in sorted(await repo.open_failures(session, job.id), key=_classified, reverse=True):
-        mine = event.machine_id == machine.id and event.kind == FailureKind.HARDWARE
-        if mine and event.replaced_at is None and "reinstated" not in event.details:
-            replacement = event.details.get("replacement")
-            event.details = {
-                **event.details,
-                "reinstated": {"at": now.isoformat(), "why": why},
-                **({"replacement": {**replacement, "status": "cancelled"}} if replacement else {}),
-            }
-            return event
-    return None
+    if loss is None:
+        return
+    replacement = loss.details.get("replacement")
+    loss.details = {
+        **loss.details,
+        "reinstated": {"at": utcnow().isoformat(), "why": why},
+        **({"replacement": {**replacement, "status": "cancelled"}} if replacement else {}),
+    }
 
 
 def latest_silent_losses(events: Sequence[FailureEvent]) -> dict[int, FailureEvent]:

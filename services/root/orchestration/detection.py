@@ -22,12 +22,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.root.clients import CloudOperator
 from services.root.clients.etcd import CoordinatorUnavailable, EtcdCoordinator, MachineKey
 from services.root.db import repository as repo
-from services.root.db.models import Job, JobState, Machine, MachineState, utcnow
+from services.root.db.models import FailureEvent, Job, JobState, Machine, MachineState, utcnow
 from services.root.domain import suspicion
 from services.root.flows.failures import (
     is_peer_symptom,
@@ -65,6 +64,8 @@ class Detectors:
         self.operator = operator
         self.coordinator = coordinator
         self.reinstated = 0  # machines reinstated (suspect or failed, and their heartbeats resumed)
+        # Jobs whose machines are silent en masse (suspicion.mass_silence): the grace declares none lost.
+        self.mass_silent_jobs: set[uuid.UUID] = set()
         self._summaries_written: dict[tuple[str, int], float] = {}
         self._silent_keys: set[MachineKey] = set()  # etcd keys whose lease expired, until they come back
         self._lease_events = LeaseEvents()
@@ -139,6 +140,7 @@ class Detectors:
                 await repo.machines_to_judge(session, job_id, lapsed_before),
                 key=lambda m: m.last_heartbeat_at or m.registered_at,
             )
+            en_masse = self._note_mass_silence(job, machines, now)
             events = list(await repo.open_failures(session, job_id))
             silent_losses = latest_silent_losses(events)
             exits: list[Any] | None = None  # read when a suspect needs them, again after each loss
@@ -150,9 +152,7 @@ class Detectors:
                     )
                     seen = _seen(machine)
                 if suspicion.resumed(seen):
-                    await self._reinstate(
-                        session, job, machine, "its heartbeats resumed while it was suspect"
-                    )
+                    self._reinstate(job, machine, "its heartbeats resumed while it was suspect")
                     continue
                 if machine.state == MachineState.FAILED:
                     failure = silent_losses.get(machine.id)
@@ -162,8 +162,8 @@ class Detectors:
                         failure.classified_at,
                         failure.replaced_at is not None,
                     ):
-                        await self._reinstate(
-                            session, job, machine, "its heartbeats resumed before a replacement registered"
+                        self._reinstate(
+                            job, machine, "its heartbeats resumed before a replacement registered", failure
                         )
                     continue
                 if machine.state != MachineState.SUSPECT:
@@ -181,6 +181,7 @@ class Detectors:
                     self.settings.suspect_grace_s,
                     peer_failures=[at for machine_id, at in exits if machine_id != machine.id],
                     operator_says_gone=self._operator_says_gone(machine.instance_id),
+                    en_masse=en_masse,
                 )
                 if why is not None:
                     log.warning(
@@ -198,6 +199,42 @@ class Detectors:
                         },
                     )
 
+    def _note_mass_silence(self, job: Job, machines: list[Machine], now: datetime) -> bool:
+        """Whether the job's machines are silent en masse: suspect, those the heartbeat timeout makes
+        suspect in this pass, and those declared lost and not replaced yet (one of many declared lost on a
+        second signal is still one of the many silent). Logs when that starts and ends."""
+        lapsed_before = self._lapsed_before(now)
+        silent = sum(
+            m.state in (MachineState.SUSPECT, MachineState.FAILED)
+            or (
+                lapsed_before is not None
+                and m.state in _UNSUSPECTED
+                and (m.last_heartbeat_at or m.registered_at) < lapsed_before
+            )
+            for m in machines
+        )
+        en_masse = suspicion.mass_silence(silent, job.num_machines, self.settings.mass_silence_fraction)
+        if en_masse and job.id not in self.mass_silent_jobs:
+            self.mass_silent_jobs.add(job.id)
+            log.warning(
+                "job %s: %d of %d machines are silent at once: more likely the root's host, etcd or the "
+                "network to them than the machines; none is declared lost on silence alone until fewer "
+                "than %g%% are",
+                job.name,
+                silent,
+                job.num_machines,
+                100 * self.settings.mass_silence_fraction,
+            )
+        elif not en_masse and job.id in self.mass_silent_jobs:
+            self.mass_silent_jobs.discard(job.id)
+            log.warning(
+                "job %s: %d of %d machines silent: the grace applies again",
+                job.name,
+                silent,
+                job.num_machines,
+            )
+        return en_masse
+
     def _suspect(self, job: Job, machine: Machine, now: Any, why: str) -> None:
         machine.state, machine.suspected_at = MachineState.SUSPECT, now
         log.warning(
@@ -209,9 +246,11 @@ class Detectors:
             self.settings.suspect_grace_s,
         )
 
-    async def _reinstate(self, session: AsyncSession, job: Job, machine: Machine, why: str) -> None:
-        was = machine.state
-        event = await reinstate(session, job, machine, why)
+    def _reinstate(self, job: Job, machine: Machine, why: str, loss: FailureEvent | None = None) -> None:
+        # The loss comes from the open failures the pass read once: reading them again per machine made a
+        # pass that reinstated hundreds of machines (a lease storm) quadratic in them.
+        was, event = machine.state, loss
+        reinstate(machine, why, loss)
         self.reinstated += 1
         log.warning(
             "job %s: machine %d (%s) reinstated (was %s): %s%s",

@@ -70,6 +70,10 @@ class Orchestrator:
     def reinstated(self) -> int:
         return self.detectors.reinstated
 
+    @property
+    def jobs_silent_en_masse(self) -> int:
+        return len(self.detectors.mass_silent_jobs)
+
     async def step(self, job_id: Any) -> None:
         """One step of one job's recovery (recovery_driver)."""
         await self.driver.step(job_id)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from services.root.domain.suspicion import Seen, implicates_a_peer, lapsed, reinstatable, resumed, verdict
+from services.root.domain.suspicion import (
+    Seen,
+    implicates_a_peer,
+    lapsed,
+    mass_silence,
+    reinstatable,
+    resumed,
+    verdict,
+)
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -94,3 +102,20 @@ def test_only_a_failure_that_may_be_waiting_on_a_peer_implicates_one() -> None:
         (-2, None),
     ]:
         assert not implicates_a_peer(exit_code, recorded), (exit_code, recorded)
+
+
+def test_silence_en_masse_needs_a_share_of_the_job_and_at_least_three_machines() -> None:
+    assert not mass_silence(2, 4, 0.25), "a group of 2 of 4 (a rack) is believed"
+    assert mass_silence(3, 4, 0.25)
+    assert not mass_silence(2, 2, 0.25), "never below 3"
+    assert not mass_silence(249, 1000, 0.25)
+    assert mass_silence(250, 1000, 0.25)
+    assert not mass_silence(499, 1000, 0.5) and mass_silence(500, 1000, 0.5)
+
+
+def test_en_masse_the_grace_declares_nothing_but_a_second_signal_still_does() -> None:
+    assert verdict(suspect(), at(60), 10.0, peer_failures=[], operator_says_gone=None, en_masse=True) is None
+    why = verdict(suspect(), at(4), 10.0, peer_failures=[at(1)], operator_says_gone=None, en_masse=True)
+    assert why is not None and "peers' training processes failed" in why
+    why = verdict(suspect(), at(4), 10.0, peer_failures=[], operator_says_gone=True, en_masse=True)
+    assert why is not None and "cloud operator" in why
