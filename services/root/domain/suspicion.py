@@ -113,11 +113,14 @@ def verdict(
     peer_failures: list[datetime],
     operator_says_gone: bool | None,
     en_masse: bool = False,
+    believed_since: datetime | None = None,
 ) -> str | None:
     """Why a suspect is lost now (the cause recorded on its failure event), or None: still suspect.
 
     `en_masse`: the job's machines are silent in such numbers (`mass_silence`) that the grace declares
-    nothing; the second signals still do.
+    nothing; the second signals still do. `believed_since`: when the job's last mass silence ended; the
+    grace counts from then for a machine suspected before (silence during it proved nothing, and the
+    machines of a lapse storm come back over seconds, not at once).
 
     `peer_failures`: when the job's open process-exit failures on other machines that implicate a peer
     (`implicates_a_peer`) were detected;
@@ -130,7 +133,8 @@ def verdict(
     if any(at >= last - PEER_SLACK for at in peer_failures):
         return "stopped heartbeating, and its peers' training processes failed"
     silent = (now - machine.suspected_at).total_seconds()
-    if silent > grace_s and not en_masse:
+    counted_from = max(machine.suspected_at, believed_since or machine.suspected_at)
+    if not en_masse and (now - counted_from).total_seconds() > grace_s:
         return f"stopped heartbeating (suspect for {silent:.0f}s without a sign of life)"
     return None
 

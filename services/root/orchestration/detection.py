@@ -64,8 +64,10 @@ class Detectors:
         self.operator = operator
         self.coordinator = coordinator
         self.reinstated = 0  # machines reinstated (suspect or failed, and their heartbeats resumed)
-        # Jobs whose machines are silent en masse (suspicion.mass_silence): the grace declares none lost.
+        # Jobs whose machines are silent en masse (suspicion.mass_silence): the grace declares none lost;
+        # and when that ended, for jobs where it ended less than a grace ago (the grace restarts then).
         self.mass_silent_jobs: set[uuid.UUID] = set()
+        self._mass_silence_ended: dict[uuid.UUID, datetime] = {}
         self._summaries_written: dict[tuple[str, int], float] = {}
         self._silent_keys: set[MachineKey] = set()  # etcd keys whose lease expired, until they come back
         self._lease_events = LeaseEvents()
@@ -182,6 +184,7 @@ class Detectors:
                     peer_failures=[at for machine_id, at in exits if machine_id != machine.id],
                     operator_says_gone=self._operator_says_gone(machine.instance_id),
                     en_masse=en_masse,
+                    believed_since=self._mass_silence_ended.get(job.id),
                 )
                 if why is not None:
                     log.warning(
@@ -227,12 +230,16 @@ class Detectors:
             )
         elif not en_masse and job.id in self.mass_silent_jobs:
             self.mass_silent_jobs.discard(job.id)
+            self._mass_silence_ended[job.id] = now
             log.warning(
-                "job %s: %d of %d machines silent: the grace applies again",
+                "job %s: %d of %d machines silent: the grace applies again, counted from now",
                 job.name,
                 silent,
                 job.num_machines,
             )
+        ended = self._mass_silence_ended.get(job.id)
+        if ended is not None and (now - ended).total_seconds() > self.settings.suspect_grace_s:
+            del self._mass_silence_ended[job.id]  # every suspicion's grace now counts as usual
         return en_masse
 
     def _suspect(self, job: Job, machine: Machine, now: Any, why: str) -> None:

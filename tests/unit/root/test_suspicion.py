@@ -119,3 +119,21 @@ def test_en_masse_the_grace_declares_nothing_but_a_second_signal_still_does() ->
     assert why is not None and "peers' training processes failed" in why
     why = verdict(suspect(), at(4), 10.0, peer_failures=[], operator_says_gone=True, en_masse=True)
     assert why is not None and "cloud operator" in why
+
+
+def test_after_a_mass_silence_the_grace_counts_from_its_end() -> None:
+    since_long_ago, ended = suspect(last=0, since=3), at(40)
+    kept = verdict(
+        since_long_ago, at(45), 10.0, peer_failures=[], operator_says_gone=None, believed_since=ended
+    )
+    assert kept is None
+    why = verdict(
+        since_long_ago, at(50.5), 10.0, peer_failures=[], operator_says_gone=None, believed_since=ended
+    )
+    assert why is not None and "suspect for 48s" in why
+    # A suspicion after the mass silence ended counts from itself.
+    later = suspect(last=41, since=44)
+    assert (
+        verdict(later, at(53), 10.0, peer_failures=[], operator_says_gone=None, believed_since=ended) is None
+    )
+    assert verdict(later, at(54.5), 10.0, peer_failures=[], operator_says_gone=None, believed_since=ended)
