@@ -124,8 +124,8 @@ async def machine_lost(
 
     Training processes on other machines that crashed after this machine's last sign of life in a way that
     points at a peer (`is_peer_symptom`) were waiting on it in a collective: they are symptoms, not
-    failures of their own. Their events fold into this one,
-    whose detection time becomes the first symptom's (the failure was noticed then; it is classified now).
+    failures of their own. Their events fold into this one, whose detection time becomes the first
+    symptom's (the failure was noticed then; it is classified now).
     """
     if machine.state in (MachineState.FAILED, MachineState.REPLACED) or job.state not in ACTIVE_STATES:
         return None
