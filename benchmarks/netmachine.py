@@ -52,6 +52,18 @@ def phase_of(iteration: int, warmup: int, block: int, phases: tuple[str, ...], c
     return phases[((iteration - warmup) // block) % len(phases)]
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def host_cpu_jiffies() -> tuple[int, int, int]:
+    """The host's CPU time so far, in clock ticks over all cores: user (user, nice), kernel (system, irq,
+    softirq: the emulated NICs' packet work lands here) and idle (idle, iowait), from /proc/stat."""
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:8]]
+    user, nice, system, idle, iowait, irq, softirq = fields
+    return user + nice, system + irq + softirq, idle + iowait
+
+
 def train(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -73,12 +85,16 @@ def train(args: argparse.Namespace) -> None:
     phases = tuple(args.phases.split(","))
     phase_file = Path(args.root) / "phase"
     times: list[tuple[int, str, float]] = []
+    # The host's CPU use (all cores, every machine's processes and the kernel's packet work for the emulated
+    # NICs) from one iteration's start to the next: where an iteration's time goes on a host whose cores
+    # every machine shares.
+    host_cpu: list[tuple[float, ...]] = []
     x = torch.randn(8, width)
     with Checkpointer(directory, slots=4, threads=1) as checkpointer:
         for iteration in range(args.iterations):
             phase = phase_of(iteration, args.warmup, args.block, phases, args.cycles)
             phase_file.write_text(phase)
-            start = time.monotonic()
+            start, cpu_before = time.monotonic(), host_cpu_jiffies()
             loss = ddp(x).square().mean()  # the forward pre-hook marks the iteration's start
             time.sleep(args.compute_s)  # the accelerator's forward and backward compute
             loss.backward()
@@ -87,9 +103,13 @@ def train(args: argparse.Namespace) -> None:
             payload[iteration % payload.numel()] = iteration
             checkpointer.save(iteration, {"model": model, "optimizer": optimizer, "payload": payload})
             times.append((iteration, phase, time.monotonic() - start))
+            cpu_after = host_cpu_jiffies()
+            host_cpu.append(tuple((b - a) / CLOCK_TICKS for a, b in zip(cpu_before, cpu_after, strict=True)))
     dist.barrier()
     Path(args.out).write_text(
-        json.dumps({"times": times, "spans": list(timer.spans), "starts": list(timer.starts)})
+        json.dumps(
+            {"times": times, "spans": list(timer.spans), "starts": list(timer.starts), "host_cpu": host_cpu}
+        )
     )
     dist.destroy_process_group()
 

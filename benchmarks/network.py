@@ -29,6 +29,13 @@ interleaved where the replication interval is measured and machines are lost at 
 * iteration_s_<policy>: median iteration time of the policy's blocks of 6 iterations (the first 2 of a
   block left out: a piece sent under the previous policy may still be draining); slowdown_<policy>_pct:
   the median over cycles of that cycle's block median against its none block; `_spread`: min and max.
+* host_cpu_s_<policy>, host_kernel_cpu_s_<policy>, host_busy_pct_<policy>: the host's CPU (all cores: every
+  machine's processes, and the kernel's packet work for the emulated NICs) per iteration in the policy's
+  blocks, its kernel part, and the share of the cores busy (medians of the blocks' means; /proc/stat at
+  rank 0's iteration boundaries); replication_cpu_pct_of_capacity_<policy>: the CPU the policy adds over
+  none, as a share of a none iteration's whole capacity (every core for its length). Where that share is
+  not far below the slowdown target and the cores are busy, the target cannot be met on this host: the
+  replica bytes' packet work competes for the cores that training's all-reduce needs.
 * replication_interval: median iterations between fully replicated checkpoints in the tail (rounds aligned
   across machines through the driver, which plays the root's part); replication_interval_bound:
   checkpoint bytes / (idle fraction x link bandwidth x iteration time), rounded up, from the none blocks'
@@ -240,6 +247,30 @@ def interleaving(
         ]
         figures[f"slowdown_{phase}_pct"] = round(statistics.median(per_cycle), 2)
         figures[f"slowdown_{phase}_pct_spread"] = [round(min(per_cycle), 2), round(max(per_cycle), 2)]
+    # The host's CPU per iteration under each policy (user, kernel, idle over all cores, from /proc/stat at
+    # rank 0's iteration boundaries): what replication costs the cores training shares with it here, where
+    # the emulated NICs' packet work is kernel CPU on the same two cores (a real NIC does it in hardware).
+    host_cpu = out["train"][0].get("host_cpu") or []
+    cpu_blocks: dict[tuple[int, str], list[list[float]]] = {}
+    for (iteration, phase, _), spent in zip(times, host_cpu, strict=False):
+        if phase in netmachine.PHASES and (iteration - warmup) % block >= SETTLE:
+            cpu_blocks.setdefault(((iteration - warmup) // (block * 3), phase), []).append(spent)
+    if cpu_blocks:
+        for phase in netmachine.PHASES:
+            block_means = [
+                [sum(column) / len(rows) for column in zip(*rows, strict=True)]
+                for (_, p), rows in cpu_blocks.items()
+                if p == phase
+            ]
+            user, kernel, idle = (statistics.median(column) for column in zip(*block_means, strict=True))
+            figures[f"host_cpu_s_{phase}"] = round(user + kernel, 4)
+            figures[f"host_kernel_cpu_s_{phase}"] = round(kernel, 4)
+            figures[f"host_busy_pct_{phase}"] = round(100 * (user + kernel) / (user + kernel + idle), 1)
+        for phase in ("eager", "interleaved"):
+            extra = float(figures[f"host_cpu_s_{phase}"]) - float(figures["host_cpu_s_none"])  # type: ignore[arg-type]
+            # The extra CPU as a share of the none iteration's whole capacity (every core for its length).
+            capacity = float(figures["iteration_s_none"]) * (os.cpu_count() or 1)  # type: ignore[arg-type]
+            figures[f"replication_cpu_pct_of_capacity_{phase}"] = round(100 * extra / capacity, 2)
     # The idle time training leaves, from the none blocks: each iteration's length less its busy spans.
     train = out["train"][0]
     starts, spans = train["starts"], train["spans"]
