@@ -84,5 +84,11 @@ def test_network_benchmark_runs() -> None:
     assert {"link_gbps", "replicate_gbps", "replicate_vs_link"} <= set(figures)
     interleaving = {"iteration_s_none", "iteration_s_eager", "iteration_s_interleaved", "slowdown_eager_pct"}
     interleaving |= {"slowdown_interleaved_pct", "replication_interval", "replication_interval_bound"}
+    interleaving |= {
+        "host_cpu_s_none",
+        "host_busy_pct_interleaved",
+        "replication_cpu_pct_of_capacity_interleaved",
+    }
     assert interleaving | {"machine_losses", "peer_restores"} <= set(figures)
+    assert 0 < figures["host_busy_pct_none"] <= 100
     assert figures["machine_losses"] >= 1
