@@ -233,9 +233,16 @@ def interleaving(
         Path(raw).write_text(json.dumps(out))
     times = out["train"][0]["times"]  # every rank waits for the same all-reduces: rank 0's will do
     blocks: dict[tuple[int, str], list[float]] = {}
-    for iteration, phase, seconds in times:
+    # The host's CPU per iteration (user, kernel, idle over all cores, from /proc/stat at rank 0's iteration
+    # boundaries), grouped as the times are.
+    host_cpu = out["train"][0].get("host_cpu") or []
+    cpu_blocks: dict[tuple[int, str], list[list[float]]] = {}
+    for index, (iteration, phase, seconds) in enumerate(times):
         if phase in netmachine.PHASES and (iteration - warmup) % block >= SETTLE:
-            blocks.setdefault(((iteration - warmup) // (block * 3), phase), []).append(seconds)
+            key = ((iteration - warmup) // (block * 3), phase)
+            blocks.setdefault(key, []).append(seconds)
+            if index < len(host_cpu):
+                cpu_blocks.setdefault(key, []).append(host_cpu[index])
     figures: dict[str, object] = {"interleave_link_gbps": round(link, 4)}
     for phase in netmachine.PHASES:
         every = [t for (c, p), values in blocks.items() if p == phase for t in values]
@@ -247,14 +254,8 @@ def interleaving(
         ]
         figures[f"slowdown_{phase}_pct"] = round(statistics.median(per_cycle), 2)
         figures[f"slowdown_{phase}_pct_spread"] = [round(min(per_cycle), 2), round(max(per_cycle), 2)]
-    # The host's CPU per iteration under each policy (user, kernel, idle over all cores, from /proc/stat at
-    # rank 0's iteration boundaries): what replication costs the cores training shares with it here, where
-    # the emulated NICs' packet work is kernel CPU on the same two cores (a real NIC does it in hardware).
-    host_cpu = out["train"][0].get("host_cpu") or []
-    cpu_blocks: dict[tuple[int, str], list[list[float]]] = {}
-    for (iteration, phase, _), spent in zip(times, host_cpu, strict=False):
-        if phase in netmachine.PHASES and (iteration - warmup) % block >= SETTLE:
-            cpu_blocks.setdefault(((iteration - warmup) // (block * 3), phase), []).append(spent)
+    # What replication costs the cores training shares with it here, where the emulated NICs' packet work is
+    # kernel CPU on the same two cores (a real NIC does it in hardware).
     if cpu_blocks:
         for phase in netmachine.PHASES:
             block_means = [

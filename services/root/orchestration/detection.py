@@ -142,7 +142,7 @@ class Detectors:
                 await repo.machines_to_judge(session, job_id, lapsed_before),
                 key=lambda m: m.last_heartbeat_at or m.registered_at,
             )
-            en_masse = self._note_mass_silence(job, machines, now)
+            en_masse = self._note_mass_silence(job, machines, now, watch_lapses)
             events = list(await repo.open_failures(session, job_id))
             silent_losses = latest_silent_losses(events)
             exits: list[Any] | None = None  # read when a suspect needs them, again after each loss
@@ -202,18 +202,16 @@ class Detectors:
                         },
                     )
 
-    def _note_mass_silence(self, job: Job, machines: list[Machine], now: datetime) -> bool:
+    def _note_mass_silence(
+        self, job: Job, machines: list[Machine], now: datetime, watch_lapses: bool
+    ) -> bool:
         """Whether the job's machines are silent en masse: suspect, those the heartbeat timeout makes
         suspect in this pass, and those declared lost and not replaced yet (one of many declared lost on a
         second signal is still one of the many silent). Logs when that starts and ends."""
-        lapsed_before = self._lapsed_before(now)
+        timeout_s = self.settings.heartbeat_timeout_s
         silent = sum(
             m.state in (MachineState.SUSPECT, MachineState.FAILED)
-            or (
-                lapsed_before is not None
-                and m.state in _UNSUSPECTED
-                and (m.last_heartbeat_at or m.registered_at) < lapsed_before
-            )
+            or (watch_lapses and suspicion.lapsed(_seen(m), now, timeout_s))
             for m in machines
         )
         en_masse = suspicion.mass_silence(silent, job.num_machines, self.settings.mass_silence_fraction)
@@ -256,7 +254,7 @@ class Detectors:
     def _reinstate(self, job: Job, machine: Machine, why: str, loss: FailureEvent | None = None) -> None:
         # The loss comes from the open failures the pass read once: reading them again per machine made a
         # pass that reinstated hundreds of machines (a lease storm) quadratic in them.
-        was, event = machine.state, loss
+        was = machine.state
         reinstate(machine, why, loss)
         self.reinstated += 1
         log.warning(
@@ -266,7 +264,7 @@ class Detectors:
             machine.instance_id,
             was,
             why,
-            f"; failure {event.id}'s replacement cancelled" if event is not None else "",
+            f"; failure {loss.id}'s replacement cancelled" if loss is not None else "",
         )
 
     def _operator_says_gone(self, instance_id: str) -> bool | None:
