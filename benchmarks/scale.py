@@ -18,8 +18,8 @@ it), `restored` and `resumed` when a plan is ready; heartbeat every interval wit
 whose iterations advance (REST, or with --etcd as an agent does: its own etcd lease, refreshed every
 interval, its key put when the lease is new and then at most every summary period the root gives (2 s up to
 200 machines, N / 100 s beyond), over a pool of etcd connections);
-re-fetch the directive every PEERS_REFRESH_S as an
-agent refreshes its peers.
+re-fetch the directive for its peers' addresses as an agent does (only while its long poll, which waits
+as long as the root's registration answer says, has been silent for that wait plus PEERS_REFRESH_S).
 
 Scenarios, in order:
 * register all: every machine registers at once; `register_all_s` until the last one got its rank;
@@ -182,6 +182,7 @@ class Stats:
     progress_ms: list[float] = field(default_factory=list)
     directive_ms: list[float] = field(default_factory=list)
     directive_bytes: int | None = None
+    directive_requests: int = 0  # sent during the steady state: long polls and peers' refreshes
     ready_at: list[float] = field(default_factory=list)  # monotonic: each machine's first ready directive
     # generation -> wall clock of each machine's long poll answering with that generation's ready plan
     ready_wall: dict[int, list[float]] = field(default_factory=dict)
@@ -226,6 +227,8 @@ class SimulatedMachine:
         self.last_answered = 0.0  # wall clock of the last heartbeat the root answered (lease refresh sent)
         self.trained = 1  # the generation whose training made what it holds
         self.config: HeartbeatConfig | None = None
+        self.directive_wait_s = 10.0  # the long poll's wait the root gives at registration
+        self.long_poll_answered_at: float | None = None  # monotonic
         self.tasks: list[asyncio.Task[None]] = []
 
     def stop(self) -> None:
@@ -279,6 +282,7 @@ class SimulatedMachine:
             rendezvous_port=30000 + self.rank % 30000,
         )
         self.config = registered.heartbeat
+        self.directive_wait_s = registered.directive_wait_s
         return registered
 
     def work(self, etcd: Any = None) -> list[Coroutine[Any, Any, None]]:
@@ -314,6 +318,8 @@ class SimulatedMachine:
         if response.status_code >= 400:
             raise RootRejected(response.status_code, "http_error", response.text[:200])
         self.stats.directive_bytes = max(self.stats.directive_bytes or 0, len(response.content))
+        if self.stats.recording:
+            self.stats.directive_requests += 1
         head = response.content[:400].decode(errors="replace")
         fields = {key: DIRECTIVE_FIELDS[key].search(head) for key in DIRECTIVE_FIELDS}
         if not all(fields.values()):
@@ -389,11 +395,12 @@ class SimulatedMachine:
         collected: set[int] = set()
         while self.alive:
             try:
-                directive = await self.directive(after=revision, wait_s=10)
+                directive = await self.directive(after=revision, wait_s=self.directive_wait_s)
             except (RootRejected, RootUnavailable) as exc:
                 self.stats.error(f"directive: {type(exc).__name__}")
                 await asyncio.sleep(1)
                 continue
+            self.long_poll_answered_at = time.monotonic()
             if not self.alive:
                 return
             revision = max(revision, directive["revision"])
@@ -425,9 +432,15 @@ class SimulatedMachine:
                 self.trained = generation
 
     async def peer_refreshes(self) -> None:
+        """As worker_lib.agent.services._refresh_peers: a request of its own only once the long poll has
+        been silent for its wait plus PEERS_REFRESH_S (its answers carry the peers' addresses)."""
         await asyncio.sleep(random.random() * PEERS_REFRESH_S)
         while self.alive:
             sent = time.monotonic()
+            heard = self.long_poll_answered_at
+            if heard is not None and sent - heard < self.directive_wait_s + PEERS_REFRESH_S:
+                await asyncio.sleep(PEERS_REFRESH_S)
+                continue
             try:
                 await self.directive(after=-1, wait_s=0)
                 if self.stats.recording:
@@ -751,6 +764,7 @@ class Run:
                 "directive_bytes": stats.directive_bytes,
                 "heartbeats": len(heartbeats),
                 "heartbeats_per_s": round(len(heartbeats) / args.steady, 1),
+                "directive_requests_per_s": round(stats.directive_requests / args.steady, 1),
                 "heartbeat_p50_ms": quantile(heartbeats, 0.5),
                 "heartbeat_p99_ms": quantile(heartbeats, 0.99),
                 "progress_p99_ms": quantile(stats.progress_ms, 0.99),

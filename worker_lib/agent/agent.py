@@ -344,12 +344,15 @@ class Agent:
 
     async def _watch_directives(self) -> None:
         """Each new revision of the root's directive, as a fact; the next is polled for once the loop acted
-        on it (a directive that changed meanwhile is seen at its newest)."""
+        on it (a directive that changed meanwhile is seen at its newest). Every answer, an unchanged one
+        when the wait the root asked for is up included, refreshes the peers' addresses."""
         revision = -1
         while True:
             try:
                 directive = await self.client.directive(
-                    after=revision, wait_s=10, machine=self.machine.machine_rank
+                    after=revision,
+                    wait_s=self.machine.registered.directive_wait_s,
+                    machine=self.machine.machine_rank,
                 )
             except RootUnavailable as exc:
                 log.warning("no directive from the root (%s); training continues", exc)
@@ -359,11 +362,12 @@ class Agent:
                     self._decide_now(JobDeleted())
                     return
                 raise
+            # The peers' addresses, and the iteration every rank persists next (the root bumps the revision
+            # to announce a new one).
+            self.machine.directive_answered(directive)
             if directive.revision <= revision:
                 continue
             revision = directive.revision
-            # The iteration every rank persists next (the root bumps the revision to announce a new one).
-            self.machine.uploads.announce(directive.persist)
             holder = next((m for m in directive.machines if m.rank == self.machine.machine_rank), None)
             replaced_by = None
             if holder is not None and holder.instance_id not in (None, self.config.instance_id):

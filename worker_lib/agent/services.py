@@ -24,7 +24,7 @@ from worker_lib.agent.holdings import SLOTS, Holdings, local_slots, manifest_gen
 from worker_lib.agent.pacing import replication_pacer
 from worker_lib.agent.replication import Replicator, aligned_rounds
 from worker_lib.api.shared import Peer, RankPlacement
-from worker_lib.api.worker import HeartbeatResponse, RegisterResponse
+from worker_lib.api.worker import DirectiveOut, HeartbeatResponse, RegisterResponse
 from worker_lib.client import RootClient, RootRejected, RootUnavailable
 from worker_lib.errors import CheckpointNotFoundError
 from worker_lib.persistent import ObjectStore, object_store, shard_key
@@ -33,6 +33,9 @@ from worker_lib.store.manifest import Manifest
 log = logging.getLogger(__name__)
 
 NOTIFY_SOCKET = "agent.sock"
+# The directive long poll's answers (changed or not) keep the peers' addresses current. They are fetched
+# apart only while a peer this machine sends to has no address yet, or once the long poll has been silent
+# for its wait plus PEERS_REFRESH_S (the agent is busy acting on a directive), then every PEERS_REFRESH_S.
 PEERS_REFRESH_S = 10.0
 PEERS_REFRESH_MISSING_S = 1.0
 
@@ -58,6 +61,7 @@ class MachineServices:
         self.capacity: int | None = None  # bytes of one rank's checkpoint, set at registration
         self.registration: RegisterResponse | None = None  # the root's answer, once registered
         self.addresses: dict[int, tuple[str, int]] = {}
+        self.long_poll_answered_at: float | None = None  # monotonic: the directive long poll's last answer
         self.server: DataPlaneServer | None = None
         self.replicator: Replicator | None = None
         self.commits: dict[int, deque[float]] = {}  # rank -> commit times in the last minute
@@ -360,15 +364,31 @@ class MachineServices:
         if self.replicator is not None and alignment is not None and aligned_rounds():
             self.replicator.align(alignment.aligned_iteration, alignment.target, alignment.go)
 
+    def directive_answered(self, directive: DirectiveOut, long_poll: bool = True) -> None:
+        """Any answer of the root's directive, changed or not: the peers' addresses (a peer may have
+        registered anew without a new revision) and the persist schedule."""
+        if long_poll:
+            self.long_poll_answered_at = asyncio.get_running_loop().time()
+        self.update_addresses(directive.machines)
+        self.uploads.announce(directive.persist)
+
+    def _peers_stale(self, now: float) -> bool:
+        if any(machine not in self.addresses for machine in self.sends_to()):
+            return True
+        heard = self.long_poll_answered_at
+        return heard is None or now - heard >= self.registered.directive_wait_s + PEERS_REFRESH_S
+
     async def _refresh_peers(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             missing = any(machine not in self.addresses for machine in self.sends_to())
             await asyncio.sleep(PEERS_REFRESH_MISSING_S if missing else PEERS_REFRESH_S)
+            if not self._peers_stale(loop.time()):
+                continue  # the long poll's answers keep them current: no request of its own
             try:
                 # This machine's share: itself and every peer it sends replicas to.
                 directive = await self.client.directive(after=-1, wait_s=0, machine=self.machine_rank)
-                self.update_addresses(directive.machines)
-                self.uploads.announce(directive.persist)
+                self.directive_answered(directive, long_poll=False)
             except (RootUnavailable, RootRejected) as exc:
                 log.info("could not refresh the peers' addresses: %s", exc)
 

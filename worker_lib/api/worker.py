@@ -81,6 +81,14 @@ class RegisterResponse(WireModel):
     placement: PlacementOut
     peers: list[Peer] = Field(description="Members of this machine's placement group.")
     heartbeat: HeartbeatConfig
+    directive_wait_s: float = Field(
+        10.0,
+        gt=0,
+        le=60,
+        description="How long the agent's directive long poll waits for a new revision before asking again "
+        "(each answer also refreshes its peers' addresses); longer for larger jobs, so that a job's idle "
+        "long polls answer at a bounded rate.",
+    )
     plan_generation: int | None
     persistent: PersistentTier = Field(description="Where agents upload every persist_every iterations.")
 

@@ -245,6 +245,7 @@ async def _registered(
         placement=placement_out(job, placement),
         peers=_group_peers(machine.rank, members, peers),
         heartbeat=heartbeat_config(job, machine.rank, machine.instance_id, settings),
+        directive_wait_s=directive_wait_s(job.num_machines),
         plan_generation=await repo.latest_generation(session, job.id),
         persistent=persistent_tier(settings),
     )
@@ -314,6 +315,19 @@ SUMMARY_PERIOD_MIN_S = 2.0
 
 def summary_period_s(num_machines: int) -> float:
     return max(SUMMARY_PERIOD_MIN_S, num_machines / SUMMARY_WRITES_PER_S)
+
+
+# Every agent long-polls its directive, and an idle long poll answers (unchanged) when its wait is up: each
+# answer is a request the root parses, reads a cached body for and sends. 10 s up to 500 machines, then
+# longer so that a job's idle answers stay at 50 a second (1,000 machines: 20 s), at most 30 s (under the
+# idle timeouts of common proxies). A change still answers every long poll at once.
+DIRECTIVE_ANSWERS_PER_S = 50.0
+DIRECTIVE_WAIT_MIN_S = 10.0
+DIRECTIVE_WAIT_MAX_S = 30.0
+
+
+def directive_wait_s(num_machines: int) -> float:
+    return min(DIRECTIVE_WAIT_MAX_S, max(DIRECTIVE_WAIT_MIN_S, num_machines / DIRECTIVE_ANSWERS_PER_S))
 
 
 def heartbeat_config(job: Job, rank: int, instance_id: str, settings: Settings) -> schemas.HeartbeatConfig:

@@ -1,5 +1,6 @@
 """The heartbeat configuration a registration answer carries: in etcd mode the summary period grows with the
-job, so that a job's summary writes stay bounded (100 a second) however many machines it has."""
+job, so that a job's summary writes stay bounded (100 a second) however many machines it has; likewise the
+directive long poll's wait, so that a job's idle long polls answer at a bounded rate."""
 
 from __future__ import annotations
 
@@ -10,8 +11,16 @@ from typing import Any
 import pytest
 
 from services.root.domain.persist_schedule import lead_iterations
-from services.root.flows.machines import SUMMARY_WRITES_PER_S, heartbeat_config, persist_latency_s
+from services.root.flows.machines import (
+    DIRECTIVE_ANSWERS_PER_S,
+    DIRECTIVE_WAIT_MAX_S,
+    SUMMARY_WRITES_PER_S,
+    directive_wait_s,
+    heartbeat_config,
+    persist_latency_s,
+)
 from services.root.settings import Settings
+from worker_lib.api.worker import RegisterResponse
 
 
 def job(machines: int) -> Any:
@@ -44,3 +53,15 @@ def test_the_persist_lead_covers_how_old_a_summary_can_be(machines: int, etcd: b
     assert persist_latency_s(settings, machines) > summary_age_s
     # 60 iterations a minute: the lead (iterations ahead of the newest report) spans the summary's age.
     assert lead_iterations(60.0, persist_latency_s(settings, machines)) > summary_age_s
+
+
+@pytest.mark.parametrize(
+    ("machines", "wait_s"), [(1, 10.0), (500, 10.0), (1000, 20.0), (1500, 30.0), (8000, 30.0)]
+)
+def test_the_directive_long_polls_wait_grows_with_the_job(machines: int, wait_s: float) -> None:
+    assert directive_wait_s(machines) == pytest.approx(wait_s)
+    if wait_s < DIRECTIVE_WAIT_MAX_S:
+        assert machines / directive_wait_s(machines) <= DIRECTIVE_ANSWERS_PER_S
+    # Within what the directive endpoint accepts (wait <= 60), as the agent's registration model checks.
+    field = RegisterResponse.model_fields["directive_wait_s"]
+    assert field.default == directive_wait_s(1)
