@@ -168,6 +168,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(DBAPIError)
     async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
+        if exc.connection_invalidated:
+            # A pooled connection had died (Postgres restarted or failed over): the pool was dropped and
+            # the same request goes through on a fresh connection (see database.Database).
+            log.warning(
+                "%s %s: the database connection was lost: %s", request.method, request.url.path, exc.orig
+            )
+            return _body(503, "retry", "the connection to the database was lost; retry")
         if not is_transient_conflict(exc):
             return await _unexpected(request, exc)
         # Two transactions waited on each other (e.g. a job deleted while the leader recovers it): the

@@ -87,7 +87,12 @@ class Database:
         self.is_sqlite = make_url(url).get_backend_name() == "sqlite"
         options: dict[str, Any] = {"echo": echo}
         if not self.is_sqlite:
-            options.update(pool_size=10, max_overflow=20, pool_pre_ping=True)
+            # No pre-ping: asyncpg's is three round trips (BEGIN, a query, ROLLBACK) on every checkout, a
+            # tenth of the root's event loop while a thousand agents report their inventories at once. A
+            # pooled connection that died (Postgres restarted or failed over) fails its transaction
+            # instead; SQLAlchemy then invalidates the whole pool, the request is answered 503 `retry`
+            # (errors.py, which agents retry) and the next one connects afresh.
+            options.update(pool_size=10, max_overflow=20)
         self.engine: AsyncEngine = create_async_engine(url, **options)
         if self.is_sqlite:
             _serialize_sqlite_writers(self.engine)
