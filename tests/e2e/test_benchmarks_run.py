@@ -50,7 +50,15 @@ def run_benchmark(script: str) -> Any:
         ("pages.py", {"job_page_ms", "metrics_ms", "job_api_ms"}),
         (
             "scale.py",
-            {"machines", "register_all_s", "heartbeat_p99_ms", "false_positives", "detect_s", "job_page_ms"},
+            {
+                "machines",
+                "register_all_s",
+                "heartbeat_p99_ms",
+                "directive_requests_per_s",
+                "false_positives",
+                "detect_s",
+                "job_page_ms",
+            },
         ),
         (
             "models.py",
