@@ -372,8 +372,11 @@ class MachineServices:
         self.update_addresses(directive.machines)
         self.uploads.announce(directive.persist)
 
+    def _address_missing(self) -> bool:
+        return any(machine not in self.addresses for machine in self.sends_to())
+
     def _peers_stale(self, now: float) -> bool:
-        if any(machine not in self.addresses for machine in self.sends_to()):
+        if self._address_missing():
             return True
         heard = self.long_poll_answered_at
         return heard is None or now - heard >= self.registered.directive_wait_s + PEERS_REFRESH_S
@@ -381,8 +384,7 @@ class MachineServices:
     async def _refresh_peers(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            missing = any(machine not in self.addresses for machine in self.sends_to())
-            await asyncio.sleep(PEERS_REFRESH_MISSING_S if missing else PEERS_REFRESH_S)
+            await asyncio.sleep(PEERS_REFRESH_MISSING_S if self._address_missing() else PEERS_REFRESH_S)
             if not self._peers_stale(loop.time()):
                 continue  # the long poll's answers keep them current: no request of its own
             try:

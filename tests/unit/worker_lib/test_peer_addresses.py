@@ -97,8 +97,8 @@ async def test_the_long_polls_answers_keep_the_addresses_current_without_request
     refresh = asyncio.create_task(services._refresh_peers())
     try:
         loop = asyncio.get_running_loop()
-        # The long poll answers (unchanged revision, as when its wait is up) well within wait + refresh.
-        # For longer than the wait plus the refresh period, so a refresh of its own would have come by now.
+        # The long poll answers (unchanged revision, as when its wait is up) every 20 ms, for longer than
+        # the wait plus the refresh period: a refresh of its own would have come by now.
         for port in range(7001, 7081):
             services.directive_answered(directive(port, revision=3))
             await asyncio.sleep(0.02)
