@@ -32,10 +32,25 @@ from worker_lib.agent_ipc import (
     manifest_meta,
 )
 from worker_lib.errors import CheckpointError, CheckpointNotFoundError
-from worker_lib.fences import BUSY_WAIT_LIMIT_S, BufferSnapshot, fence_optimizer_steps, open_when_free
+from worker_lib.fences import (
+    BUSY_WAIT_LIMIT_S,
+    HOST_SNAPSHOT_BYTES,
+    BufferSnapshot,
+    HostSnapshot,
+    fence_optimizer_steps,
+    open_when_free,
+)
 from worker_lib.restore import RestorePlans, load_state, restore_state
 from worker_lib.store.copy import CopyEngine, SaveStripe, Transfer, compile_save
-from worker_lib.store.cuda import PinnedStager
+from worker_lib.store.cuda import (
+    DeviceFence,
+    DirectCopies,
+    IssuedCopies,
+    Marks,
+    PinnedStager,
+    direct_copies_enabled,
+    mark_devices,
+)
 from worker_lib.store.layout import (
     Layout,
     Signature,
@@ -118,6 +133,11 @@ class CheckpointerStats:
     # job's ETTR as checkpoint stalls. Cores a background copy takes from compute are not in it.
     stalled_s: float = 0.0
     save_calls: int = 0
+    # GPU jobs: bytes of the last save copied from the device straight into the slot (no pinned staging),
+    # and optimizer steps that waited for a save's copies on the device instead of blocking the host.
+    last_direct_bytes: int = 0
+    steps_fenced_on_device: int = 0
+    staging_bytes: int = 0  # pinned host memory held for device tensors that cannot go to the slot directly
 
 
 class Checkpointer:
@@ -145,6 +165,10 @@ class Checkpointer:
         self._store = SlotStore(self.directory, slots)
         self._engine = CopyEngine(threads)
         self._stager = PinnedStager()
+        self._direct: DirectCopies | None = None  # made at the first save of a device tensor
+        self._host_snapshot = HostSnapshot()
+        # The pending save's device copies, when the optimizer step may wait for them on the device alone.
+        self._issued: IssuedCopies | None = None
         self._blocking = blocking
         self._on_busy: OnBusy = on_busy
         self._rank = int(os.environ.get("RANK", "0"))
@@ -197,24 +221,71 @@ class Checkpointer:
             self._save_returned(started)
             return False
         try:
-            sources, ready = self._stager.stage([blob_source(blob, tensors) for blob in layout.blobs])
+            sources, marks, direct, host_pending = self._sources(layout, tensors)
         except BaseException:
             if writer is not None:
                 writer.abort()
             raise
+        issued = None
         if writer is None:
             self._give_up = threading.Event()
             write = partial(
-                self._write_when_free, iteration, layout, flat.tree, sources, ready, self._give_up
+                self._write_when_free, iteration, layout, flat.tree, sources, marks, self._give_up
             )
         else:
-            write = partial(self._write, writer, layout, flat.tree, sources, ready)
+            if direct and not host_pending and not self._blocking:
+                issued = IssuedCopies()
+            write = partial(self._write, writer, layout, flat.tree, sources, marks, direct, issued)
         if self._blocking:
             write()
         else:
             self._pending = self._background.submit(write)
+            self._issued = issued
         self._save_returned(started)
         return True
+
+    def _sources(
+        self, layout: Layout, tensors: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], Marks, bool, bool]:
+        """What the background thread copies each blob from; the marks of the device tensors among them
+        (their copies are queued by the background thread, after the marks); whether they go straight into
+        the slot (CASTOR_CUDA_DIRECT=1); and whether the background thread still reads host tensors of the
+        live state (then the optimizer step waits for the whole save on the host). With direct copies a
+        GPU job's few host tensors (AdamW's `step` counters) are snapshotted here instead."""
+        sources = [blob_source(blob, tensors) for blob in layout.blobs]
+        marks = mark_devices(sources)
+        direct = bool(marks) and direct_copies_enabled()
+        if not direct or self._blocking:
+            return sources, marks, direct, True
+        live = [i for i, source in enumerate(sources) if not source.is_cuda]
+        if sum(layout.blobs[i].nbytes for i in live) > HOST_SNAPSHOT_BYTES:
+            return sources, marks, direct, True
+        return self._host_snapshot.capture(sources, live), marks, direct, False
+
+    def _copy_from_devices(
+        self, writer: SlotWriter, layout: Layout, sources: list[torch.Tensor], marks: Marks, direct: bool
+    ) -> tuple[list[torch.Tensor], frozenset[int], DeviceFence]:
+        """Background: queue the copies of the device tensors among `sources`, straight into the slot where
+        they can go (DirectCopies: the blobs `landed`), else into pinned memory (`sources` then holds the
+        staged host copies); the fence says when they have run."""
+        landed: frozenset[int] = frozenset()
+        fence = DeviceFence()
+        if direct:
+            if self._direct is None:
+                self._direct = DirectCopies()
+            landed, fence = self._direct.queue(
+                writer.slot,
+                self._store.mapping(writer.slot),
+                writer.buffer,
+                [(blob.offset, blob.nbytes) for blob in layout.blobs],
+                sources,
+                marks,
+            )
+            sources = [_LANDED if i in landed else source for i, source in enumerate(sources)]
+        staged, staged_fence = self._stager.stage(sources, marks)
+        if self._stager.staging_bytes != self.stats.staging_bytes:
+            self._update(staging_bytes=self._stager.staging_bytes)
+        return staged, landed, fence + staged_fence
 
     def _save_returned(self, started: float) -> None:
         blocked = time.perf_counter() - started
@@ -247,7 +318,15 @@ class Checkpointer:
             return  # the common case: the copy finished during forward and backward
         started = time.perf_counter()
         try:
-            self._settle()
+            # Every copy reading the live state runs on the device: once the background thread has queued
+            # them (it does so first), the step's stream waits for them there and the host goes on;
+            # checksums and commit finish in the background.
+            fence = self._issued.wait() if self._issued is not None else None
+            if fence is not None:
+                fence.order_device()
+                self._update(steps_fenced_on_device=self.stats.steps_fenced_on_device + 1)
+            else:
+                self._settle()
         finally:
             self._stalled(started)
 
@@ -260,6 +339,7 @@ class Checkpointer:
         """wait() without the stall accounting: for save(), which counts its whole call, and for restore
         and close, which are not training."""
         pending, self._pending, self._give_up = self._pending, None, None
+        self._issued = None
         if pending is None:
             return
         started = time.perf_counter()
@@ -339,8 +419,11 @@ class Checkpointer:
             self._closed = True
             self._step_hook.remove()
             self._buffers.release()
+            self._host_snapshot.release()
             self._background.shutdown()
             self._transfers.clear()  # their views of the slots, before the mappings close
+            if self._direct is not None:
+                self._direct.close()  # its views and CUDA host registrations too
             self._restore_plans.clear()
             self._memo.clear()
             self._engine.close()
@@ -386,7 +469,7 @@ class Checkpointer:
         layout: Layout,
         tree: JsonValue,
         sources: list[torch.Tensor],
-        ready: list[torch.cuda.Event],
+        marks: Marks,
         give_up: threading.Event,
     ) -> None:
         """Background: wait for a reader to let go of the slot, then write; skip when training needs the
@@ -395,10 +478,15 @@ class Checkpointer:
         if writer is None:
             self._skipped(iteration)
             return
-        self._write(writer, layout, tree, sources, ready)
+        self._write(writer, layout, tree, sources, marks, False, None)
 
     def _transfers_for(
-        self, index: int, layout: Layout, sources: list[torch.Tensor], slot: np.ndarray[Any, Any]
+        self,
+        index: int,
+        layout: Layout,
+        sources: list[torch.Tensor],
+        landed: frozenset[int],
+        slot: np.ndarray[Any, Any],
     ) -> tuple[list[Transfer], list[SaveStripe] | None]:
         """The copies of a save into slot `index`: those of the last save into it when the layout, the
         slot's memory and every source's address are the same (a steady-state save: building them is a
@@ -406,7 +494,12 @@ class Checkpointer:
         decoder's shards), and from the second such save on, each piece's copy and checksum compiled
         (compile_save: a few us less per piece). The cached views keep their tensors and the mapping
         alive, so an address seen again is the same memory, not a reuse; close() drops them."""
-        key = (slot.__array_interface__["data"][0], slot.size, *(source.data_ptr() for source in sources))
+        key = (
+            slot.__array_interface__["data"][0],
+            slot.size,
+            landed,
+            *(source.data_ptr() for source in sources),
+        )
         cached = self._transfers.get(index)
         if cached is not None and cached[0] is layout and cached[1] == key:
             transfers, compiled = cached[2], cached[3]
@@ -415,7 +508,7 @@ class Checkpointer:
                 self._transfers[index] = (layout, key, transfers, compiled)
             return transfers, compiled
         self._transfers.pop(index, None)  # the old views go before the new ones are made
-        transfers = save_transfers(layout, sources, slot)
+        transfers = save_transfers(layout, sources, slot, landed)
         self._transfers[index] = (layout, key, transfers, None)
         return transfers, None
 
@@ -430,14 +523,25 @@ class Checkpointer:
         layout: Layout,
         tree: JsonValue,
         sources: list[torch.Tensor],
-        ready: list[torch.cuda.Event],
+        marks: Marks,
+        direct: bool,
+        issued: IssuedCopies | None,
     ) -> None:
         started = time.perf_counter()
+        landed: frozenset[int] = frozenset()
         try:
-            for event in ready:
-                event.synchronize()
+            if marks:
+                try:
+                    sources, landed, fence = self._copy_from_devices(writer, layout, sources, marks, direct)
+                except BaseException:
+                    if issued is not None:
+                        issued.publish(None)  # the step waits for this save on the host, and gets the error
+                    raise
+                if issued is not None:
+                    issued.publish(fence)
+                fence.landed()
             slot = np.frombuffer(writer.buffer, dtype=np.uint8)
-            transfers, compiled = self._transfers_for(writer.slot, layout, sources, slot)
+            transfers, compiled = self._transfers_for(writer.slot, layout, sources, landed, slot)
             digests = self._engine.copy(layout.stripes, transfers, slot, compiled)
             manifest = Manifest(
                 iteration=writer.iteration,
@@ -459,6 +563,7 @@ class Checkpointer:
         stats = self.stats
         self._update(
             saves_committed=stats.saves_committed + 1,
+            last_direct_bytes=sum(layout.blobs[i].nbytes for i in landed),
             last_copy_s=time.perf_counter() - started,
             last_bytes=layout.data_bytes,
             total_bytes=stats.total_bytes + layout.data_bytes,
@@ -481,6 +586,10 @@ class Checkpointer:
 
 
 NOT_DISTRIBUTED = -1
+
+
+# What the background thread is given for a blob copied from the device straight into the slot.
+_LANDED = torch.empty(0, dtype=torch.uint8)
 
 
 def newest_common_iteration(held: list[int]) -> int | None:

@@ -167,6 +167,43 @@ class BufferSnapshot:
         self._views = []
 
 
+# A GPU job's host-side tensors (AdamW's `step` counters, a few scalars) are snapshotted inside save() when
+# they are at most this large together, so that the optimizer step waits for the save's copies on the device
+# alone; a state with more of it on the host (CPU-offloaded optimizer states) keeps the host wait.
+HOST_SNAPSHOT_BYTES = 16 << 20
+
+
+class HostSnapshot:
+    """Copies, taken inside save(), of the host tensors a save with device copies still reads in the
+    background, so the optimizer step need not wait for the host (see DeviceFence.order_device). The side
+    tensors are reused from save to save (the previous save has finished reading them when save() runs),
+    so their addresses stay the same and the background copies keep their compiled plans."""
+
+    def __init__(self) -> None:
+        self._side: dict[int, torch.Tensor] = {}
+
+    def capture(self, sources: list[torch.Tensor], indices: Sequence[int]) -> list[torch.Tensor]:
+        """`sources` with each of `indices` (host tensors) replaced by a copy of its current values."""
+        captured = list(sources)
+        side: dict[int, torch.Tensor] = {}
+        for i in indices:
+            source = sources[i]
+            copy = self._side.get(i)
+            if copy is None or (copy.dtype, copy.shape, copy.stride()) != (
+                source.dtype,
+                source.shape,
+                source.stride(),
+            ):
+                copy = torch.empty_like(source)
+            copy.copy_(source)
+            side[i] = captured[i] = copy
+        self._side = side
+        return captured
+
+    def release(self) -> None:
+        self._side = {}
+
+
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
     # get_device() is -1 on the CPU and the device index on CUDA.
     return tensor.get_device(), tensor.untyped_storage().data_ptr()

@@ -274,7 +274,22 @@ def _plan_checked(
 Op = tuple[Callable[..., object], tuple[object, ...]]
 
 
+@dataclass(frozen=True, slots=True)
+class LandedTransfer:
+    """Bytes already in the slot: a device copy wrote them there (worker_lib.store.cuda.DirectCopies) and
+    the save only hashes them."""
+
+    def copy(self, lo: int, hi: int) -> None:
+        return None
+
+
+def _nothing() -> None:
+    return None
+
+
 def piece_op(transfer: Transfer, lo: int, hi: int) -> Op:
+    if type(transfer) is LandedTransfer:
+        return _nothing, ()
     # FlatTransfer.copy's own work, unless it was replaced (tests hold or fail copies through it).
     if type(transfer) is FlatTransfer and FlatTransfer.copy is _FLAT_COPY:
         if hi - lo <= SMALL_COPY_BYTES:

@@ -17,6 +17,7 @@ from worker_lib.store.copy import (
     Bytes,
     Extent,
     FlatTransfer,
+    LandedTransfer,
     StripePlan,
     Transfer,
     flat_bytes,
@@ -134,12 +135,17 @@ def blob_source(blob: Blob, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return span.set_(tensor.untyped_storage(), blob.span_start, (blob.nbytes,), (1,))
 
 
-def save_transfers(layout: Layout, sources: Sequence[torch.Tensor], slot: Bytes) -> list[Transfer]:
-    """How to copy each blob's source (CPU tensors, see blob_source) into its region of `slot`."""
+def save_transfers(
+    layout: Layout, sources: Sequence[torch.Tensor], slot: Bytes, landed: frozenset[int] = frozenset()
+) -> list[Transfer]:
+    """How to copy each blob's source (CPU tensors, see blob_source) into its region of `slot`; the blobs in
+    `landed` are already there (copied from the device straight into the slot)."""
     transfers: list[Transfer] = []
-    for blob, source in zip(layout.blobs, sources, strict=True):
+    for i, (blob, source) in enumerate(zip(layout.blobs, sources, strict=True)):
         region = slot[blob.offset : blob.offset + blob.nbytes]
-        if blob.flat:
+        if i in landed:
+            transfers.append(LandedTransfer())
+        elif blob.flat:
             transfers.append(FlatTransfer(flat_bytes(source), region))
         else:
             target = torch.from_numpy(region).view(source.dtype).view(source.shape)

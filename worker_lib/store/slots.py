@@ -180,6 +180,12 @@ class SlotStore:
     def slots(self) -> int:
         return len(self._slots)
 
+    def mapping(self, index: int) -> tuple[int, int]:
+        """The address and length of slot `index`'s shared mapping, (0, 0) before it is mapped: what a CUDA
+        host registration of the slot pins (worker_lib.store.cuda.SlotRegistrations)."""
+        array = self._slots[index].array
+        return (int(array.__array_interface__["data"][0]), array.size) if array.size else (0, 0)
+
     def committed(self) -> list[Manifest]:
         """Manifests of the committed checkpoints, newest first."""
         return [manifest for _, manifest in self._committed()]

@@ -79,3 +79,31 @@ print("torch.distributed.tensor" in sys.modules)
         [sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
     )
     assert result.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bytes_a_device_copy_landed_in_the_slot_are_hashed_not_copied(
+    engine: CopyEngine, compiled: bool
+) -> None:
+    """A blob copied from the device straight into the slot (LandedTransfer) costs the save only its
+    checksum, which matches that of the same bytes copied from host memory."""
+    import numpy as np
+    import torch
+
+    from worker_lib.store.copy import compile_save
+    from worker_lib.store.layout import plan, save_transfers
+
+    tensors = [torch.arange(700_000, dtype=torch.float32), torch.randn(3, 5_000)]
+    layout = plan(tensors, ["a", "b"])
+    copied = np.zeros(layout.data_bytes, dtype=np.uint8)
+    expected = engine.copy(layout.stripes, save_transfers(layout, tensors, copied), copied)
+
+    landed = np.zeros(layout.data_bytes, dtype=np.uint8)
+    first = layout.blobs[0]
+    landed[first.offset : first.offset + first.nbytes] = tensors[0].view(torch.uint8).numpy()
+    # The background thread is given a placeholder for the landed blob: it must not be read.
+    sources = [torch.empty(0, dtype=torch.uint8), tensors[1]]
+    transfers = save_transfers(layout, sources, landed, frozenset({0}))
+    plans = compile_save(layout.stripes, transfers, landed) if compiled else None
+    assert engine.copy(layout.stripes, transfers, landed, plans) == expected
+    assert np.array_equal(landed, copied)

@@ -14,11 +14,18 @@ from worker_lib import Checkpointer
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+@pytest.fixture(params=["staged", "direct"])
+def direct(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both device paths: pinned staging (the default) and straight into the slot (CASTOR_CUDA_DIRECT=1)."""
+    monkeypatch.setenv("CASTOR_CUDA_DIRECT", "1" if request.param == "direct" else "0")
+    return bool(request.param == "direct")
+
+
 def cpu_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: value.cpu() for key, value in state.items()}
 
 
-def test_cuda_tensors_round_trip_back_to_the_gpu(shm_dir: Path) -> None:
+def test_cuda_tensors_round_trip_back_to_the_gpu(shm_dir: Path, direct: bool) -> None:
     weight = torch.randn(300, 500, device="cuda")
     state = {
         "weight": weight,
@@ -31,13 +38,23 @@ def test_cuda_tensors_round_trip_back_to_the_gpu(shm_dir: Path) -> None:
     with Checkpointer(shm_dir) as checkpointer:
         checkpointer.save(1, state)
         restored = checkpointer.restore()
+        stats = checkpointer.stats
     assert restored is not None
+    # Direct: the strided tensor goes through pinned memory, the others straight into the slot (the tied
+    # one once). Staged: all of them through pinned memory.
+    sizes = {key: tensor.numel() * tensor.element_size() for key, tensor in state.items()}
+    if direct:
+        assert stats.last_direct_bytes == sum(sizes.values()) - sizes["tied"] - sizes["strided"]
+        assert stats.staging_bytes >= sizes["strided"]
+    else:
+        assert stats.last_direct_bytes == 0
+        assert stats.staging_bytes >= sum(sizes.values()) - sizes["tied"]
     assert all(tensor.is_cuda for tensor in restored.state.values())
     assert restored.state["weight"].data_ptr() == restored.state["tied"].data_ptr()
     assert_bit_equal(cpu_copy(restored.state), cpu_copy(state))
 
 
-def test_restore_fills_cuda_targets_in_place(shm_dir: Path) -> None:
+def test_restore_fills_cuda_targets_in_place(shm_dir: Path, direct: bool) -> None:
     model = nn.Linear(256, 256).cuda()
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(8, 256, device="cuda")).sum().backward()
@@ -53,7 +70,9 @@ def test_restore_fills_cuda_targets_in_place(shm_dir: Path) -> None:
     assert other_optimizer.state_dict()["state"][0]["exp_avg"].is_cuda
 
 
-def test_an_optimizer_step_after_an_async_save_does_not_race_the_device_copy(shm_dir: Path) -> None:
+def test_an_optimizer_step_after_an_async_save_does_not_race_the_device_copy(
+    shm_dir: Path, direct: bool
+) -> None:
     model = nn.Linear(4096, 4096).cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     model(torch.randn(64, 4096, device="cuda")).sum().backward()
@@ -64,3 +83,111 @@ def test_an_optimizer_step_after_an_async_save_does_not_race_the_device_copy(shm
         restored = checkpointer.restore()
     assert restored is not None
     assert_bit_equal(cpu_copy(restored.state["model"]), before)
+
+
+def trained_pair(width: int = 2048) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model on the GPU with AdamW's state (moments on the device, `step` counters on the host) and
+    fresh gradients: the next optimizer step changes every saved tensor."""
+    model = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model(torch.randn(64, width, device="cuda")).sum().backward()
+        optimizer.step()
+    model(torch.randn(64, width, device="cuda")).sum().backward()
+    return model, optimizer
+
+
+def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, object]:
+    """The state's values now, on the host (AdamW's host `step` counters copied too)."""
+    state = optimizer.state_dict()
+    return {
+        "model": cpu_copy(model.state_dict()),
+        "optimizer": {
+            index: {key: value.cpu().clone() for key, value in per_parameter.items()}
+            for index, per_parameter in state["state"].items()
+        },
+    }
+
+
+def restored_values(shm_dir: Path, width: int = 2048) -> dict[str, object]:
+    model, optimizer = trained_pair(width)
+    with Checkpointer(shm_dir) as checkpointer:
+        checkpointer.restore(into={"model": model, "optimizer": optimizer})
+    return snapshot(model, optimizer)
+
+
+def device_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    tensors = [*model.state_dict().values()] + [
+        value for per_parameter in optimizer.state.values() for value in per_parameter.values()
+    ]
+    return sum(t.numel() * t.element_size() for t in tensors if t.is_cuda)
+
+
+def test_device_tensors_go_straight_into_the_slot_and_the_step_waits_on_the_device(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CASTOR_CUDA_DIRECT=1: every device tensor is copied into the shared-memory slot with no pinned
+    staging buffer, and the optimizer step right after save() waits for those copies on the device, not
+    the host; what is saved is the state at save(), AdamW's host `step` counters included."""
+    monkeypatch.setenv("CASTOR_CUDA_DIRECT", "1")
+    model, optimizer = trained_pair()
+    expected = snapshot(model, optimizer)
+    with Checkpointer(shm_dir) as checkpointer:
+        checkpointer.save(1, {"model": model, "optimizer": optimizer})
+        optimizer.step()  # queued at once: it changes every tensor the copies read
+        assert checkpointer.stats.steps_fenced_on_device == 1
+        checkpointer.wait()
+        stats = checkpointer.stats
+    assert stats.last_direct_bytes == device_bytes(model, optimizer) > 0
+    assert stats.staging_bytes == 0  # no third copy of the state in host memory
+    assert_bit_equal(restored_values(shm_dir), expected)
+
+
+def test_by_default_device_tensors_are_staged_and_the_step_waits_for_the_save_on_the_host(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CASTOR_CUDA_DIRECT", raising=False)
+    model, optimizer = trained_pair()
+    expected = snapshot(model, optimizer)
+    with Checkpointer(shm_dir) as checkpointer:
+        checkpointer.save(1, {"model": model, "optimizer": optimizer})
+        optimizer.step()
+        assert checkpointer.stats.steps_fenced_on_device == 0
+        checkpointer.wait()
+        stats = checkpointer.stats
+    assert stats.last_direct_bytes == 0
+    assert stats.staging_bytes >= device_bytes(model, optimizer)
+    assert_bit_equal(restored_values(shm_dir), expected)
+
+
+def test_a_large_host_part_of_the_state_keeps_the_host_wait(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host tensors too large to snapshot inside save() are read by the background thread from the live
+    state: then the optimizer step blocks the host until the copy is done, as on a CPU job."""
+    monkeypatch.setenv("CASTOR_CUDA_DIRECT", "1")
+    monkeypatch.setattr("worker_lib.checkpointer.HOST_SNAPSHOT_BYTES", 0)
+    model, optimizer = trained_pair()
+    expected = snapshot(model, optimizer)
+    with Checkpointer(shm_dir) as checkpointer:
+        checkpointer.save(1, {"model": model, "optimizer": optimizer})
+        optimizer.step()
+        assert checkpointer.stats.steps_fenced_on_device == 0
+        assert checkpointer.stats.last_direct_bytes == device_bytes(model, optimizer)
+    assert_bit_equal(restored_values(shm_dir), expected)
+
+
+def test_slots_that_grow_are_registered_again_and_saves_keep_going_direct(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A larger state maps each slot anew: the old mapping's registration goes, the new one is made."""
+    monkeypatch.setenv("CASTOR_CUDA_DIRECT", "1")
+    with Checkpointer(shm_dir) as checkpointer:
+        for iteration, width in enumerate((256, 256, 1024, 1024), start=1):
+            model, optimizer = trained_pair(width)
+            expected = snapshot(model, optimizer)
+            checkpointer.save(iteration, {"model": model, "optimizer": optimizer})
+            optimizer.step()
+            checkpointer.wait()
+            assert checkpointer.stats.last_direct_bytes == device_bytes(model, optimizer)
+    assert_bit_equal(restored_values(shm_dir, 1024), expected)

@@ -204,3 +204,26 @@ def test_no_forward_hook_is_installed(shm_dir: Path, gate: Gate) -> None:
         checkpointer.save(1, {"model": model})
         assert not any(module._forward_pre_hooks for module in model.modules())
         assert len(nn.modules.module._global_forward_pre_hooks) == global_hooks
+
+
+def test_a_host_snapshot_holds_the_values_at_capture_and_reuses_its_side_tensors() -> None:
+    """The host tensors of a GPU job's save (AdamW's `step` counters) are copied inside save(), so the
+    optimizer step may change them while the background copy runs; the copies are reused from save to save
+    (the same addresses keep the background copy's compiled plans)."""
+    from worker_lib.fences import HostSnapshot
+
+    snapshot = HostSnapshot()
+    step, moment = torch.tensor(3.0), torch.randn(4, 6).t()  # a scalar and a strided host tensor
+    device_stand_in = torch.zeros(2)
+    sources = [device_stand_in, step, moment]
+    captured = snapshot.capture(sources, [1, 2])
+    assert captured[0] is device_stand_in and captured[1] is not step and captured[2] is not moment
+    expected_moment = moment.clone()
+    step += 1  # the optimizer step, after save() returned
+    moment.mul_(2)
+    assert captured[1].item() == 3.0 and torch.equal(captured[2], expected_moment)
+    again = snapshot.capture(sources, [1, 2])
+    assert again[1].data_ptr() == captured[1].data_ptr() and again[1].item() == 4.0
+    assert again[2].data_ptr() == captured[2].data_ptr() and torch.equal(again[2], moment)
+    resized = snapshot.capture([device_stand_in, torch.tensor([1.0, 2.0]), moment], [1])
+    assert resized[1].tolist() == [1.0, 2.0] and resized[2] is moment

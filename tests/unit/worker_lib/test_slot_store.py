@@ -262,3 +262,23 @@ def test_a_slot_being_read_by_another_process_is_not_written(
         release.set()
         reader.join(60)
     assert reader.exitcode == 0
+
+
+def test_mapping_gives_the_slots_shared_memory_and_changes_when_the_slot_grows(shm_dir: Path) -> None:
+    """What a CUDA host registration of a slot pins (worker_lib.store.cuda.SlotRegistrations): the slot's
+    whole mapping, which a writer's buffer lies in, and a new one once the slot is mapped anew."""
+    import mmap
+
+    store = SlotStore(shm_dir)
+    assert store.mapping(0) == (0, 0)
+    writer = store.open_write(1, 10_000)
+    assert writer is not None
+    address, length = store.mapping(writer.slot)
+    buffer_address = np.frombuffer(writer.buffer, dtype=np.uint8).__array_interface__["data"][0]
+    assert address == buffer_address and length >= 10_000 and length % mmap.PAGESIZE == 0
+    writer.abort()
+    grown = store.open_write(2, 10 * length)
+    assert grown is not None
+    assert store.mapping(grown.slot)[1] >= 10 * length
+    grown.abort()
+    store.close()
