@@ -10,6 +10,7 @@ from torch import nn
 
 from tests.unit.worker_lib.helpers import assert_bit_equal
 from worker_lib import Checkpointer
+from worker_lib.checkpointer import CheckpointerStats
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -123,6 +124,21 @@ def device_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.is_cuda)
 
 
+def save_then_step(shm_dir: Path) -> tuple[CheckpointerStats, int, dict[str, object], int]:
+    """Save a trained model and its AdamW state, then step the optimizer at once (it changes every saved
+    tensor). Returns the stats once the save is committed, how many steps had been fenced on the device
+    right after the step, the state's values at save(), and its bytes on the device."""
+    model, optimizer = trained_pair()
+    expected = snapshot(model, optimizer)
+    with Checkpointer(shm_dir) as checkpointer:
+        checkpointer.save(1, {"model": model, "optimizer": optimizer})
+        optimizer.step()  # queued at once: it changes every tensor the copies read
+        fenced = checkpointer.stats.steps_fenced_on_device
+        checkpointer.wait()
+        stats = checkpointer.stats
+    return stats, fenced, expected, device_bytes(model, optimizer)
+
+
 def test_device_tensors_go_straight_into_the_slot_and_the_step_waits_on_the_device(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -130,15 +146,9 @@ def test_device_tensors_go_straight_into_the_slot_and_the_step_waits_on_the_devi
     staging buffer, and the optimizer step right after save() waits for those copies on the device, not
     the host; what is saved is the state at save(), AdamW's host `step` counters included."""
     monkeypatch.setenv("CASTOR_CUDA_DIRECT", "1")
-    model, optimizer = trained_pair()
-    expected = snapshot(model, optimizer)
-    with Checkpointer(shm_dir) as checkpointer:
-        checkpointer.save(1, {"model": model, "optimizer": optimizer})
-        optimizer.step()  # queued at once: it changes every tensor the copies read
-        assert checkpointer.stats.steps_fenced_on_device == 1
-        checkpointer.wait()
-        stats = checkpointer.stats
-    assert stats.last_direct_bytes == device_bytes(model, optimizer) > 0
+    stats, fenced, expected, on_device = save_then_step(shm_dir)
+    assert fenced == 1
+    assert stats.last_direct_bytes == on_device > 0
     assert stats.staging_bytes == 0  # no third copy of the state in host memory
     assert_bit_equal(restored_values(shm_dir), expected)
 
@@ -147,16 +157,10 @@ def test_by_default_device_tensors_are_staged_and_the_step_waits_for_the_save_on
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("CASTOR_CUDA_DIRECT", raising=False)
-    model, optimizer = trained_pair()
-    expected = snapshot(model, optimizer)
-    with Checkpointer(shm_dir) as checkpointer:
-        checkpointer.save(1, {"model": model, "optimizer": optimizer})
-        optimizer.step()
-        assert checkpointer.stats.steps_fenced_on_device == 0
-        checkpointer.wait()
-        stats = checkpointer.stats
+    stats, fenced, expected, on_device = save_then_step(shm_dir)
+    assert fenced == 0
     assert stats.last_direct_bytes == 0
-    assert stats.staging_bytes >= device_bytes(model, optimizer)
+    assert stats.staging_bytes >= on_device
     assert_bit_equal(restored_values(shm_dir), expected)
 
 
@@ -167,13 +171,9 @@ def test_a_large_host_part_of_the_state_keeps_the_host_wait(
     state: then the optimizer step blocks the host until the copy is done, as on a CPU job."""
     monkeypatch.setenv("CASTOR_CUDA_DIRECT", "1")
     monkeypatch.setattr("worker_lib.checkpointer.HOST_SNAPSHOT_BYTES", 0)
-    model, optimizer = trained_pair()
-    expected = snapshot(model, optimizer)
-    with Checkpointer(shm_dir) as checkpointer:
-        checkpointer.save(1, {"model": model, "optimizer": optimizer})
-        optimizer.step()
-        assert checkpointer.stats.steps_fenced_on_device == 0
-        assert checkpointer.stats.last_direct_bytes == device_bytes(model, optimizer)
+    stats, fenced, expected, on_device = save_then_step(shm_dir)
+    assert fenced == 0
+    assert stats.last_direct_bytes == on_device
     assert_bit_equal(restored_values(shm_dir), expected)
 
 
