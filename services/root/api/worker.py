@@ -116,11 +116,11 @@ async def report_progress(
     "/machines/{rank}/inventory", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(409)
 )
 async def report_inventory(
-    rank: RankPath, body: schemas.InventoryReport, job: WorkerJobUnlockedDep, db: SessionDep
+    rank: RankPath, body: schemas.InventoryReport, job_id: AuthorizedJobIdDep, state: StateDep
 ) -> Response:
     """What this machine holds, checksums verified, for the recovery being planned (its own row only:
-    nothing shared is locked)."""
-    await recovery.record_inventory(db, job, rank, body)
+    nothing shared is locked, the job row is not read)."""
+    await recovery.record_inventory(state.database, job_id, rank, body)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 

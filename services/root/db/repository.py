@@ -3,14 +3,28 @@ caller (a request or a background flow) owns the transaction."""
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import ColumnElement, Table, and_, bindparam, case, delete, func, or_, select, text, update
+from sqlalchemy import (
+    ColumnElement,
+    Table,
+    and_,
+    bindparam,
+    case,
+    delete,
+    exists,
+    func,
+    or_,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import defer, selectinload
 
 from services.root.db.models import (
@@ -352,7 +366,7 @@ def _live_machine(job_id: uuid.UUID, rank: int, instance_id: str) -> tuple[Any, 
 
 
 async def mark_machine(
-    session: AsyncSession, job_id: uuid.UUID, rank: int, instance_id: str, **values: Any
+    session: AsyncSession | AsyncConnection, job_id: uuid.UUID, rank: int, instance_id: str, **values: Any
 ) -> int | None:
     """Set `values` on the live machine `instance_id` at `rank` in one statement (its row only); its id,
     or None when no live machine matches."""
@@ -366,39 +380,136 @@ async def mark_machine(
     return (await session.execute(query)).scalar_one_or_none()
 
 
-async def note_progress(
-    session: AsyncSession,
+# The reports of a recovery's burst (a thousand at once) run prebuilt statements with bound parameters:
+# building one per request (coercions, cache key) took about as much of the root's CPU as executing it
+# (measured in process: 0.88 ms per inventory report prebuilt, 1.7 ms built per call).
+_COLUMNS = Machine.__table__.c
+
+
+def _live_machine_bound() -> tuple[Any, ...]:
+    """_live_machine's conditions on bound parameters (`b_job_id`, `b_instance_id`, `b_rank`: a column's
+    own name is reserved for its value in an UPDATE)."""
+    return (
+        Machine.job_id == bindparam("b_job_id"),
+        Machine.instance_id == bindparam("b_instance_id"),
+        Machine.rank == bindparam("b_rank"),
+        Machine.state != MachineState.REPLACED,
+    )
+
+
+@functools.cache
+def _inventory_update(columns: tuple[str, ...]) -> Any:
+    """UPDATE of a live machine's `columns` (bound as `set_<column>`) if the job's newest plan is the
+    bound `generation` and still collecting."""
+    newest = (
+        select(func.max(RecoveryPlan.generation))
+        .where(RecoveryPlan.job_id == bindparam("b_job_id"))
+        .scalar_subquery()
+    )
+    collecting = exists().where(
+        RecoveryPlan.job_id == bindparam("b_job_id"),
+        RecoveryPlan.generation == bindparam("b_generation"),
+        RecoveryPlan.status == PlanStatus.COLLECTING,
+        RecoveryPlan.generation == newest,
+    )
+    assignments = {name: bindparam(f"set_{name}", type_=_COLUMNS[name].type) for name in columns}
+    return update(Machine).where(*_live_machine_bound(), collecting).values(assignments).returning(Machine.id)
+
+
+async def mark_machine_if_collecting(
+    connection: AsyncConnection,
     job_id: uuid.UUID,
-    generation: int,
     rank: int,
+    instance_id: str,
+    generation: int,
+    **values: Any,
+) -> int | None:
+    """An inventory report's write: set `values` on the live machine `instance_id` at `rank` if the job's
+    newest plan is `generation` and still collecting, in one statement (the plan's head checked in its
+    WHERE clause, not read first). The machine's id, or None when nothing matched (see the caller for why)."""
+    statement = _inventory_update(tuple(sorted(values)))
+    parameters = {
+        "b_job_id": job_id,
+        "b_rank": rank,
+        "b_instance_id": instance_id,
+        "b_generation": generation,
+    }
+    parameters |= {f"set_{name}": value for name, value in values.items()}
+    found: int | None = (await connection.execute(statement, parameters)).scalar_one_or_none()
+    return found
+
+
+@functools.cache
+def _progress_statements(dialect: str, resumed: bool) -> tuple[Any, Any]:
+    """A "restored" (or `resumed`) report's statements on bound parameters: the live machine's UPDATE, and
+    the progress row's upsert (on Postgres fed by that UPDATE as a CTE, so one statement does both)."""
+    column = "resumed_generation" if resumed else "restored_generation"
+    marked = (
+        update(Machine)
+        .where(*_live_machine_bound())
+        .values({column: bindparam("b_generation")})
+        .returning(Machine.id)
+    )
+    reported = ("resumed_at",) if resumed else ("restored_at", "restore")
+    names = ("job_id", "generation", "rank", *reported)
+    progress = RankProgress.__table__.c
+    bound = {name: bindparam(f"p_{name}", type_=progress[name].type) for name in names}
+    if dialect == "postgresql":
+        machine = marked.cte("marked")
+        chosen = select(*bound.values()).select_from(machine)
+        statement = postgresql.insert(RankProgress).from_select(list(names), chosen)
+        upsert = _on_progress_conflict(statement, reported).returning(RankProgress.id)
+        return marked, upsert
+    return marked, _on_progress_conflict(sqlite.insert(RankProgress).values(bound), reported)
+
+
+async def mark_progress(
+    connection: AsyncConnection,
+    job_id: uuid.UUID,
+    rank: int,
+    instance_id: str,
+    generation: int,
     *,
     restored_at: datetime | None = None,
     resumed_at: datetime | None = None,
     restore: dict[str, Any] | None = None,
-) -> None:
-    """Machine `rank`'s report for plan `generation`, in its own row (an upsert on the unique key): the
-    first "restored" and "resumed" report times stay (a retry does not move them), the newest restore
-    details replace the previous."""
-    dialect = session.bind.dialect.name if session.bind is not None else "postgresql"
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    values: dict[str, Any] = {"restored_at": restored_at, "resumed_at": resumed_at, "restore": restore}
-    values = {key: value for key, value in values.items() if value is not None}
-    if not values:
-        return
-    statement = insert(RankProgress).values(
-        job_id=job_id, generation=generation, rank=rank, **{"restore": {}, **values}
-    )
+) -> int | None:
+    """A "restored" (`restored_at`, `restore`) or "resumed" (`resumed_at`) report: the live machine's
+    `*_generation` column and its progress row for `generation` (the rank's report times and restore
+    details, one row per job, generation and rank: see _on_progress_conflict). On Postgres one statement
+    (the machine's UPDATE as a CTE feeding the progress upsert, so the row is written only for a live
+    machine); on SQLite, which has no data-modifying CTE, the two statements of one transaction. The
+    machine's id (its progress row's, on Postgres), or None when no live machine matched."""
+    resumed = resumed_at is not None
+    marked, upsert = _progress_statements(connection.dialect.name, resumed)
+    parameters: dict[str, Any] = {"b_job_id": job_id, "b_rank": rank, "b_instance_id": instance_id}
+    parameters |= {"b_generation": generation, "p_job_id": job_id, "p_generation": generation, "p_rank": rank}
+    if resumed:
+        parameters["p_resumed_at"] = resumed_at
+    else:
+        parameters |= {"p_restored_at": restored_at, "p_restore": restore if restore is not None else {}}
+    if connection.dialect.name == "postgresql":
+        landed: int | None = (await connection.execute(upsert, parameters)).scalar_one_or_none()
+        return landed
+    found: int | None = (await connection.execute(marked, parameters)).scalar_one_or_none()
+    if found is not None:
+        await connection.execute(upsert, parameters)
+    return found
+
+
+def _on_progress_conflict(statement: Any, reported: Sequence[str]) -> Any:
+    """The first "restored" and "resumed" report times stay (a retry does not move them); the newest
+    restore details replace the previous."""
     new = statement.excluded
     changes: dict[str, Any] = {
         "restored_at": func.coalesce(RankProgress.restored_at, new.restored_at),
         "resumed_at": func.coalesce(RankProgress.resumed_at, new.resumed_at),
         "restore": new.restore,
     }
-    upsert = statement.on_conflict_do_update(
+    return statement.on_conflict_do_update(
         index_elements=[RankProgress.job_id, RankProgress.generation, RankProgress.rank],
-        set_={key: changes[key] for key in values},
+        set_={key: changes[key] for key in reported},
     )
-    await session.execute(upsert)
 
 
 async def last_progress(
@@ -446,18 +557,19 @@ async def unfinished_machines(session: AsyncSession, job_id: uuid.UUID, generati
     return int((await session.execute(query)).scalar_one())
 
 
-async def complete_job(session: AsyncSession, job_id: uuid.UUID, at: datetime) -> bool:
+async def complete_job(session: AsyncSession, job_id: uuid.UUID, at: datetime) -> str | None:
     """Mark a running job completed, its directive's revision moved, in one conditional statement: of
-    several callers at once exactly one gets True (the row's lock orders them; the later ones find the
-    job no longer running)."""
+    several callers at once exactly one gets the job's name, the others None (the row's lock orders them;
+    the later ones find the job no longer running)."""
     query = (
         update(Job)
         .where(Job.id == job_id, Job.state == JobState.RUNNING)
         .values(state=JobState.COMPLETED, finished_at=at, directive_revision=Job.directive_revision + 1)
-        .returning(Job.id)
+        .returning(Job.name)
         .execution_options(synchronize_session=False)
     )
-    return (await session.execute(query)).scalar_one_or_none() is not None
+    name: str | None = (await session.execute(query)).scalar_one_or_none()
+    return name
 
 
 class PlanHead(NamedTuple):

@@ -508,68 +508,91 @@ def _finish_recovery(job: Job, plan: RecoveryPlan, events: list[FailureEvent], n
 
 
 async def record_inventory(
-    session: AsyncSession, job: Job, rank: int, report: schemas.InventoryReport
+    database: Database, job_id: uuid.UUID, rank: int, report: schemas.InventoryReport
 ) -> None:
-    """A machine's inventory for the recovery being collected: its own row, one statement, nothing shared
-    locked (the job row is read, not locked). A report that races the plan's decision is harmless: the
+    """A machine's inventory for the recovery being collected: one statement that writes its own row if the
+    job's newest plan is that generation and still collecting (nothing shared locked, the job row not
+    read: a thousand of these come at once). A report that races the plan's decision is harmless: the
     leader decides only once every machine's inventory of the generation is in, read from these rows."""
-    latest = await repo.latest_plan_head(session, job.id)
-    if latest is None or (latest.generation, latest.status) != (report.generation, PlanStatus.COLLECTING):
-        await live_machine_at(session, job, rank, report.instance_id)  # a zombie still gets its 409
-        return  # a late report for a recovery that has moved on
     values: dict[str, Any] = {
         "inventory": {"holdings": [h.model_dump() for h in report.holdings]},
         "inventory_generation": report.generation,
     }
     if report.rendezvous_port is not None:
         values["rendezvous_port"] = report.rendezvous_port
-    if await repo.mark_machine(session, job.id, rank, report.instance_id, **values) is None:
-        await live_machine_at(session, job, rank, report.instance_id)  # says why (409)
-        raise Conflict(f"instance {report.instance_id!r} is not machine {rank}", code="not_registered")
+    async with database.single_statement() as connection:
+        marked = await repo.mark_machine_if_collecting(
+            connection, job_id, rank, report.instance_id, report.generation, **values
+        )
+    if marked is not None:
+        return
+    async with database.session() as session:  # why not: off the hot path
+        latest = await repo.latest_plan_head(session, job_id)
+        await _live_machine_of(session, job_id, rank, report.instance_id)  # a zombie gets its 409
+        if latest is None or (latest.generation, latest.status) != (report.generation, PlanStatus.COLLECTING):
+            return  # a late report for a recovery that has moved on
+    raise Conflict(f"instance {report.instance_id!r} is not machine {rank}", code="not_registered")
+
+
+async def _live_machine_of(session: AsyncSession, job_id: uuid.UUID, rank: int, instance_id: str) -> None:
+    """A report whose own statements found no machine: why, as the API says it (404 for a job that does not
+    exist, 409 for an instance that is not, or no longer, machine `rank`). Off the hot path."""
+    job = await repo.get_job(session, job_id)
+    if job is None:
+        raise NotFound(f"job {job_id} does not exist", code="job_not_found")
+    await live_machine_at(session, job, rank, instance_id)
 
 
 async def record_progress(
     database: Database, job_id: uuid.UUID, rank: int, report: schemas.ProgressReport
 ) -> None:
     """An agent's progress through the current plan. "restored" and "resumed" write this machine's row and
-    its progress row for the generation, and lock nothing shared: no job row, no failure event (the pages
-    and the leader read the progress rows). "finished" does the same, commits, and then completes the job
-    when every live machine finished: a conditional UPDATE of the job row, so of several last reports at
-    once exactly one completes it. A transaction of its own per step (hence the database, not a session).
+    its progress row for the generation in one statement (Postgres; two on SQLite) that locks nothing
+    shared and reads no job row, no failure event (the pages and the leader read the progress rows).
+    "finished" writes the machine's row, and then completes the job when every live machine finished: a
+    conditional UPDATE of the job row, so of several last reports at once exactly one completes it.
     """
-    async with database.session() as session:
-        job = await repo.get_job(session, job_id)
-        if job is None:
-            raise NotFound(f"job {job_id} does not exist", code="job_not_found")
-        if report.event == "restore_failed":
+    if report.event == "restore_failed":
+        async with database.session() as session:
+            job = await repo.get_job(session, job_id)
+            if job is None:
+                raise NotFound(f"job {job_id} does not exist", code="job_not_found")
             await _restore_failed(session, job, rank, report)
-            return
-        now = utcnow()
-        column = {
-            "restored": "restored_generation",
-            "resumed": "resumed_generation",
-            "finished": "finished_generation",
-        }[report.event]
-        values = {column: report.generation}
-        if await repo.mark_machine(session, job.id, rank, report.instance_id, **values) is None:
-            await live_machine_at(session, job, rank, report.instance_id)  # says why (409)
-            raise Conflict(f"instance {report.instance_id!r} is not machine {rank}", code="not_registered")
+        return
+    now = utcnow()
+    async with database.single_statement() as connection:
         if report.event == "restored":
-            await repo.note_progress(
-                session, job.id, report.generation, rank, restored_at=now, restore=report.details
+            marked = await repo.mark_progress(
+                connection,
+                job_id,
+                rank,
+                report.instance_id,
+                report.generation,
+                restored_at=now,
+                restore=report.details,
             )
         elif report.event == "resumed":
-            await repo.note_progress(session, job.id, report.generation, rank, resumed_at=now)
-        running = job.state == JobState.RUNNING
-    if report.event == "finished" and running:
+            marked = await repo.mark_progress(
+                connection, job_id, rank, report.instance_id, report.generation, resumed_at=now
+            )
+        else:
+            marked = await repo.mark_machine(
+                connection, job_id, rank, report.instance_id, finished_generation=report.generation
+            )
+    if marked is None:
+        async with database.session() as session:
+            await _live_machine_of(session, job_id, rank, report.instance_id)  # says why (404, 409)
+        raise Conflict(f"instance {report.instance_id!r} is not machine {rank}", code="not_registered")
+    if report.event == "finished":
         # After this machine's row committed: of the last machines reporting at once, at least the one
-        # that commits last sees every machine finished, and the conditional UPDATE lets one of them win.
+        # that commits last sees every machine finished, and the conditional UPDATE (a running job only)
+        # lets one of them win.
         async with database.session() as session:
             if await repo.unfinished_machines(session, job_id, report.generation) == 0 and (
-                await repo.complete_job(session, job_id, utcnow())
+                name := await repo.complete_job(session, job_id, utcnow())
             ):
                 mark_changed(session, job_id)  # the directive says finished: wake the long polls
-                log.info("job %s: every machine finished; the job is complete", job.name)
+                log.info("job %s: every machine finished; the job is complete", name)
 
 
 async def _restore_failed(session: AsyncSession, job: Job, rank: int, report: schemas.ProgressReport) -> None:
