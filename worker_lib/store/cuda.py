@@ -286,7 +286,10 @@ class SlotRegistrations:
             return True
         if current is not None:
             del self._by_slot[slot]
-            current.close()
+            try:
+                current.close()
+            except RuntimeError as exc:  # the old mapping may be gone already: nothing left to unpin
+                log.warning("castor: unregistering a slot's previous mapping: %s", exc)
         if self.refused is not None or not length:
             return False
         try:
