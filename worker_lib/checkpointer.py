@@ -50,6 +50,7 @@ from worker_lib.store.cuda import (
     PinnedStager,
     direct_copies_enabled,
     mark_devices,
+    needs_host_wait,
 )
 from worker_lib.store.layout import (
     Layout,
@@ -233,7 +234,7 @@ class Checkpointer:
                 self._write_when_free, iteration, layout, flat.tree, sources, marks, self._give_up
             )
         else:
-            if direct and not host_pending and not self._blocking:
+            if not self._blocking and not needs_host_wait(device_only=direct, host_pending=host_pending):
                 issued = IssuedCopies()
             write = partial(self._write, writer, layout, flat.tree, sources, marks, direct, issued)
         if self._blocking:
