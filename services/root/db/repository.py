@@ -26,6 +26,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import defer, selectinload
+from sqlalchemy.sql.elements import BindParameter
 
 from services.root.db.models import (
     FailureEvent,
@@ -355,8 +356,13 @@ async def persisted_checkpoint(
 # row, and locks nothing shared (not the job row: a thousand machines report at once after a recovery) ---
 
 
-def _live_machine(job_id: uuid.UUID, rank: int, instance_id: str) -> tuple[Any, ...]:
-    """The live machine `instance_id` at `rank`: one indexed row (the job's unique instance id)."""
+def _live_machine(
+    job_id: uuid.UUID | BindParameter[Any],
+    rank: int | BindParameter[Any],
+    instance_id: str | BindParameter[Any],
+) -> tuple[Any, ...]:
+    """The live machine `instance_id` at `rank`: one indexed row (the job's unique instance id). Values, or
+    bound parameters for a statement built once (see _live_machine_bound)."""
     return (
         Machine.job_id == job_id,
         Machine.instance_id == instance_id,
@@ -389,12 +395,7 @@ _COLUMNS = Machine.__table__.c
 def _live_machine_bound() -> tuple[Any, ...]:
     """_live_machine's conditions on bound parameters (`b_job_id`, `b_instance_id`, `b_rank`: a column's
     own name is reserved for its value in an UPDATE)."""
-    return (
-        Machine.job_id == bindparam("b_job_id"),
-        Machine.instance_id == bindparam("b_instance_id"),
-        Machine.rank == bindparam("b_rank"),
-        Machine.state != MachineState.REPLACED,
-    )
+    return _live_machine(bindparam("b_job_id"), bindparam("b_rank"), bindparam("b_instance_id"))
 
 
 @functools.cache
