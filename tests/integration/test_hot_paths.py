@@ -230,3 +230,54 @@ async def test_the_suspicion_pass_loads_only_the_machines_it_has_to_judge(
         rest = await repo.machines_to_judge(session, job_id, lapsed_before=now - timedelta(minutes=5))
     assert [m.rank for m in etcd] == [3, 5], "etcd: only the suspect and the failed machine"
     assert [m.rank for m in rest] == [3, 5, 7, 11], "REST: and those silent past the timeout"
+
+
+async def test_a_recovering_jobs_step_reads_neither_the_plans_sources_nor_the_machines_documents(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    """The leader steps a recovering job 5 times a second; at 1,000 machines decoding every machine's
+    summary and inventory and the plan's 8,000 sources took a fifth of the root's event loop. Only the
+    plan's decision reads the inventories (once), which the plans the other tests check depend on."""
+    from services.root.db import repository as repo
+    from services.root.flows import recovery
+    from tests.integration.api.test_recovery_flow import report_inventories
+    from tests.integration.web.scenario import Scenario
+
+    scenario = Scenario(client, await create_job(client, machines=2, replicas=2))
+    await scenario.register(["i-0", "i-1"])
+    await scenario.heartbeat(5)
+    castor = root_app.state.castor
+    mine = asyncio.current_task()
+
+    async def step_reads() -> list[str]:
+        """What one step of the recovery selects, each statement's column list (this task's statements
+        only, not the leader's)."""
+        statements: list[str] = []
+
+        def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+            if asyncio.current_task() is mine:
+                statements.append(" ".join(statement.split()).lower())
+
+        engine = castor.database.engine.sync_engine
+        async with castor.database.session() as session:
+            job_row = await repo.get_job(session, uuid.UUID(scenario.id), for_update=True)
+            assert job_row is not None and job_row.state == "recovering"
+            event.listen(engine, "before_cursor_execute", record)
+            try:
+                await recovery.advance(session, job_row, castor.settings)
+            finally:
+                event.remove(engine, "before_cursor_execute", record)
+        return [s.split(" from ")[0].removeprefix("select ") for s in statements if s.startswith("select")]
+
+    await scenario.kill_process(1)
+    await scenario.plan(2, "collecting")
+    collecting = await step_reads()
+    assert any("machines.rank" in s for s in collecting), "the step reads the live machines"
+    documents = {"recovery_plans.sources", "machines.inventory", "machines.summary"}
+    assert not [s for s in collecting if documents & set(s.split(", "))], collecting
+
+    await report_inventories(scenario, 2, [0, 1])
+    await scenario.plan(2, "ready")
+    resuming = await step_reads()
+    assert any("machines.rank" in s for s in resuming), "the step reads the live machines"
+    assert not [s for s in resuming if documents & set(s.split(", "))], resuming

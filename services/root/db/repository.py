@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from sqlalchemy import (
     ColumnElement,
@@ -80,14 +80,46 @@ async def delete_job(session: AsyncSession, job: Job) -> None:
     await session.execute(delete(Job).where(Job.id == job.id))
 
 
-async def live_machines(session: AsyncSession, job_id: uuid.UUID) -> Sequence[Machine]:
-    """The machine currently bound to each rank (replaced ones are history)."""
+# A machine row's JSON documents: decoding a 1,000-machine job's summaries and inventories costs the root
+# tens of ms, and the leader reads the live machines at every tick of a recovery (5 a second).
+MachineDocument = Literal["summary", "inventory"]
+_MACHINE_DOCUMENTS: tuple[MachineDocument, ...] = ("summary", "inventory")
+
+
+async def live_machines(
+    session: AsyncSession, job_id: uuid.UUID, *, documents: Collection[MachineDocument] = ()
+) -> Sequence[Machine]:
+    """The machine currently bound to each rank (replaced ones are history), with only the JSON documents
+    named in `documents` loaded: reading another one raises, so a caller that needs one says so here
+    instead of paying for every document at every call."""
+    skipped = [
+        defer(getattr(Machine, name), raiseload=True) for name in _MACHINE_DOCUMENTS if name not in documents
+    ]
     query = (
         select(Machine)
+        .options(*skipped)
         .where(Machine.job_id == job_id, Machine.state != MachineState.REPLACED)
         .order_by(Machine.rank)
     )
     return (await session.execute(query)).scalars().all()
+
+
+async def live_inventories(session: AsyncSession, job_id: uuid.UUID) -> dict[int, dict[str, Any]]:
+    """Each live machine's inventory by its rank (the one read a recovery's plan decision makes)."""
+    query = select(Machine.rank, Machine.inventory).where(
+        Machine.job_id == job_id, Machine.state != MachineState.REPLACED
+    )
+    return {int(rank): inventory or {} for rank, inventory in (await session.execute(query)).all()}
+
+
+async def newest_summary_iterations(session: AsyncSession, job_id: uuid.UUID) -> list[int]:
+    """Every machine's (replaced ones included) newest heartbeat summary's local iterations."""
+    query = select(Machine.summary).where(Machine.job_id == job_id)
+    return [
+        int(iteration)
+        for (summary,) in (await session.execute(query)).all()
+        for iteration in (summary or {}).get("local", {}).values()
+    ]
 
 
 class LiveRank(NamedTuple):
@@ -107,11 +139,6 @@ async def live_ranks(session: AsyncSession, job_id: uuid.UUID) -> list[LiveRank]
         LiveRank(rank, state, instance_id)
         for rank, state, instance_id in (await session.execute(query)).all()
     ]
-
-
-async def all_machines(session: AsyncSession, job_id: uuid.UUID) -> Sequence[Machine]:
-    query = select(Machine).where(Machine.job_id == job_id).order_by(Machine.rank, Machine.registered_at)
-    return (await session.execute(query)).scalars().all()
 
 
 async def machine_by_instance(session: AsyncSession, job_id: uuid.UUID, instance_id: str) -> Machine | None:
@@ -242,9 +269,14 @@ async def get_failure(session: AsyncSession, job_id: uuid.UUID, failure_id: int)
     return (await session.execute(query)).scalar_one_or_none()
 
 
-async def latest_plan(session: AsyncSession, job_id: uuid.UUID) -> RecoveryPlan | None:
+async def latest_plan(
+    session: AsyncSession, job_id: uuid.UUID, *, sources: bool = True
+) -> RecoveryPlan | None:
+    """The job's newest plan; without `sources`, its per-rank sources are not loaded (a 8,000-rank plan's
+    are a JSON document of about a megabyte) and reading them raises (writing them is allowed)."""
     query = (
         select(RecoveryPlan)
+        .options(*([] if sources else [defer(RecoveryPlan.sources, raiseload=True)]))
         .where(RecoveryPlan.job_id == job_id)
         .order_by(RecoveryPlan.generation.desc())
         .limit(1)
@@ -860,17 +892,6 @@ async def machines_to_judge(
         select(Machine)
         .options(defer(Machine.summary, raiseload=True), defer(Machine.inventory, raiseload=True))
         .where(Machine.job_id == job_id, needs_judging(lapsed_before))
-        .order_by(Machine.rank)
-    )
-    return (await session.execute(query)).scalars().all()
-
-
-async def live_machines_light(session: AsyncSession, job_id: uuid.UUID) -> Sequence[Machine]:
-    """`live_machines` without their inventories (the status pages draw every rank, never an inventory)."""
-    query = (
-        select(Machine)
-        .options(defer(Machine.inventory))
-        .where(Machine.job_id == job_id, Machine.state != MachineState.REPLACED)
         .order_by(Machine.rank)
     )
     return (await session.execute(query)).scalars().all()

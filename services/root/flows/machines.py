@@ -445,7 +445,10 @@ async def _counters_inline(
     summaries with `fresh` (instance id -> summary, not written yet) in place of their rows'; the job row
     written (flushed) before the machines' are (the orchestrator's lock order, job then machines: no
     deadlock between the two). The live summaries."""
-    live = [fresh.get(m.instance_id, m.summary) for m in await repo.live_machines(session, job.id)]
+    live = [
+        fresh.get(m.instance_id, m.summary)
+        for m in await repo.live_machines(session, job.id, documents=["summary"])
+    ]
     _refresh_job_counters(job, live)
     await schedule_persist(session, job, live, generation, latency_s)
     await session.flush()

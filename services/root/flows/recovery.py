@@ -108,7 +108,10 @@ async def _step(
         # and every machine to find that out kept the root of an idle 1,000-machine job busy.
         return RecoveryState.RUNNING, RecoveryState.RUNNING, []
     now = utcnow()
-    plan = await repo.latest_plan(session, job.id)
+    # Neither the plan's sources nor the machines' documents: a step runs 5 times a second during a
+    # recovery, and at 1,000 machines decoding them took a fifth of the root's event loop. The plan's
+    # decision reads the inventories once (_decide).
+    plan = await repo.latest_plan(session, job.id, sources=False)
     assert plan is not None, "every job has a plan from its creation"
     events = list(await repo.open_failures(session, job.id))
     live = list(await repo.live_machines(session, job.id))
@@ -340,6 +343,8 @@ async def _decide(
 ) -> None:
     """Every machine reported: choose the iteration and the sources, and release the plan."""
     tier = tier_of(settings)
+    inventories = await repo.live_inventories(session, job.id)
+    holdings = [(m, h) for m in live for h in inventories.get(m.rank, {}).get("holdings", [])]
     decision = plan_recovery(
         world_size=job.num_machines * job.procs_per_machine,
         procs_per_machine=job.procs_per_machine,
@@ -353,8 +358,7 @@ async def _decide(
                 verified=bool(h.get("verified")),
                 generation=int(h.get("generation") or 1),
             )
-            for m in live
-            for h in m.inventory.get("holdings", [])
+            for m, h in holdings
         ],
         persisted=[
             # The key is computed again, never read back: a row stored before the root computed keys
@@ -369,7 +373,7 @@ async def _decide(
             for checkpoint, shard in await repo.persisted_shards(session, job.id)
         ],
         resumed_from=await repo.resumed_from(session, job.id),
-        reached=await _reached(session, job, live),
+        reached=await _reached(session, job, holdings),
     )
     by_rank = {m.rank: m for m in live}
     plan.iteration = decision.iteration
@@ -396,8 +400,7 @@ async def _decide(
                     "tier": h.get("tier"),
                     "problem": h.get("problem"),
                 }
-                for m in live
-                for h in m.inventory.get("holdings", [])
+                for m, h in holdings
                 if h.get("verified") is False
             ],
         }
@@ -418,16 +421,13 @@ def _source_json(source: Any, by_rank: dict[int, Machine]) -> dict[str, Any]:
     ).model_dump()
 
 
-async def _reached(session: AsyncSession, job: Job, live: list[Machine]) -> int | None:
-    """The newest iteration any rank committed before the failure: inventories of the survivors and the
-    last heartbeat of every machine, the failed ones included."""
-    newest: list[int] = []
-    for machine in await repo.all_machines(session, job.id):
-        newest += [int(i) for i in machine.summary.get("local", {}).values()]
-    for machine in live:
-        newest += [
-            int(h["iteration"]) for h in machine.inventory.get("holdings", []) if h.get("tier") == "local"
-        ]
+async def _reached(
+    session: AsyncSession, job: Job, holdings: list[tuple[Machine, dict[str, Any]]]
+) -> int | None:
+    """The newest iteration any rank committed before the failure: inventories of the survivors
+    (`holdings`: each live machine's) and the last heartbeat of every machine, the failed ones included."""
+    newest = await repo.newest_summary_iterations(session, job.id)
+    newest += [int(h["iteration"]) for _, h in holdings if h.get("tier") == "local"]
     return max(newest) if newest else None
 
 
