@@ -36,8 +36,10 @@ Scenarios, in order:
   suspect grace, --suspect-grace, after the suspicion: a silent machine is declared lost on a second signal
   or after the grace). The harness then registers a replacement at once (the cloud's launch, excluded:
   `replaced_s` is how long the harness took), and times the recovery: `plan_ready_s` from the failure's
-  detection to its plan ready (every inventory in), `directives_s` from the plan ready to every machine's
-  long poll answering with it, `recovery_s` the root's (detection to every machine resumed);
+  detection to its plan ready (every inventory in; its parts: `collect_told_s` to every live machine's long
+  poll answering "collecting", `inventories_s` to the root's answer to the last inventory report),
+  `directives_s` from the plan ready to every machine's long poll answering with it, `recovery_s` the
+  root's (detection to every machine resumed);
 * --group-loss: every machine of one placement group stops at once (no replica of its ranks survives);
   `group_*` figures as above, and `group_tier` the slowest tier its plan restores from;
 * --process-exit: one training process of one machine exits (its agent reports it); `exit_detect_s` from
@@ -186,6 +188,10 @@ class Stats:
     ready_at: list[float] = field(default_factory=list)  # monotonic: each machine's first ready directive
     # generation -> wall clock of each machine's long poll answering with that generation's ready plan
     ready_wall: dict[int, list[float]] = field(default_factory=dict)
+    # generation -> wall clock of each machine's long poll answering "collecting", and of the root's
+    # answer to its inventory report (plan_ready_s in two parts: every machine told, every report in)
+    collecting_wall: dict[int, list[float]] = field(default_factory=dict)
+    inventory_wall: dict[int, list[float]] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     recording: bool = False
     started: float = field(default_factory=time.monotonic)
@@ -406,6 +412,7 @@ class SimulatedMachine:
             revision = max(revision, directive["revision"])
             if directive["status"] == "collecting" and directive["generation"] not in collected:
                 collected.add(directive["generation"])
+                self.stats.collecting_wall.setdefault(directive["generation"], []).append(time.time())
                 body = {
                     "instance_id": self.instance_id,
                     "generation": directive["generation"],
@@ -414,6 +421,7 @@ class SimulatedMachine:
                 }
                 try:
                     await self.client.report_inventory(self.rank, body)
+                    self.stats.inventory_wall.setdefault(directive["generation"], []).append(time.time())
                 except (RootRejected, RootUnavailable) as exc:
                     self.stats.error(f"inventory: {type(exc).__name__}")
             if directive["status"] == "ready" and directive["generation"] != generation:
@@ -532,31 +540,21 @@ class Run:
         self.figures: dict[str, Any] = {}
         self.job_id = ""
         self.leaderless_s, self.leader_changes = 0.0, 0
+        self._pg: Any = None  # asyncpg's connection, opened by the first sql()
 
     # -- helpers
 
-    def sql(self, query: str) -> list[list[str]]:
-        found = subprocess.run(
-            [
-                "psql",
-                "-h",
-                "127.0.0.1",
-                "-p",
-                str(self.server.port),
-                "-U",
-                "postgres",
-                "-d",
-                self.database,
-                "-AtF",
-                "|",
-                "-c",
-                query,
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        return [line.split("|") for line in found.stdout.splitlines() if line]
+    async def sql(self, query: str) -> list[Any]:
+        """The rows of one query on the root's database, over this run's own connection: the harness polls
+        with it every 0.2 s while a recovery runs, and a psql process per poll blocked the simulated
+        agents' event loop (and took CPU from the root's two cores) in the window being measured."""
+        if self._pg is None:
+            import asyncpg
+
+            self._pg = await asyncpg.connect(
+                host="127.0.0.1", port=self.server.port, user="postgres", database=self.database
+            )
+        return list(await self._pg.fetch(query))
 
     async def failures(self) -> list[dict[str, Any]]:
         """The job's newest 500 failures (the root's largest page), newest first."""
@@ -661,6 +659,8 @@ class Run:
                         await connection.client.close()
                 for pool in self.http_pools:
                     await pool.aclose()
+                if self._pg is not None:
+                    await self._pg.close()
 
     def machine(self, rank: int, instance_id: str | None = None) -> SimulatedMachine:
         client = copy.copy(self.base)
@@ -781,15 +781,13 @@ class Run:
             scenarios: list[tuple[str, Callable[[], Awaitable[dict[str, Any]]]]] = []
         else:
             # -- failures, one after the other, each recovered before the next
-            scenarios = [("", lambda: self.lose([self.a_machine(avoid=0, prefer=args.machines // 2)], ""))]
+            scenarios = [("", self.lose_one)]
         if args.group_loss:
-            scenarios.append(("group_", lambda: self.lose(self.a_group(), "group_")))
+            scenarios.append(("group_", self.lose_group))
         if args.process_exit:
             scenarios.append(("exit_", self.process_exit))
         if args.leader_kill:
-            scenarios.append(
-                ("failover_", lambda: self.lose([self.a_machine(avoid=0)], "failover_", kill_leader=True))
-            )
+            scenarios.append(("failover_", self.lose_one_and_the_leader))
         for prefix, scenario in scenarios:
             try:
                 await self.settle()
@@ -812,35 +810,35 @@ class Run:
         back to one machine where the scenario meant a whole group."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not {m.rank for m in self.live()} - self.healthy():
+            if not {m.rank for m in self.live()} - await self.healthy():
                 return
             await asyncio.sleep(0.5)
 
-    def healthy(self) -> set[int]:
+    async def healthy(self) -> set[int]:
         """The ranks whose machine the root holds healthy (a false positive's is failed already)."""
         query = f"SELECT rank FROM machines WHERE job_id = '{self.job_id}' AND state = 'healthy'"
-        return {int(row[0]) for row in self.sql(query)}
+        return {int(row[0]) for row in await self.sql(query)}
 
-    def a_machine(self, avoid: int, prefer: int | None = None) -> SimulatedMachine:
+    async def a_machine(self, avoid: int, prefer: int | None = None) -> SimulatedMachine:
         """A live original machine the root holds healthy, other than machine `avoid` and those already
         lost: `prefer` if it is one."""
-        healthy = self.healthy()
+        healthy = await self.healthy()
         candidates = [m for m in self.live() if m.rank != avoid and not m.replacement and m.rank in healthy]
         if not candidates:  # the root holds none healthy: any live one
             candidates = [m for m in self.live() if m.rank != avoid]
         return next((m for m in candidates if m.rank == prefer), candidates[len(candidates) // 3])
 
-    def a_group(self) -> list[SimulatedMachine]:
+    async def a_group(self) -> list[SimulatedMachine]:
         """Every machine of one placement group (machine 0's excluded, and any already replaced)."""
         holders: dict[int, set[int]] = {}
         for machine, held in self.stats.replicas_of.items():
             holders.setdefault(machine, {machine}).update(held)
-        healthy = self.healthy() if self.job_id else set(self.stats.replicas_of)
+        healthy = await self.healthy() if self.job_id else set(self.stats.replicas_of)
         by_rank = {m.rank: m for m in self.live() if m.rank in healthy}
         for members in sorted(holders.values(), key=min, reverse=True):
             if 0 not in members and all(r in by_rank and not by_rank[r].replacement for r in members):
                 return [by_rank[r] for r in sorted(members)]
-        return [self.a_machine(avoid=0)]
+        return [await self.a_machine(avoid=0)]
 
     async def report_progress(self, every_s: float = 30.0) -> None:
         """A line on stderr every `every_s`: machines with a lease or heartbeat answered lately, and the
@@ -879,9 +877,9 @@ class Run:
                     return index
         return None
 
-    def plan_after(self, generation: int) -> tuple[int, float | None, float, int | None] | None:
+    async def plan_after(self, generation: int) -> tuple[int, float | None, float, int | None] | None:
         """The newest plan past `generation`: (generation, ready_at or None, created_at, iteration)."""
-        rows = self.sql(
+        rows = await self.sql(
             "SELECT generation, extract(epoch from ready_at), extract(epoch from created_at), iteration "
             f"FROM recovery_plans WHERE job_id = '{self.job_id}' AND generation > {generation} "
             "ORDER BY generation DESC LIMIT 1"
@@ -891,16 +889,25 @@ class Run:
         gen, ready, created, iteration = rows[0]
         return (
             int(gen),
-            float(ready) if ready else None,
+            float(ready) if ready is not None else None,
             float(created),
-            int(iteration) if iteration else None,
+            int(iteration) if iteration is not None else None,
         )
 
-    def generation(self) -> int:
-        rows = self.sql(
+    async def generation(self) -> int:
+        rows = await self.sql(
             f"SELECT coalesce(max(generation), 0) FROM recovery_plans WHERE job_id = '{self.job_id}'"
         )
         return int(rows[0][0])
+
+    async def lose_one(self) -> dict[str, Any]:
+        return await self.lose([await self.a_machine(avoid=0, prefer=self.args.machines // 2)], "")
+
+    async def lose_group(self) -> dict[str, Any]:
+        return await self.lose(await self.a_group(), "group_")
+
+    async def lose_one_and_the_leader(self) -> dict[str, Any]:
+        return await self.lose([await self.a_machine(avoid=0)], "failover_", kill_leader=True)
 
     async def lose(
         self, victims: list[SimulatedMachine], prefix: str, *, kill_leader: bool = False
@@ -911,7 +918,7 @@ class Run:
             f"{prefix or 'machine_'}lost: machines {[m.rank for m in victims]}", file=sys.stderr, flush=True
         )
         known = {f["id"] for f in await self.failures()}
-        generation = self.generation()
+        generation = await self.generation()
         self.stats.frozen = self.stats.iteration()
         for victim in victims:
             victim.stop()
@@ -995,11 +1002,11 @@ class Run:
             return {"failover_s": None}
 
         async def elected() -> float | None:
-            rows = self.sql("SELECT extract(epoch from updated_at) FROM leader_epoch WHERE id = 1")
+            rows = await self.sql("SELECT extract(epoch from updated_at) FROM leader_epoch WHERE id = 1")
             return float(rows[0][0]) if rows and float(rows[0][0]) > killed else None
 
         async def continued() -> float | None:
-            plan = self.plan_after(generation)
+            plan = await self.plan_after(generation)
             if plan is None:
                 return None
             written = [t for t in (plan[2], plan[1]) if t is not None and t > killed]
@@ -1013,10 +1020,10 @@ class Run:
         }
 
     async def process_exit(self) -> dict[str, Any]:
-        machine = self.a_machine(avoid=0)
+        machine = await self.a_machine(avoid=0)
         print(f"exit_: a process of machine {machine.rank} exits", file=sys.stderr, flush=True)
         known = {f["id"] for f in await self.failures()}
-        generation = self.generation()
+        generation = await self.generation()
         self.stats.frozen = self.stats.iteration()
         sent = time.time()
         ack = await machine.client.report_exit(
@@ -1064,7 +1071,7 @@ class Run:
             return max(0.0, deadline - time.monotonic())
 
         async def ready() -> tuple[int, float | None, float, int | None] | None:
-            plan = self.plan_after(generation)
+            plan = await self.plan_after(generation)
             return plan if plan is not None and plan[1] is not None else None
 
         plan = await self.until(f"{prefix}plan ready", ready, timeout())
@@ -1104,7 +1111,11 @@ class Run:
             file=sys.stderr,
             flush=True,
         )
+        collecting = self.stats.collecting_wall.get(new_generation, [])
+        inventories = self.stats.inventory_wall.get(new_generation, [])
         return {
+            f"{prefix}collect_told_s": round(max(collecting) - detected, 2) if collecting else None,
+            f"{prefix}inventories_s": round(max(inventories) - detected, 2) if inventories else None,
             f"{prefix}plan_ready_s": round(ready_at - detected, 2),
             f"{prefix}directives_s": round(max(answered) - ready_at, 2) if told else None,
             f"{prefix}recovery_s": round(max(f["recovery_s"] for f in done), 2) if done else None,

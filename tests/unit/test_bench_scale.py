@@ -3,6 +3,7 @@ which machines a group loss stops (the e2e benchmark test runs its --quick mode 
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import sys
 from pathlib import Path
@@ -64,6 +65,6 @@ def test_a_group_loss_stops_every_member_of_one_group_never_machine_0s(scale: Mo
     run.machines = [
         scale.SimulatedMachine(r, client=None, procs=8, interval_s=1.0, stats=run.stats) for r in range(6)
     ]
-    assert [m.rank for m in run.a_group()] == [4, 5]
+    assert [m.rank for m in asyncio.run(run.a_group())] == [4, 5]
     run.machines[4].alive = False  # lost before: its group is not whole
-    assert [m.rank for m in run.a_group()] == [2, 3]
+    assert [m.rank for m in asyncio.run(run.a_group())] == [2, 3]
