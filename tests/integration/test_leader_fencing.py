@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import select
+from sqlalchemy.exc import DBAPIError
 
 from services.root.clients.etcd import EtcdCoordinator
 from services.root.clients.local import LocalOperator
@@ -122,6 +123,50 @@ async def test_without_etcd_a_deposed_leader_steps_down_and_a_leader_follows(
         for task in runs:
             task.cancel()
         await asyncio.gather(*runs, return_exceptions=True)
+
+
+async def test_a_leader_whose_connections_postgres_dropped_leads_again_and_its_writes_go_through(
+    database: Database, postgres_server: harness.Postgres, tmp_path: Path
+) -> None:
+    """Postgres restarts (or fails over): every connection of the root dies, the advisory lock's session
+    and the pooled ones, which the root does not ping before use. The leader loses the lock with its
+    session, and a lone replica must lead again on its own, with a newer epoch, its transactions going
+    through: a root that lost its leadership for good would drive no recovery again."""
+    name = database.url.rsplit("/", 1)[1]
+    only = replica(database, tmp_path, "only")
+    run = asyncio.create_task(only.run())
+    try:
+        leader = await _eventually_one_leader([only])
+        before = leader.epoch
+        assert before is not None
+        async with leader.leadership.session() as session:  # a pooled connection, as the leader's loops use
+            (await session.execute(select(LeaderEpoch))).scalar_one()
+        postgres_server.psql(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            f"WHERE datname = '{name}' AND pid <> pg_backend_pid()"
+        )
+        for _ in range(300):
+            await asyncio.sleep(0.1)
+            if only.is_leader and only.epoch is not None and only.epoch > before:
+                break
+        else:
+            raise TimeoutError(
+                f"the replica does not lead again (leader: {only.is_leader}, epoch {only.epoch})"
+            )
+        written = False
+        for _ in range(3):  # a pooled connection that died fails one transaction (answered 503 retry)
+            try:
+                async with only.leadership.session() as session:
+                    (await session.execute(select(LeaderEpoch))).scalar_one().holder = "after the restart"
+                written = True
+                break
+            except (DBAPIError, Deposed):
+                await asyncio.sleep(0.2)
+        assert written, "the leader's transactions go through again"
+        assert (await epoch_row(database)).holder == "after the restart"
+    finally:
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
 
 
 async def test_a_replica_starting_while_another_leads_can_run_its_migrations(
