@@ -35,9 +35,12 @@ Scenarios, in order:
   from its last heartbeat (lease refresh) to the root suspecting it, `detect_s` to the failure event (the
   suspect grace, --suspect-grace, after the suspicion: a silent machine is declared lost on a second signal
   or after the grace). The harness then registers a replacement at once (the cloud's launch, excluded:
-  `replaced_s` is how long the harness took), and times the recovery: `plan_ready_s` from the failure's
+  `replaced_s` is how long the harness took, `failure_seen_s` of it until the failure was in the root's
+  list, which this process polls every 0.2 s), and times the recovery: `plan_ready_s` from the failure's
   detection to its plan ready (every inventory in; its parts: `collect_told_s` to every live machine's long
-  poll answering "collecting", `inventories_s` to the root's answer to the last inventory report),
+  poll answering "collecting", `inventories_s` to the root's answer to the last inventory report,
+  `survivor_inventories_s` to the last of the machines that were not lost: what the plan waits for once
+  the replacement's launch, excluded from the target, is taken out),
   `directives_s` from the plan ready to every machine's long poll answering with it, `recovery_s` the
   root's (detection to every machine resumed);
 * --group-loss: every machine of one placement group stops at once (no replica of its ranks survives);
@@ -76,6 +79,7 @@ import random
 import re
 import shutil
 import signal
+import ssl
 import statistics
 import subprocess
 import sys
@@ -100,7 +104,8 @@ from worker_lib.client import RootClient, RootRejected, RootUnavailable  # noqa:
 ADMIN_TOKEN = "castor-admin.scale-benchmark"
 PEERS_REFRESH_S = 10.0  # worker_lib.agent.services.PEERS_REFRESH_S
 MACHINES_PER_ETCD_CONNECTION = 25
-MACHINES_PER_HTTP_POOL = 25
+POLLED_FAILURES = 20  # the newest failures a scenario's polls read: more than one scenario makes
+MACHINES_PER_HTTP_POOL = 1  # an HTTP client per machine, as each agent has its own (see Run.run)
 DIRECTIVE_FIELDS = {
     "revision": re.compile(r'"revision":\s*(-?\d+)'),
     "status": re.compile(r'"status":\s*"(\w+)"'),
@@ -189,9 +194,10 @@ class Stats:
     # generation -> wall clock of each machine's long poll answering with that generation's ready plan
     ready_wall: dict[int, list[float]] = field(default_factory=dict)
     # generation -> wall clock of each machine's long poll answering "collecting", and of the root's
-    # answer to its inventory report (plan_ready_s in two parts: every machine told, every report in)
+    # answer to its inventory report, with whether the machine is a replacement (plan_ready_s in parts:
+    # every machine told, every report in, the survivors' reports in)
     collecting_wall: dict[int, list[float]] = field(default_factory=dict)
-    inventory_wall: dict[int, list[float]] = field(default_factory=dict)
+    inventory_wall: dict[int, list[tuple[float, bool]]] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     recording: bool = False
     started: float = field(default_factory=time.monotonic)
@@ -421,7 +427,9 @@ class SimulatedMachine:
                 }
                 try:
                     await self.client.report_inventory(self.rank, body)
-                    self.stats.inventory_wall.setdefault(directive["generation"], []).append(time.time())
+                    self.stats.inventory_wall.setdefault(directive["generation"], []).append(
+                        (time.time(), self.replacement)
+                    )
                 except (RootRejected, RootUnavailable) as exc:
                     self.stats.error(f"inventory: {type(exc).__name__}")
             if directive["status"] == "ready" and directive["generation"] != generation:
@@ -556,9 +564,12 @@ class Run:
             )
         return list(await self._pg.fetch(query))
 
-    async def failures(self) -> list[dict[str, Any]]:
-        """The job's newest 500 failures (the root's largest page), newest first."""
-        body = (await self._failures_page()).json()
+    async def failures(self, limit: int = 500) -> list[dict[str, Any]]:
+        """The job's newest `limit` failures (500: the root's largest page), newest first. The polls while a
+        scenario runs ask for the newest POLLED_FAILURES only: a page of 500 (the --past-failures among
+        them) every 0.2 s was the root's load, not the agents', and this process saw a failure seconds
+        after the root recorded it, which delayed the replacement it registers."""
+        body = (await self._failures_page(limit)).json()
         return list(body["items"] if isinstance(body, dict) else body)
 
     async def failure_count(self) -> int:
@@ -609,19 +620,24 @@ class Run:
             created = (await self.admin.post(f"{self.url}/api/v1/jobs", json=body)).raise_for_status().json()
             self.job_id, token = created["id"], created["worker_token"]
             # One client, copied per machine (each copy keeps its own replica index), over a pool per
-            # MACHINES_PER_HTTP_POOL machines: a thousand pools (and TLS contexts) would measure this process,
-            # and so did one pool for all: httpcore matches every queued request against every connection
-            # on each request (O(requests x connections)), which at 1,000 machines kept this process at a
-            # full core and no registration through in 12 minutes.
+            # MACHINES_PER_HTTP_POOL machines. httpcore matches every queued request against every
+            # connection of its pool on each request, polling each idle socket (O(requests x
+            # connections)): one pool for all kept this process at a full core with no registration
+            # through in 12 minutes, and a pool per 25 machines still spent 36 % of this process in that
+            # matching during a recovery's bursts (py-spy), where each agent's own client matches against
+            # its own two or three connections. So a pool per machine, over one shared TLS context (a
+            # context each costs 20 ms to build; shared, a thousand clients take 0.1 s).
             limits = httpx.Limits(
                 max_connections=3 * MACHINES_PER_HTTP_POOL + 10,
                 max_keepalive_connections=3 * MACHINES_PER_HTTP_POOL,
             )
+            tls = ssl.create_default_context()
             self.http_pools = [
                 httpx.AsyncClient(
                     headers={"Authorization": f"Bearer {token}"},
                     timeout=httpx.Timeout(30.0, connect=10.0),
                     limits=limits,
+                    verify=tls,
                 )
                 for _ in range(-(-args.machines // MACHINES_PER_HTTP_POOL) + 1)  # + 1: the replacements'
             ]
@@ -926,6 +942,7 @@ class Run:
         found: dict[int, dict[str, Any]] = {}
         figures: dict[str, Any] = {}
         replaced_at: list[float] = []
+        seen_at: list[float] = []  # when this process saw each failure in the root's list
         reinstated: list[int] = []
         killed_at: float | None = None
         grace = self.args.suspect_grace if self.args.suspect_grace is not None else 10.0
@@ -933,10 +950,11 @@ class Run:
 
         async def recorded() -> bool:
             nonlocal killed_at
-            for failure in await self.failures():
+            for failure in await self.failures(POLLED_FAILURES):
                 if failure["id"] in known or failure["rank"] not in ranks or failure["rank"] in found:
                     continue
                 found[failure["rank"]] = failure
+                seen_at.append(time.time())
                 if kill_leader and killed_at is None:
                     killed_at = await self.kill_leader()
                 # The cloud's replacement, at once: a fresh machine registers for the rank.
@@ -978,6 +996,7 @@ class Run:
         figures[f"{prefix}suspect_s"] = round(max(suspected) - last_seen, 2) if suspected else None
         figures[f"{prefix}reinstated"] = len(reinstated)
         figures[f"{prefix}replaced_s"] = round(max(replaced_at) - detected, 2) if replaced_at else None
+        figures[f"{prefix}failure_seen_s"] = round(max(seen_at) - detected, 2) if seen_at else None
         if kill_leader:
             figures.update(await self.failover(killed_at, generation))
         figures.update(await self.recovery(prefix, generation, detected, list(found.values())))
@@ -1035,7 +1054,7 @@ class Run:
         )
 
         async def recorded() -> list[dict[str, Any]]:
-            failures = await self.failures()
+            failures = await self.failures(POLLED_FAILURES)
             if ack.failure_id is not None:  # the failure the root filed the exit under
                 return [f for f in failures if f["id"] == ack.failure_id]
             return [f for f in failures if f["id"] not in known and f["rank"] == machine.rank]
@@ -1089,7 +1108,7 @@ class Run:
         detected_at = {_timestamp(f["detected_at"]) for f in failures}
 
         async def recovered() -> list[dict[str, Any]]:
-            listed = await self.failures()
+            listed = await self.failures(POLLED_FAILURES)
             # A failure can vanish into another: an exit is folded into a machine loss declared after it
             # (a cascade entry of that loss, at the exit's detection time). Its recovery is that loss's.
             present = {f["id"] for f in listed}
@@ -1112,10 +1131,14 @@ class Run:
             flush=True,
         )
         collecting = self.stats.collecting_wall.get(new_generation, [])
-        inventories = self.stats.inventory_wall.get(new_generation, [])
+        inventories = [at for at, _ in self.stats.inventory_wall.get(new_generation, [])]
+        survivors = [
+            at for at, replacement in self.stats.inventory_wall.get(new_generation, []) if not replacement
+        ]
         return {
             f"{prefix}collect_told_s": round(max(collecting) - detected, 2) if collecting else None,
             f"{prefix}inventories_s": round(max(inventories) - detected, 2) if inventories else None,
+            f"{prefix}survivor_inventories_s": round(max(survivors) - detected, 2) if survivors else None,
             f"{prefix}plan_ready_s": round(ready_at - detected, 2),
             f"{prefix}directives_s": round(max(answered) - ready_at, 2) if told else None,
             f"{prefix}recovery_s": round(max(f["recovery_s"] for f in done), 2) if done else None,
