@@ -272,7 +272,7 @@ async def get_failure(session: AsyncSession, job_id: uuid.UUID, failure_id: int)
 async def latest_plan(
     session: AsyncSession, job_id: uuid.UUID, *, sources: bool = True
 ) -> RecoveryPlan | None:
-    """The job's newest plan; without `sources`, its per-rank sources are not loaded (a 8,000-rank plan's
+    """The job's newest plan; without `sources`, its per-rank sources are not loaded (an 8,000-rank plan's
     are a JSON document of about a megabyte) and reading them raises (writing them is allowed)."""
     query = (
         select(RecoveryPlan)
