@@ -236,7 +236,7 @@ async def test_a_recovering_jobs_step_reads_neither_the_plans_sources_nor_the_ma
     client: httpx.AsyncClient, root_app: FastAPI
 ) -> None:
     """The leader steps a recovering job 5 times a second; at 1,000 machines decoding every machine's
-    summary and inventory and the plan's 8,000 sources took a fifth of the root's event loop. Only the
+    summary and inventory and the plan's 8,000 sources took 18 % of the root's event loop. Only the
     plan's decision reads the inventories (once), which the plans the other tests check depend on."""
     from services.root.db import repository as repo
     from services.root.flows import recovery

@@ -100,7 +100,7 @@ class Database:
             # (errors.py, which agents retry) and the next one connects afresh.
             # Thirty connections, all kept: overflow connections (above pool_size) are closed as they come
             # back, so a burst of reports beyond the pool's size connected afresh (asyncpg's handshake and
-            # SQLAlchemy's per-connection setup) about a tenth of the root's event loop in a recovery at
+            # SQLAlchemy's per-connection setup) in 3-5 % of the root's event loop in a recovery at
             # 1,000 machines. Two replicas hold 60 of Postgres's default 100.
             options.update(pool_size=30, max_overflow=0)
         self.engine: AsyncEngine = create_async_engine(url, **options)
