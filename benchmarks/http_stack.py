@@ -54,12 +54,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def cpu_seconds(pid: int) -> float:
-    """A process's user and system CPU time so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def send_all(count: int, concurrency: int, send: Any) -> float:
     """`count` calls of `send()`, `concurrency` at a time; the seconds they took."""
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -99,9 +93,9 @@ async def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, flo
         figures: dict[str, float] = {}
         for kind, send in (("directive", directive), ("heartbeat", heartbeat)):
             await send_all(min(200, args.requests), args.concurrency, send)  # warm-up: connections, caches
-            before = cpu_seconds(pid)
+            before = harness.cpu_seconds(pid)
             took = await send_all(args.requests, args.concurrency, send)
-            figures[f"{kind}_cpu_us"] = round((cpu_seconds(pid) - before) / args.requests * 1e6, 1)
+            figures[f"{kind}_cpu_us"] = round((harness.cpu_seconds(pid) - before) / args.requests * 1e6, 1)
             figures[f"{kind}_per_s"] = round(args.requests / took, 1)
         return figures
 

@@ -466,12 +466,6 @@ class SimulatedMachine:
             await asyncio.sleep(PEERS_REFRESH_S)
 
 
-def cpu_seconds(pid: int) -> float:
-    """A process's user and system CPU time so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def quantile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -738,11 +732,11 @@ class Run:
         stats.recording = True
         print(f"steady state for {args.steady:.0f}s", file=sys.stderr, flush=True)
         pids = [process.pid for process, _ in self.roots]
-        cpu_before, wall_before = sum(map(cpu_seconds, pids)), time.monotonic()
+        cpu_before, wall_before = sum(map(harness.cpu_seconds, pids)), time.monotonic()
         own_cpu_before = time.process_time()
         await asyncio.sleep(args.steady)
         steady_wall = time.monotonic() - wall_before
-        root_cpu_pct = round(100 * (sum(map(cpu_seconds, pids)) - cpu_before) / steady_wall, 1)
+        root_cpu_pct = round(100 * (sum(map(harness.cpu_seconds, pids)) - cpu_before) / steady_wall, 1)
         # This process simulates every agent: near 100 it is the bottleneck (late heartbeats, lapsed leases).
         harness_cpu_pct = round(100 * (time.process_time() - own_cpu_before) / steady_wall, 1)
         stats.recording = False

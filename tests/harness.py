@@ -26,6 +26,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's user and system CPU time so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wait_for_port(port: int, process: subprocess.Popen[bytes] | None = None, timeout: float = 30) -> None:
     """Wait until something listens on 127.0.0.1:port; given the process that should, until it (or one of
     its children) does. A bare connect is not enough there: free_port() only finds a port that was free a
