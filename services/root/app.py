@@ -87,13 +87,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # in flight keep their objects alive across young collections, which promoted them to the oldest
         # generation and triggered a full collection every 2-3 s at 1,000 machines (0.1-0.3 s each, 8 s of
         # a 2-minute run); with these thresholds, 4 in such a run (docs/figures.md, "Scale").
-        thresholds = gc.get_threshold()
+        # They stay the process's after the app stops: restoring them would need every app the process
+        # ran to stop in order (tests run several, and one whose loop closed first never stops).
         gc.set_threshold(*GC_THRESHOLDS)
         background = asyncio.create_task(orchestrator.run(), name="orchestrator")
         try:
             yield
         finally:
-            gc.set_threshold(*thresholds)  # a process that outlives the app (tests) gets its own back
             background.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await background
