@@ -164,6 +164,9 @@ def test_a_signalled_agent_forwards_it_to_training_and_exits_with_its_status(
         lambda: (e := read_events(tmp_path / "logs")) and len(e.get(0, [])) >= 2 and e, 180, "training"
     )
     trainer = events[0][-1]["pid"]
+    # The agent notices the commits on its own schedule: two iterations in, it may still be resuming (a
+    # fresh-clone run signalled it there). The RUNNING state is the one this test stops.
+    wait_until(lambda: "-> RUNNING" in machine.log_path.read_text(), 60, "the agent running")
     os.kill(machine.process.pid, signal.SIGTERM)
     assert machine.process.wait(60) == 128 + signal.SIGTERM, cluster.logs()
     log = machine.log_path.read_text()
