@@ -1138,10 +1138,10 @@ class Run:
         ]
 
         def quantiles(times: list[float]) -> str:
-            ordered = sorted(t - detected for t in times)
-            if not ordered:
+            since_ms = [(t - detected) * 1000 for t in times]
+            if not since_ms:
                 return "-"
-            return "/".join(f"{ordered[int(q * (len(ordered) - 1))]:.2f}" for q in (0, 0.1, 0.5, 0.9, 1))
+            return "/".join(f"{(quantile(since_ms, q) or 0) / 1000:.2f}" for q in (0, 0.1, 0.5, 0.9, 1))
 
         print(
             f"{prefix}timeline from detection: plan created {plan[2] - detected:.2f} s, told "

@@ -31,19 +31,15 @@ class AppState:
     orchestrator: Orchestrator
 
 
-def _state_of(request: Request) -> AppState:
+async def app_state(request: Request) -> AppState:
+    # async, though it awaits nothing: FastAPI runs a plain `def` dependency on a worker thread, and that
+    # hop on every request was about half of a cached directive's CPU (test_request_overheads.py).
     state: AppState = request.app.state.castor
     return state
 
 
-async def app_state(request: Request) -> AppState:
-    # async, though it awaits nothing: FastAPI runs a plain `def` dependency on a worker thread, and that
-    # hop on every request was about half of a cached directive's CPU (test_request_overheads.py).
-    return _state_of(request)
-
-
 async def session(request: Request) -> AsyncIterator[AsyncSession]:
-    async with _state_of(request).database.session() as db_session:
+    async with (await app_state(request)).database.session() as db_session:
         yield db_session
 
 
