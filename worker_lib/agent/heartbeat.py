@@ -3,7 +3,7 @@
 Either way the heartbeat carries a summary of what the machine holds. In etcd mode the key lives on a
 lease with a short TTL: when the agent dies the lease expires and the root leader, watching the prefix,
 sees the key's deletion within about a TTL. The keepalive is the liveness; the summary on the key is
-rewritten at most every SUMMARY_PERIOD_S.
+rewritten once a summary period (the root's, or SUMMARY_PERIOD_S), on a clock of its own.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +59,20 @@ async def rest_heartbeats(
 SUMMARY_PERIOD_S = 2.0
 
 
+def next_summary_due(due: float | None, now: float, period_s: float) -> float:
+    """When the summary is next rewritten, after a put at `now` that was due at `due` (None: the lease's
+    first put). A job's agents start together, and rewriting every period from their start they did so
+    within the same second or two each period: at 1,000 machines a burst of a thousand puts that kept
+    etcd and the root leader's watch at a full core for two seconds and held every lease refresh behind
+    it for up to 1.2 s. So the first rewrite comes after a random part of the period, and later ones keep
+    their own phase, a period after the last was due, not after it was made: a put held back (behind a
+    slow refresh, as a burst of registrations makes them) would otherwise line up with every other put
+    held back with it. One more than a period late starts afresh, at a random part of the period."""
+    if due is None or now - due >= period_s:
+        return now + period_s * random.random()
+    return due + period_s
+
+
 async def etcd_heartbeats(
     endpoints: list[str],
     key: str,
@@ -68,25 +82,32 @@ async def etcd_heartbeats(
     *,
     summary_period_s: float = SUMMARY_PERIOD_S,
 ) -> None:
-    """Keep `key` alive on a lease of `ttl_s`, refreshed every `interval_s`; its value, the summary, is
-    rewritten at most every `summary_period_s`."""
+    """Keep `key` alive on a lease of `ttl_s`, refreshed every `interval_s`; its value, the summary, is put
+    with a new lease and then rewritten (when it changed) every `summary_period_s` (next_summary_due)."""
     loop = asyncio.get_running_loop()
     while True:
         host, _, port = endpoints[0].partition(":")
         try:
             async with aetcd.Client(host, int(port or 2379), timeout=max(1.0, ttl_s)) as client:
                 lease = await client.lease(max(1, round(ttl_s)))
-                last, put_at = None, -math.inf
+                last: bytes | None = None
+                # The first refresh after a random part of the interval (the TTL is several): a job's
+                # leases are granted together (at its start, after an etcd outage), and refreshed every
+                # interval from then on they would be refreshed together for good.
+                refresh_at = loop.time() + random.random() * interval_s
+                due: float | None = None  # the summary's next rewrite (None: put it now, the lease is new)
                 while True:
-                    refreshed = await lease.refresh()
-                    if getattr(refreshed, "TTL", 1) <= 0:
-                        break  # the lease lapsed (etcd unreachable for too long): take a new one
-                    if last is None or loop.time() - put_at >= summary_period_s:
+                    if loop.time() >= refresh_at:
+                        refreshed = await lease.refresh()
+                        if getattr(refreshed, "TTL", 1) <= 0:
+                            break  # the lease lapsed (etcd unreachable for too long): take a new one
+                        refresh_at = loop.time() + interval_s
+                    if due is None or loop.time() >= due:
                         value = json.dumps(summary(), sort_keys=True).encode()
                         if value != last:
                             await client.put(key.encode(), value, lease=lease)
-                            last, put_at = value, loop.time()
-                    await asyncio.sleep(interval_s)
+                        due, last = next_summary_due(due, loop.time(), summary_period_s), value
+                    await asyncio.sleep(max(0.0, min(refresh_at, due) - loop.time()))
         except (aetcd.exceptions.ClientError, OSError) as exc:
             log.warning("etcd heartbeat failed (%s); retrying", exc)
             endpoints = endpoints[1:] + endpoints[:1]

@@ -82,7 +82,16 @@ async def get_directive(
     after: Annotated[
         int, Query(ge=-1, le=schemas.INT32_MAX, description="Return once the revision is newer than this.")
     ] = -1,
-    wait: Annotated[float, Query(ge=0, le=60, description="Seconds to wait for a newer revision.")] = 0,
+    wait: Annotated[
+        float,
+        Query(
+            ge=0,
+            le=60,
+            description="Seconds to wait at most for a newer revision. An unchanged directive is answered "
+            "after a random 50-100 % of the wait, so that a job's long polls, begun together, do not all "
+            "end together.",
+        ),
+    ] = 0,
     machine: Annotated[
         int | None,
         Query(
