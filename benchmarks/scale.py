@@ -8,18 +8,18 @@ printed is JSON.
         --leader-kill                                          # every scenario, agents on etcd leases
 
 The root runs as in production (`python -m services.cli serve`, one uvicorn process) on a throwaway Postgres
-started the way the tests start it (tests/harness.py), and with --etcd on a throwaway etcd started the way
-the tests start it (--heartbeat-interval=50 --election-timeout=500, periodic auto-compaction). The machines
-are asyncio tasks in this process (no torch, no shared memory, no data plane), each speaking the worker API
-as an agent does (worker_lib.client.RootClient, a connection pool per 25 machines, failing over between root
-replicas): register; long-poll its machine's directive (`machine=`, as an agent does); report its inventory
-when a recovery collects (its ranks at the iteration of the failure, and the replicas its placement gives
-it), `restored` and `resumed` when a plan is ready; heartbeat every interval with a summary of its P ranks
-whose iterations advance (REST, or with --etcd as an agent does: its own etcd lease, refreshed every
-interval, its key put when the lease is new and then at most every summary period the root gives (2 s up to
-200 machines, N / 100 s beyond), over a pool of etcd connections);
-re-fetch the directive for its peers' addresses as an agent does (only while its long poll, which waits
-as long as the root's registration answer says, has been silent for that wait plus PEERS_REFRESH_S).
+started the way the tests start it (tests/harness.py), and with --etcd on a throwaway etcd started the way the
+tests start it (--heartbeat-interval=50 --election-timeout=500, periodic auto-compaction). The machines are
+asyncio tasks in this process (no torch, no shared memory, no data plane), each speaking the worker API as an
+agent does (failing over between root replicas as worker_lib.client.RootClient does, over aiohttp: see
+AgentHttp): register; long-poll its machine's directive (`machine=`, as an agent does); report its inventory
+when a recovery collects (its ranks at the iteration of the failure, and the replicas its placement gives it),
+`restored` and `resumed` when a plan is ready; heartbeat every interval with a summary of its P ranks whose
+iterations advance (REST, or with --etcd as an agent does: its own etcd lease, refreshed every interval, its
+key put when the lease is new and then every summary period the root gives (2 s up to 200 machines, N / 100 s
+beyond; the first rewrite after a random part of one), over a pool of etcd connections); re-fetch the
+directive for its peers' addresses as an agent does (only while its long poll, which waits as long as the
+root's registration answer says, has been silent for that wait plus PEERS_REFRESH_S).
 
 Scenarios, in order:
 * register all: every machine registers at once; `register_all_s` until the last one got its rank;
@@ -27,7 +27,8 @@ Scenarios, in order:
   long poll has answered with it; `directive_bytes` the largest directive a machine was sent;
 * steady state (--steady seconds): heartbeats and progress; `heartbeat_p50_ms`/`heartbeat_p99_ms` as the
   machines see them (send to answer, this process's own event-loop lag included; with --etcd a lease
-  refresh and the key's put), `false_positives` the failure events recorded meanwhile (none is expected),
+  refresh, the liveness; `summary_puts_per_s` and `summary_put_p99_ms` the summaries' puts, on a clock of
+  their own), `false_positives` the failure events recorded meanwhile (none is expected),
   `root_cpu_pct` the root processes' CPU use (100: one core busy), `harness_cpu_pct` this process's,
   `harness_gc_s` and `harness_gc_pause_max_ms` the time its garbage collections stopped every simulated
   agent at once, in all and the longest (its thresholds are raised: see main);
@@ -73,16 +74,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import copy
 import gc
 import json
-import math
 import os
 import random
 import re
 import shutil
 import signal
-import ssl
 import statistics
 import subprocess
 import sys
@@ -101,14 +99,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests import harness  # noqa: E402
-from worker_lib.api.worker import HeartbeatConfig, RegisterResponse  # noqa: E402
-from worker_lib.client import RootClient, RootRejected, RootUnavailable  # noqa: E402
+from worker_lib.agent.heartbeat import next_summary_due  # noqa: E402
+from worker_lib.api.worker import ExitAck, HeartbeatConfig, RegisterResponse  # noqa: E402
+from worker_lib.client import RootRejected, RootUnavailable  # noqa: E402
 
 ADMIN_TOKEN = "castor-admin.scale-benchmark"
 PEERS_REFRESH_S = 10.0  # worker_lib.agent.services.PEERS_REFRESH_S
 MACHINES_PER_ETCD_CONNECTION = 25
 POLLED_FAILURES = 20  # the newest failures a scenario's polls read: more than one scenario makes
-MACHINES_PER_HTTP_POOL = 1  # an HTTP client per machine, as each agent has its own (see Run.run)
 DIRECTIVE_FIELDS = {
     "revision": re.compile(r'"revision":\s*(-?\d+)'),
     "status": re.compile(r'"status":\s*"(\w+)"'),
@@ -189,6 +187,7 @@ class EtcdConnection:
 @dataclass
 class Stats:
     heartbeat_ms: list[float] = field(default_factory=list)
+    put_ms: list[float] = field(default_factory=list)  # --etcd: the summary's puts, beside the refreshes
     progress_ms: list[float] = field(default_factory=list)
     directive_ms: list[float] = field(default_factory=list)
     directive_bytes: int | None = None
@@ -217,13 +216,95 @@ class Stats:
         return int((time.monotonic() - self.started) * 2)
 
 
+class AgentHttp:
+    """One simulated machine's calls to the worker API, over aiohttp rather than worker_lib's RootClient
+    (httpx) and with RootClient's policy: a 4xx is raised at once as RootRejected with the root's error
+    code; a transport error or a 5xx goes to the next root replica at once, with a pause once each was
+    tried, until `retry_for_s` is spent (RootUnavailable). Why not RootClient itself: the thousand
+    simulated agents share this process and these two cores with the root, and httpx spent 0.7 ms of
+    this process's CPU per request (aiohttp 0.2 ms); in a recovery's burst the harness, not the root, was
+    the bottleneck (py-spy: two thirds of the harness in httpx while the root idled). A real agent spends
+    that on its own host."""
+
+    def __init__(
+        self, urls: list[str], job_id: str, token: str, session: Any, retry_for_s: float = 900.0
+    ) -> None:
+        self.urls, self.job_id, self.session, self.retry_for_s = urls, job_id, session, retry_for_s
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.current = 0  # the replica that answered last
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: dict[str, Any] | None = None,
+        timeout_s: float = 30.0,
+        retry_for_s: float | None = None,
+    ) -> bytes:
+        """The answer's body to `method` on the job's worker path `path`."""
+        import aiohttp
+
+        deadline = time.monotonic() + (self.retry_for_s if retry_for_s is None else retry_for_s)
+        attempt = 0
+        while True:
+            url = f"{self.urls[self.current]}/api/v1/worker/jobs/{self.job_id}{path}"
+            try:
+                async with self.session.request(
+                    method,
+                    url,
+                    json=body,
+                    params=params,
+                    headers=self.headers,
+                    timeout=aiohttp.ClientTimeout(total=timeout_s, connect=10.0),
+                ) as response:
+                    content: bytes = await response.read()
+                    if response.status < 400:
+                        return content
+                    if response.status < 500:
+                        try:
+                            error = json.loads(content)["error"]
+                            code, message = str(error["code"]), str(error["message"])
+                        except (ValueError, KeyError, TypeError):
+                            code, message = "http_error", content[:200].decode(errors="replace")
+                        raise RootRejected(response.status, code, message, url)
+                    problem = f"{response.status} from the root"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                problem = type(exc).__name__
+            attempt += 1
+            if time.monotonic() >= deadline:
+                raise RootUnavailable(f"{method} {path}: {problem} ({attempt} attempts)")
+            self.current = (self.current + 1) % len(self.urls)
+            if attempt % len(self.urls) == 0:
+                await asyncio.sleep(1.0)
+
+    async def register(self, **fields: Any) -> RegisterResponse:
+        answer = await self.request("POST", "/machines", body=fields)
+        return RegisterResponse.model_validate_json(answer)
+
+    async def heartbeat(self, rank: int, instance_id: str, summary: dict[str, Any]) -> None:
+        # As RootClient: a heartbeat is worth nothing once the next one is due, so retried briefly only.
+        body = {"instance_id": instance_id, "summary": summary}
+        await self.request("POST", f"/machines/{rank}/heartbeat", body=body, retry_for_s=2.0)
+
+    async def report_inventory(self, rank: int, body: dict[str, Any]) -> None:
+        await self.request("POST", f"/machines/{rank}/inventory", body=body)
+
+    async def report_progress(self, rank: int, body: dict[str, Any]) -> None:
+        await self.request("POST", f"/machines/{rank}/progress", body=body)
+
+    async def report_exit(self, rank: int, body: dict[str, Any]) -> ExitAck:
+        return ExitAck.model_validate_json(await self.request("POST", f"/machines/{rank}/exits", body=body))
+
+
 class SimulatedMachine:
     """One machine's agent, as far as the root can tell: its requests, at an agent's pace."""
 
     def __init__(
         self,
         rank: int,
-        client: RootClient,
+        client: AgentHttp,
         procs: int,
         interval_s: float,
         stats: Stats,
@@ -312,33 +393,15 @@ class SimulatedMachine:
         """The directive's leading fields only. A real agent parses the whole of its machine's directive on
         its own host (an older root answers with the whole job's: about a megabyte at 1,000 x 8); a thousand
         of them parsed in this one process would make the harness, not the root, the bottleneck."""
-        for attempt in range(30):
-            url = (
-                f"{self.client.urls[self.client._current]}/api/v1/worker/jobs/{self.client.job_id}/directive"
-            )
-            try:
-                response = await self.client._http.get(
-                    url, params={"after": after, "wait": wait_s, "machine": self.rank}, timeout=wait_s + 30
-                )
-                if response.status_code < 500:
-                    break
-            except httpx.TransportError:
-                pass
-            if attempt == 29:
-                raise RootUnavailable(f"no directive after {attempt + 1} attempts")
-            # The next replica at once, as RootClient does; a pause once each was tried.
-            self.client._current = (self.client._current + 1) % len(self.client.urls)
-            if (attempt + 1) % len(self.client.urls) == 0:
-                await asyncio.sleep(1)
-        if response.status_code >= 400:
-            raise RootRejected(response.status_code, "http_error", response.text[:200])
-        self.stats.directive_bytes = max(self.stats.directive_bytes or 0, len(response.content))
+        params = {"after": after, "wait": wait_s, "machine": self.rank}
+        content = await self.client.request("GET", "/directive", params=params, timeout_s=wait_s + 30)
+        self.stats.directive_bytes = max(self.stats.directive_bytes or 0, len(content))
         if self.stats.recording:
             self.stats.directive_requests += 1
-        head = response.content[:400].decode(errors="replace")
+        head = content[:400].decode(errors="replace")
         fields = {key: DIRECTIVE_FIELDS[key].search(head) for key in DIRECTIVE_FIELDS}
         if not all(fields.values()):
-            raise RootRejected(response.status_code, "bad_directive", head)
+            raise RootRejected(200, "bad_directive", head)
         return {
             "revision": int(fields["revision"].group(1)),  # type: ignore[union-attr]
             "status": fields["status"].group(1),  # type: ignore[union-attr]
@@ -364,8 +427,9 @@ class SimulatedMachine:
     async def lease(self, etcd: Any) -> None:
         """etcd mode, as worker_lib.agent.heartbeat.etcd_heartbeats: a lease of the root's TTL, refreshed
         every interval, the key put (on the lease) when the lease is new and then at most every summary
-        period the root gave (HeartbeatConfig.summary_period_s) when the summary changed. The agent's own
-        connection is one of a shared pool here."""
+        period the root gave (HeartbeatConfig.summary_period_s) when the summary changed, the first
+        rewrite after a random part of it (next_summary_due). The agent's own connection is one of a
+        shared pool here."""
         import aetcd
 
         assert self.config is not None and self.config.etcd_key is not None
@@ -374,34 +438,43 @@ class SimulatedMachine:
         keepalives = etcd.stream()
         lease: Any = None
         last: bytes | None = None
-        put_at = -math.inf
-        await asyncio.sleep(random.random() * interval)
+        due: float | None = None  # the summary's next rewrite (None: put it now, the lease is new)
+        refresh_at = time.monotonic() + random.random() * interval  # agents start at different moments
+        await asyncio.sleep(max(0.0, refresh_at - time.monotonic()))
         while self.alive:
-            sent, sent_wall = time.monotonic(), time.time()
+            started = time.monotonic()
             try:
                 if lease is None:
-                    lease, last = await etcd.client.lease(ttl), None
-                refreshed = await keepalives.refresh(lease.id, timeout_s=5.0)
-                if getattr(refreshed, "TTL", 1) <= 0:
-                    lease = None  # it lapsed: a new one, at once
-                    self.stats.error("lease lapsed")
-                    continue
-                if self.alive:
-                    self.last_answered = sent_wall
-                if last is None or time.monotonic() - put_at >= self.config.summary_period_s:
+                    lease, last, due = await etcd.client.lease(ttl), None, None
+                    refresh_at = time.monotonic() + random.random() * interval  # as etcd_heartbeats
+                if time.monotonic() >= refresh_at:
+                    sent, sent_wall = time.monotonic(), time.time()
+                    refreshed = await keepalives.refresh(lease.id, timeout_s=5.0)
+                    if getattr(refreshed, "TTL", 1) <= 0:
+                        lease = None  # it lapsed: a new one, at once
+                        self.stats.error("lease lapsed")
+                        continue
+                    if self.alive:
+                        self.last_answered = sent_wall
+                    if self.stats.recording:
+                        self.stats.heartbeat_ms.append((time.monotonic() - sent) * 1000)
+                    refresh_at = sent + interval
+                if due is None or time.monotonic() >= due:
                     value = json.dumps(self.summary(), sort_keys=True).encode()
                     if value != last:
+                        sent = time.monotonic()
                         await etcd.client.put(key, value, lease=lease)
-                        last, put_at = value, time.monotonic()
-                if self.stats.recording:
-                    self.stats.heartbeat_ms.append((time.monotonic() - sent) * 1000)
+                        if self.stats.recording:
+                            self.stats.put_ms.append((time.monotonic() - sent) * 1000)
+                    due, last = next_summary_due(due, time.monotonic(), self.config.summary_period_s), value
             except (aetcd.exceptions.ClientError, OSError, TimeoutError) as exc:
                 self.stats.error(f"lease: {type(exc).__name__}: {str(exc)[:60]}".rstrip(": "))
-                lease = None
+                lease, refresh_at = None, started + interval
             except Exception as exc:  # counted: worker_lib's loop would end on these
                 self.stats.error(f"lease, unexpected: {type(exc).__name__}")
-                lease = None
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - sent)))
+                lease, refresh_at = None, started + interval
+            wake = refresh_at if lease is None or due is None else min(refresh_at, due)
+            await asyncio.sleep(max(0.0, wake - time.monotonic()))
 
     async def directives(self) -> None:
         """The agent's directive long poll: on a recovery collecting, its inventory; on a ready plan,
@@ -543,7 +616,8 @@ class Run:
         self.tasks: list[asyncio.Task[Any]] = []
         self.etcd_clients: list[EtcdConnection] = []
         self.figures: dict[str, Any] = {}
-        self.job_id = ""
+        self.job_id, self.token = "", ""
+        self.agent_session: Any = None  # aiohttp's, every simulated machine's (see AgentHttp)
         self.leaderless_s, self.leader_changes = 0.0, 0
         self._pg: Any = None  # asyncpg's connection, opened by the first sql()
 
@@ -616,31 +690,17 @@ class Run:
             body = {"name": name, "machines": args.machines, "procs_per_machine": args.procs, "replicas": 2}
             created = (await self.admin.post(f"{self.url}/api/v1/jobs", json=body)).raise_for_status().json()
             self.job_id, token = created["id"], created["worker_token"]
-            # One client, copied per machine (each copy keeps its own replica index), over a pool per
-            # MACHINES_PER_HTTP_POOL machines. httpcore matches every queued request against every
-            # connection of its pool on each request, polling each idle socket (O(requests x
-            # connections)): one pool for all kept this process at a full core with no registration
-            # through in 12 minutes, and a pool per 25 machines still spent 36 % of this process in that
-            # matching during a recovery's bursts (py-spy), where each agent's own client matches against
-            # its own two or three connections. So a pool per machine, over one shared TLS context (a
-            # context each costs 20 ms to build; shared, a thousand clients take 0.1 s).
-            limits = httpx.Limits(
-                max_connections=3 * MACHINES_PER_HTTP_POOL + 10,
-                max_keepalive_connections=3 * MACHINES_PER_HTTP_POOL,
+            # Every simulated machine's AgentHttp over one aiohttp session: its pool hands out an idle
+            # connection in constant time (httpcore's matched every queued request against every connection
+            # of its pool, which made a pool per machine necessary). Idle connections are dropped after 4 s,
+            # before the root's uvicorn closes them (5 s): a request on a connection the server is closing
+            # fails, and would count as the root's error.
+            import aiohttp
+
+            self.agent_session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
             )
-            tls = ssl.create_default_context()
-            self.http_pools = [
-                httpx.AsyncClient(
-                    headers={"Authorization": f"Bearer {token}"},
-                    timeout=httpx.Timeout(30.0, connect=10.0),
-                    limits=limits,
-                    verify=tls,
-                )
-                for _ in range(-(-args.machines // MACHINES_PER_HTTP_POOL) + 1)  # + 1: the replacements'
-            ]
-            urls = [url for _, url in self.roots]
-            self.base = RootClient(urls, self.job_id, token, timeout_s=30.0, retry_for_s=900.0)
-            await self.base._http.aclose()
+            self.token = token
             self.machines = [self.machine(rank) for rank in range(args.machines)]
             if args.etcd_endpoint:
                 import aetcd
@@ -670,19 +730,15 @@ class Run:
                         await keepalives.close()
                     with contextlib.suppress(Exception):
                         await connection.client.close()
-                for pool in self.http_pools:
-                    await pool.aclose()
+                await self.agent_session.close()
                 if self._pg is not None:
                     await self._pg.close()
 
     def machine(self, rank: int, instance_id: str | None = None) -> SimulatedMachine:
-        client = copy.copy(self.base)
-        client._http = self.http_pools[
-            rank // MACHINES_PER_HTTP_POOL if instance_id is None else len(self.http_pools) - 1
-        ]
         # Machines spread over the replicas (each fails over to the others), as agents given every URL.
-        shift = rank % len(client.urls)
-        client.urls = client.urls[shift:] + client.urls[:shift]
+        urls = [url for _, url in self.roots]
+        shift = rank % len(urls)
+        client = AgentHttp(urls[shift:] + urls[:shift], self.job_id, self.token, self.agent_session)
         return SimulatedMachine(rank, client, self.args.procs, self.args.interval, self.stats, instance_id)
 
     async def scenarios(self) -> None:
@@ -782,6 +838,10 @@ class Run:
                 "directive_requests_per_s": round(stats.directive_requests / args.steady, 1),
                 "heartbeat_p50_ms": quantile(heartbeats, 0.5),
                 "heartbeat_p99_ms": quantile(heartbeats, 0.99),
+                "summary_puts_per_s": round(len(stats.put_ms) / args.steady, 1)
+                if args.etcd_endpoint
+                else None,
+                "summary_put_p99_ms": quantile(stats.put_ms, 0.99),
                 "progress_p99_ms": quantile(stats.progress_ms, 0.99),
                 "peers_directive_p99_ms": quantile(stats.directive_ms, 0.99),
                 "root_cpu_pct": root_cpu_pct,
@@ -1048,10 +1108,12 @@ class Run:
         sent = time.time()
         ack = await machine.client.report_exit(
             machine.rank,
-            machine.instance_id,
-            local_rank=0,
-            global_rank=machine.rank * self.args.procs,
-            exit_code=1,
+            {
+                "instance_id": machine.instance_id,
+                "local_rank": 0,
+                "global_rank": machine.rank * self.args.procs,
+                "exit_code": 1,
+            },
         )
 
         async def recorded() -> list[dict[str, Any]]:

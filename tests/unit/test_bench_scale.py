@@ -68,3 +68,56 @@ def test_a_group_loss_stops_every_member_of_one_group_never_machine_0s(scale: Mo
     assert [m.rank for m in asyncio.run(run.a_group())] == [4, 5]
     run.machines[4].alive = False  # lost before: its group is not whole
     assert [m.rank for m in asyncio.run(run.a_group())] == [2, 3]
+
+
+def test_a_simulated_agents_requests_fail_over_and_raise_the_roots_answer_as_its_client_does(
+    scale: ModuleType,
+) -> None:
+    """AgentHttp (the simulated machines' client, on aiohttp) keeps worker_lib.client.RootClient's policy:
+    a 5xx or a dead replica goes to the next, a 4xx is raised at once with the root's error code, and a
+    budget spent is RootUnavailable."""
+    from aiohttp import ClientSession, web
+
+    from worker_lib.client import RootRejected, RootUnavailable
+
+    calls: list[str] = []
+
+    async def failing(request: web.Request) -> web.Response:
+        calls.append("failing")
+        return web.json_response({"error": {"code": "not_leader", "message": "busy"}}, status=503)
+
+    async def answering(request: web.Request) -> web.Response:
+        calls.append("answering")
+        if request.match_info["rank"] == "9":
+            error = {"code": "not_registered", "message": "instance 'x' is not machine 9"}
+            return web.json_response({"error": error}, status=409)
+        return web.json_response({"received": await request.json()})
+
+    async def serve(handler: Any) -> tuple[web.AppRunner, str]:
+        app = web.Application()
+        app.router.add_post("/api/v1/worker/jobs/j/machines/{rank}/progress", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return runner, f"http://127.0.0.1:{port}"
+
+    async def scenario() -> None:
+        (bad, bad_url), (good, good_url) = await serve(failing), await serve(answering)
+        async with ClientSession() as session:
+            client = scale.AgentHttp([bad_url, good_url], "j", "token", session)
+            answer = await client.request("POST", "/machines/1/progress", body={"event": "resumed"})
+            assert b'"resumed"' in answer and calls == ["failing", "answering"]
+            assert client.current == 1, "the replica that answered is the one asked next"
+            with pytest.raises(RootRejected) as rejected:
+                await client.request("POST", "/machines/9/progress", body={})
+            assert (rejected.value.status, rejected.value.code) == (409, "not_registered")
+            assert calls[-1] == "answering", "a 4xx is the root's answer: not retried elsewhere"
+            alone = scale.AgentHttp([bad_url], "j", "token", session, retry_for_s=0.0)
+            with pytest.raises(RootUnavailable, match="503"):
+                await alone.request("POST", "/machines/1/progress", body={})
+        await bad.cleanup()
+        await good.cleanup()
+
+    asyncio.run(scenario())
