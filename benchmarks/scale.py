@@ -41,8 +41,9 @@ Scenarios, in order:
   `replaced_s` is how long the harness took, `failure_seen_s` of it until the failure was in the root's
   list, which this process polls every 0.2 s), and times the recovery: `plan_ready_s` from the failure's
   detection to its plan ready (every inventory in; its parts: `collect_told_s` to every live machine's long
-  poll answering "collecting", `inventories_s` to the root's answer to the last inventory report,
-  `survivor_inventories_s` to the last of the machines that were not lost: what the plan waits for once
+  poll answering "collecting", `inventories_sent_s` to the last inventory report sent (the report is also
+  the machine's next long poll, as worker_lib's agent sends it, so the root's answer comes with the plan),
+  `survivor_inventories_sent_s` to the last of the machines that were not lost: what the plan waits for once
   the replacement's launch, excluded from the target, is taken out),
   `directives_s` from the plan ready to every machine's long poll answering with it, `recovery_s` the
   root's (detection to every machine resumed);
@@ -195,9 +196,9 @@ class Stats:
     ready_at: list[float] = field(default_factory=list)  # monotonic: each machine's first ready directive
     # generation -> wall clock of each machine's long poll answering with that generation's ready plan
     ready_wall: dict[int, list[float]] = field(default_factory=dict)
-    # generation -> wall clock of each machine's long poll answering "collecting", and of the root's
-    # answer to its inventory report, with whether the machine is a replacement (plan_ready_s in parts:
-    # every machine told, every report in, the survivors' reports in)
+    # generation -> wall clock of each machine's long poll answering "collecting", and of its inventory
+    # report sent, with whether the machine is a replacement (plan_ready_s in parts: every machine told,
+    # every report sent, the survivors' reports sent)
     collecting_wall: dict[int, list[float]] = field(default_factory=dict)
     inventory_wall: dict[int, list[tuple[float, bool]]] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
@@ -287,9 +288,6 @@ class AgentHttp:
         # As RootClient: a heartbeat is worth nothing once the next one is due, so retried briefly only.
         body = {"instance_id": instance_id, "summary": summary}
         await self.request("POST", f"/machines/{rank}/heartbeat", body=body, retry_for_s=2.0)
-
-    async def report_inventory(self, rank: int, body: dict[str, Any]) -> None:
-        await self.request("POST", f"/machines/{rank}/inventory", body=body)
 
     async def report_progress(self, rank: int, body: dict[str, Any]) -> None:
         await self.request("POST", f"/machines/{rank}/progress", body=body)
@@ -395,9 +393,13 @@ class SimulatedMachine:
         of them parsed in this one process would make the harness, not the root, the bottleneck."""
         params = {"after": after, "wait": wait_s, "machine": self.rank}
         content = await self.client.request("GET", "/directive", params=params, timeout_s=wait_s + 30)
-        self.stats.directive_bytes = max(self.stats.directive_bytes or 0, len(content))
         if self.stats.recording:
             self.stats.directive_requests += 1
+        return self.leading_fields(content)
+
+    def leading_fields(self, content: bytes) -> dict[str, Any]:
+        """A directive's revision, status and generation (see `directive`)."""
+        self.stats.directive_bytes = max(self.stats.directive_bytes or 0, len(content))
         head = content[:400].decode(errors="replace")
         fields = {key: DIRECTIVE_FIELDS[key].search(head) for key in DIRECTIVE_FIELDS}
         if not all(fields.values()):
@@ -481,9 +483,11 @@ class SimulatedMachine:
         `restored` then `resumed`."""
         revision, generation = -1, None
         collected: set[int] = set()
+        answered: dict[str, Any] | None = None  # by the inventory report, which is also the long poll
         while self.alive:
             try:
-                directive = await self.directive(after=revision, wait_s=self.directive_wait_s)
+                directive = answered or await self.directive(after=revision, wait_s=self.directive_wait_s)
+                answered = None
             except (RootRejected, RootUnavailable) as exc:
                 self.stats.error(f"directive: {type(exc).__name__}")
                 await asyncio.sleep(1)
@@ -501,11 +505,20 @@ class SimulatedMachine:
                     "holdings": self.holdings(),
                     "rendezvous_port": 30000 + self.rank % 30000,
                 }
+                # As worker_lib's agent: the report is also the next long poll (answered with the
+                # directive once the plan is ready, so only its sending can be timed here).
+                self.stats.inventory_wall.setdefault(directive["generation"], []).append(
+                    (time.time(), self.replacement)
+                )
                 try:
-                    await self.client.report_inventory(self.rank, body)
-                    self.stats.inventory_wall.setdefault(directive["generation"], []).append(
-                        (time.time(), self.replacement)
+                    content = await self.client.request(
+                        "POST",
+                        f"/machines/{self.rank}/inventory",
+                        body=body,
+                        params={"after": revision, "wait": self.directive_wait_s},
+                        timeout_s=self.directive_wait_s + 30,
                     )
+                    answered = self.leading_fields(content)
                 except (RootRejected, RootUnavailable) as exc:
                     self.stats.error(f"inventory: {type(exc).__name__}")
             if directive["status"] == "ready" and directive["generation"] != generation:
@@ -1207,14 +1220,17 @@ class Run:
 
         print(
             f"{prefix}timeline from detection: plan created {plan[2] - detected:.2f} s, told "
-            f"{quantiles(collecting)}, inventories {quantiles(inventories)}, ready {ready_at - detected:.2f}",
+            f"{quantiles(collecting)}, inventories sent {quantiles(inventories)}, "
+            f"ready {ready_at - detected:.2f}",
             file=sys.stderr,
             flush=True,
         )
         return {
             f"{prefix}collect_told_s": round(max(collecting) - detected, 2) if collecting else None,
-            f"{prefix}inventories_s": round(max(inventories) - detected, 2) if inventories else None,
-            f"{prefix}survivor_inventories_s": round(max(survivors) - detected, 2) if survivors else None,
+            f"{prefix}inventories_sent_s": round(max(inventories) - detected, 2) if inventories else None,
+            f"{prefix}survivor_inventories_sent_s": round(max(survivors) - detected, 2)
+            if survivors
+            else None,
             f"{prefix}plan_ready_s": round(ready_at - detected, 2),
             f"{prefix}directives_s": round(max(answered) - ready_at, 2) if told else None,
             f"{prefix}recovery_s": round(max(f["recovery_s"] for f in done), 2) if done else None,

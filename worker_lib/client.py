@@ -173,8 +173,24 @@ class RootClient:
             DirectiveOut, "GET", self._worker("/directive"), params=params, timeout_s=wait_s + 10
         )
 
-    async def report_inventory(self, rank: int, body: InventoryReport | Mapping[str, Any]) -> None:
-        await self.request("POST", self._worker(f"/machines/{rank}/inventory"), json=body)
+    async def report_inventory(
+        self,
+        rank: int,
+        body: InventoryReport | Mapping[str, Any],
+        *,
+        after: int = -1,
+        wait_s: float | None = None,
+    ) -> DirectiveOut | None:
+        """Report what this machine holds. With `wait_s`, the report is also the machine's next directive
+        long poll (as `directive(after, wait_s, machine=rank)`): the answer is its directive, or None from
+        a root that only records reports (it answers 204)."""
+        path = self._worker(f"/machines/{rank}/inventory")
+        if wait_s is None:
+            await self.request("POST", path, json=body)
+            return None
+        params = {"after": after, "wait": wait_s}
+        document = await self.request("POST", path, json=body, params=params, timeout_s=wait_s + 10)
+        return None if document is None else await self._validated(DirectiveOut, path, document)
 
     async def report_progress(self, rank: int, body: ProgressReport | Mapping[str, Any]) -> None:
         await self.request("POST", self._worker(f"/machines/{rank}/progress"), json=body)

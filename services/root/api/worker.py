@@ -75,23 +75,27 @@ async def current_recovery_plan(job: WorkerJobUnlockedDep, db: SessionDep) -> sc
     return schemas.RecoveryPlanOut.model_validate(plan)
 
 
+AfterQuery = Annotated[
+    int, Query(ge=-1, le=schemas.INT32_MAX, description="Return once the revision is newer than this.")
+]
+WaitQuery = Annotated[
+    float,
+    Query(
+        ge=0,
+        le=60,
+        description="Seconds to wait at most for a newer revision. An unchanged directive is answered "
+        "after a random 50-100 % of the wait, so that a job's long polls, begun together, do not all "
+        "end together.",
+    ),
+]
+
+
 @router.get("/directive", response_model=schemas.DirectiveOut)
 async def get_directive(
     job_id: AuthorizedJobIdDep,
     state: StateDep,
-    after: Annotated[
-        int, Query(ge=-1, le=schemas.INT32_MAX, description="Return once the revision is newer than this.")
-    ] = -1,
-    wait: Annotated[
-        float,
-        Query(
-            ge=0,
-            le=60,
-            description="Seconds to wait at most for a newer revision. An unchanged directive is answered "
-            "after a random 50-100 % of the wait, so that a job's long polls, begun together, do not all "
-            "end together.",
-        ),
-    ] = 0,
+    after: AfterQuery = -1,
+    wait: WaitQuery = 0,
     machine: Annotated[
         int | None,
         Query(
@@ -106,6 +110,10 @@ async def get_directive(
     their inventory, or exit. The answer comes as soon as a commit changes the directive."""
     body = await directives.wait_for_directive(state.database, job_id, after, wait, machine)
     # Serialized once per read of the directive and machine, not per request (schema: DirectiveOut).
+    return _directive_response(body)
+
+
+def _directive_response(body: bytes) -> Response:
     return Response(content=body, media_type="application/json")
 
 
@@ -122,15 +130,41 @@ async def report_progress(
 
 
 @router.post(
-    "/machines/{rank}/inventory", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(409)
+    "/machines/{rank}/inventory",
+    status_code=status.HTTP_204_NO_CONTENT,
+    responses={
+        **error_responses(409),
+        200: {
+            "model": schemas.DirectiveOut,
+            "description": "With `wait`: the report recorded, this machine's directive (long poll).",
+        },
+    },
 )
 async def report_inventory(
-    rank: RankPath, body: schemas.InventoryReport, job_id: AuthorizedJobIdDep, state: StateDep
+    rank: RankPath,
+    body: schemas.InventoryReport,
+    job_id: AuthorizedJobIdDep,
+    state: StateDep,
+    after: AfterQuery = -1,
+    wait: Annotated[
+        float | None,
+        Query(
+            ge=0,
+            le=60,
+            description="Also the agent's next directive long poll (as GET /directive with `after`, `wait` "
+            "and `machine` this rank): the report is recorded, then answered with this machine's directive "
+            "once its revision is newer than `after`. Omitted: 204 at once.",
+        ),
+    ] = None,
 ) -> Response:
     """What this machine holds, checksums verified, for the recovery being planned (its own row only:
-    nothing shared is locked, the job row is not read)."""
+    nothing shared is locked, the job row is not read). An agent that then long-polls its directive asks
+    for both in this one request (`wait`): in a recovery a thousand agents report at once, and a request
+    fewer each is a thousand fewer for the root while the plan waits for the last report."""
     await recovery.record_inventory(state.database, job_id, rank, body)
-    return Response(status_code=status.HTTP_204_NO_CONTENT)
+    if wait is None:
+        return Response(status_code=status.HTTP_204_NO_CONTENT)
+    return _directive_response(await directives.wait_for_directive(state.database, job_id, after, wait, rank))
 
 
 @router.post(

@@ -72,19 +72,22 @@ async def two_machines(client: httpx.AsyncClient) -> Scenario:
 async def report_inventories(scenario: Scenario, generation: int, ranks: list[int]) -> None:
     await scenario.plan(generation, "collecting")
     for rank in ranks:
-        holdings = [
-            {
-                "rank": r,
-                "iteration": 5,
-                "tier": tier,
-                "digest": f"{r:02d}" * 8,
-                "data_bytes": 64,
-                "verified": True,
-            }
-            for r, tier in ((rank, "local"), (1 - rank, "replica"))
-        ]
-        body = {"instance_id": scenario.instances[rank], "generation": generation, "holdings": holdings}
-        await scenario.post(f"/machines/{rank}/inventory", body, 204)
+        await scenario.post(f"/machines/{rank}/inventory", inventory_of(scenario, rank, generation), 204)
+
+
+def inventory_of(scenario: Scenario, rank: int, generation: int) -> dict[str, Any]:
+    holdings = [
+        {
+            "rank": r,
+            "iteration": 5,
+            "tier": tier,
+            "digest": f"{r:02d}" * 8,
+            "data_bytes": 64,
+            "verified": True,
+        }
+        for r, tier in ((rank, "local"), (1 - rank, "replica"))
+    ]
+    return {"instance_id": scenario.instances[rank], "generation": generation, "holdings": holdings}
 
 
 async def restore_without_resuming(scenario: Scenario, generation: int) -> None:
@@ -213,3 +216,33 @@ async def test_a_plan_points_at_the_key_the_root_computes_never_a_stored_one(
     assert {s["rank"]: (s["tier"], s["location"]) for s in plan["sources"]} == {
         rank: ("persistent", shard_key("castor", scenario.id, 3, rank, 1)) for rank in (0, 1)
     }
+
+
+async def test_an_inventory_report_that_waits_is_answered_with_the_machines_next_directive(
+    client: httpx.AsyncClient,
+) -> None:
+    """An agent's inventory report is also its next directive long poll (`after`, `wait`): recorded at
+    once, answered with its own machine's directive once the plan that the last report completed is
+    ready."""
+    scenario = await two_machines(client)
+    await scenario.kill_process(1)
+    await scenario.plan(2, "collecting")
+    collecting = await client.get(
+        f"/api/v1/worker/jobs/{scenario.id}/directive", params={"machine": 0}, headers=scenario.worker
+    )
+    assert collecting.json()["status"] == "collecting"
+    url = f"/api/v1/worker/jobs/{scenario.id}/machines/0/inventory"
+    params = {"after": collecting.json()["revision"], "wait": 30}
+    report = asyncio.create_task(
+        client.post(url, params=params, json=inventory_of(scenario, 0, 2), headers=scenario.worker)
+    )
+    await asyncio.sleep(0.3)
+    assert not report.done(), "machine 1 has not reported: the report waits as a long poll"
+    await scenario.post("/machines/1/inventory", inventory_of(scenario, 1, 2), 204)  # the last one
+    answer = await asyncio.wait_for(report, 30)
+    assert answer.status_code == 200, answer.text
+    directive = answer.json()
+    assert (directive["status"], directive["generation"], directive["machine"]) == ("ready", 2, 0)
+    assert directive["revision"] > params["after"] and directive["iteration"] == 5
+    assert {s["rank"] for s in directive["sources"]} == {0}, "machine 0's own ranks' sources only"
+    # Recorded before it waited: the plan that answered it needed machine 0's report too.
