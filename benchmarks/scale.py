@@ -94,6 +94,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
@@ -245,8 +246,6 @@ class AgentHttp:
         retry_for_s: float | None = None,
     ) -> bytes:
         """The answer's body to `method` on the job's worker path `path`."""
-        import aiohttp
-
         deadline = time.monotonic() + (self.retry_for_s if retry_for_s is None else retry_for_s)
         attempt = 0
         while True:
@@ -708,8 +707,6 @@ class Run:
             # of its pool, which made a pool per machine necessary). Idle connections are dropped after 4 s,
             # before the root's uvicorn closes them (5 s): a request on a connection the server is closing
             # fails, and would count as the root's error.
-            import aiohttp
-
             self.agent_session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
             )
