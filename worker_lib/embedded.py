@@ -26,6 +26,7 @@ from pathlib import Path
 
 from worker_lib.agent.address import default_address
 from worker_lib.agent.heartbeat import Replaced
+from worker_lib.agent.priority import NICE_ENV, replication_nice
 from worker_lib.agent.services import MachineIdentity, MachineServices
 from worker_lib.client import RootClient
 
@@ -173,6 +174,7 @@ def attach(
         data_port=int(env.get("CASTOR_DATA_PORT", "0")),
         machine_rank=machine_rank,
         embedded=True,
+        replication_nice=replication_nice(env.get(NICE_ENV)),
     )
     embedded = EmbeddedServices(
         MachineServices(RootClient(root_url, job_id, token), token, identity, root),

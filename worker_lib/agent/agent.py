@@ -27,6 +27,7 @@ from worker_lib.agent.dataplane import fetch
 from worker_lib.agent.heartbeat import REPLACED_CODES, Replaced
 from worker_lib.agent.holdings import Holdings
 from worker_lib.agent.launcher import LaunchSpec, ProcessExit, WorkerGroup
+from worker_lib.agent.priority import REPLICATION_NICE
 from worker_lib.agent.services import MachineIdentity, MachineServices, free_port
 from worker_lib.agent.stale import kill_stale
 from worker_lib.agent.states import (
@@ -94,6 +95,8 @@ class AgentConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     # A training process that commits no checkpoint for this long is stopped (watchdog.py): auto by default.
     hang: HangPolicy = field(default_factory=HangPolicy)
+    # Replication's threads run this many steps below the agent's CPU priority (priority.py); 0: the same.
+    replication_nice: int = REPLICATION_NICE
 
     def resolved_shm_root(self) -> Path:
         return self.shm_root or Path("/dev/shm/castor") / self.job_id / self.instance_id
@@ -130,6 +133,7 @@ class Agent:
             bind=config.bind,
             data_port=config.data_port,
             machine_rank=config.machine_rank,
+            replication_nice=config.replication_nice,
         )
         self.client = RootClient(config.root_urls, config.job_id, config.token)
         self.machine = MachineServices(self.client, config.token, identity, config.resolved_shm_root())

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from worker_lib.agent.agent import Agent, AgentConfig
+from worker_lib.agent.priority import NICE_ENV, NICE_MAX, REPLICATION_NICE, replication_nice
 from worker_lib.agent.watchdog import AUTO_FACTOR, AUTO_FLOOR_S, HangPolicy
 
 
@@ -91,7 +92,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"'auto' (default): {AUTO_FACTOR:g} x its longest gap between commits, at least {AUTO_FLOOR_S:g} s; "
         "0: never [CASTOR_HANG_TIMEOUT]",
     )
+    parser.add_argument(
+        "--replication-nice",
+        type=_nice,
+        default=env(NICE_ENV, ""),
+        help="run the threads that send and receive replicas this many steps below training's CPU "
+        f"priority, 0 to {NICE_MAX}, so training gets the cores first; 0: the same priority "
+        f"(default {REPLICATION_NICE}) [{NICE_ENV}]",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
+
+
+def _nice(text: str | None) -> int:
+    try:
+        return replication_nice(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _hang_policy(text: str) -> HangPolicy:
@@ -151,5 +167,6 @@ def run(args: argparse.Namespace) -> int:
         keep_shm=args.keep_shm,
         warm_start=args.warm_start,
         hang=args.hang_timeout,
+        replication_nice=args.replication_nice,
     )
     return asyncio.run(Agent(config).run())

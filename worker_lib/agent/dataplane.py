@@ -48,6 +48,7 @@ from typing import Any, Literal
 import xxhash
 
 from worker_lib.agent.holdings import Holdings, manifest_generation
+from worker_lib.agent.priority import REPLICATION_NICE, lower_thread_priority
 from worker_lib.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from worker_lib.store.integrity import check_structure
 from worker_lib.store.manifest import Manifest
@@ -505,8 +506,10 @@ class DataPlaneServer:
         on_replica: Callable[[int, Manifest], None] = lambda rank, manifest: None,
         max_unauthenticated: int = MAX_UNAUTHENTICATED,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        nice: int = REPLICATION_NICE,
     ):
-        """How large a replica of a rank may be is the holdings' `replica_bytes_max(rank)`."""
+        """How large a replica of a rank may be is the holdings' `replica_bytes_max(rank)`. The connections'
+        threads run `nice` steps below the process (worker_lib.agent.priority)."""
         self.holdings = holdings
         self.key = key
         self.job_id = job_id
@@ -514,6 +517,7 @@ class DataPlaneServer:
         self.on_replica = on_replica
         self.max_unauthenticated = max_unauthenticated
         self.handshake_timeout_s = handshake_timeout_s
+        self.nice = nice
         self._unauthenticated = 0  # connections accepted and not yet through the handshake
         self.counters = ServerCounters()
         self._rank_locks: dict[int, threading.Lock] = {}
@@ -581,6 +585,7 @@ class DataPlaneServer:
             thread.start()
 
     def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+        lower_thread_priority(self.nice)  # receiving replicas yields the cores to training
         try:
             self._serve_peer(sock, peer)
         finally:

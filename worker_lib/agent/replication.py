@@ -60,6 +60,7 @@ from typing import Any
 from worker_lib.agent.dataplane import DataPlaneError, PeerConnection
 from worker_lib.agent.holdings import Holdings, manifest_generation
 from worker_lib.agent.pacing import Pacer, unsent_bytes
+from worker_lib.agent.priority import REPLICATION_NICE, lower_thread_priority
 from worker_lib.comm_timing import BOARD_FILE
 from worker_lib.errors import CheckpointError, CheckpointNotFoundError
 from worker_lib.store.manifest import Manifest
@@ -167,6 +168,7 @@ class _Sender:
 
     def _run(self) -> None:
         replicator, backoff = self.replicator, 0.2
+        lower_thread_priority(replicator.nice)  # training comes first for the cores (priority.py)
         while (item := replicator._take(self.machine)) is not None:
             current, rank = item
             address = replicator.peer_address(self.machine)
@@ -251,8 +253,10 @@ class Replicator:
         peer_address: Callable[[int], PeerAddress | None],
         streams: int | None = None,
         pacer: Pacer | None = None,
+        nice: int = REPLICATION_NICE,
     ):
         self.holdings = holdings
+        self.nice = nice  # the senders run this many steps below the process (worker_lib.agent.priority)
         # Interleaved by default: training's communication comes first (the boards of the local ranks).
         self.pacer = pacer if pacer is not None else Pacer(boards=self.boards)
         self.key = key

@@ -22,6 +22,7 @@ from worker_lib.agent.dataplane import REPLICA_BYTES_MAX_ENV, DataPlaneServer, d
 from worker_lib.agent.heartbeat import etcd_heartbeats, rest_heartbeats
 from worker_lib.agent.holdings import SLOTS, Holdings, local_slots, manifest_generation, rank_capacity
 from worker_lib.agent.pacing import replication_pacer
+from worker_lib.agent.priority import REPLICATION_NICE
 from worker_lib.agent.replication import Replicator, aligned_rounds
 from worker_lib.api.shared import Peer, RankPlacement
 from worker_lib.api.worker import DirectiveOut, HeartbeatResponse, RegisterResponse
@@ -50,6 +51,7 @@ class MachineIdentity:
     data_port: int = 0
     machine_rank: int | None = None  # ask for this rank; default: the root picks
     embedded: bool = False  # torchrun runs the training processes (see worker_lib.embedded)
+    replication_nice: int = REPLICATION_NICE  # replication's threads run below training (agent.priority)
 
 
 class MachineServices:
@@ -96,6 +98,7 @@ class MachineServices:
             host=self.identity.bind,
             port=self.identity.data_port,
             accepts_replica_of=self.holds_replicas_of,
+            nice=self.identity.replication_nice,
         ).start()
         await self.register()
         if not self.identity.embedded:
@@ -103,7 +106,12 @@ class MachineServices:
             # process rotates over the others (torchrun's processes may have opened theirs already).
             self.holdings.prepare_local(self.local_ranks(), self.local_slots)
         self.replicator = Replicator(
-            self.holdings, self.key, self.job_id, self.sends_to(), self.addresses.get
+            self.holdings,
+            self.key,
+            self.job_id,
+            self.sends_to(),
+            self.addresses.get,
+            nice=self.identity.replication_nice,
         )
         # The job's replication policy (interleaved or eager) and cap, as the root handed them over.
         self.replicator.pacer = replication_pacer(self.registered, self.replicator.boards)
