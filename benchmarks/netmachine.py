@@ -2,7 +2,7 @@
 inside its network namespace (tests/netemu.py). Two roles, two processes, as on a real machine:
 
     netmachine.py train --rank R --world N --master ADDR --root DIR --out FILE [workload options]
-    netmachine.py agent --rank R --peer ADDR --root DIR --out FILE [--policy P]
+    netmachine.py agent --rank R --peer ADDR --root DIR --out FILE [--policy P] [--nice N]
 
 `train`: DDP over gloo (the namespace's NIC) on an MLP whose gradient all-reduce is most of the wire time,
 `time_communication(model)` publishing its idle spans to the board in the rank's shm directory, a forward
@@ -120,6 +120,7 @@ def agent(args: argparse.Namespace) -> None:
     from worker_lib.agent.dataplane import DataPlaneServer, data_plane_key
     from worker_lib.agent.holdings import Holdings
     from worker_lib.agent.pacing import Pacer
+    from worker_lib.agent.priority import REPLICATION_NICE
     from worker_lib.agent.replication import Replicator
 
     root = Path(args.root)
@@ -132,7 +133,8 @@ def agent(args: argparse.Namespace) -> None:
     key = data_plane_key(args.token)
     holdings = Holdings(root)
     holdings.prepare_local([args.rank], 4)
-    server = DataPlaneServer(holdings, key, "bench", host=args.address, port=PORT).start()
+    nice = REPLICATION_NICE if args.nice is None else args.nice  # as the agent does (agent/priority.py)
+    server = DataPlaneServer(holdings, key, "bench", host=args.address, port=PORT, nice=nice).start()
 
     class PhasedPacer(Pacer):
         """The phase's policy; 'none' grants nothing (a transfer in flight waits for the next phase)."""
@@ -146,7 +148,7 @@ def agent(args: argparse.Namespace) -> None:
             return super().grant(wanted, unsent)
 
     replicator = Replicator(
-        holdings, key, "bench", [args.peer_rank], lambda machine: (args.peer, PORT), streams=1
+        holdings, key, "bench", [args.peer_rank], lambda machine: (args.peer, PORT), streams=1, nice=nice
     )
     pacer = PhasedPacer(args.policy, None, replicator.boards)
     replicator.pacer = pacer
@@ -237,6 +239,12 @@ def main() -> None:
     a.add_argument("--policy", default="interleaved")
     a.add_argument("--phased", action="store_true", help="follow the training's phases")
     a.add_argument("--align", action="store_true", help="align rounds through the driver's files")
+    a.add_argument(
+        "--nice",
+        type=int,
+        default=None,
+        help="replication's threads below the process (default: the agent's)",
+    )
     args = parser.parse_args()
     train(args) if args.role == "train" else agent(args)
 

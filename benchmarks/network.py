@@ -36,6 +36,8 @@ interleaved where the replication interval is measured and machines are lost at 
   none, as a share of a none iteration's whole capacity (every core for its length). Where that share is
   not far below the slowdown target and the cores are busy, the target cannot be met on this host: the
   replica bytes' packet work competes for the cores that training's all-reduce needs.
+* replication_nice: how many steps below training's CPU priority the agents' replication threads ran
+  (`--replication-nice`; the agent's default unless given: worker_lib/agent/priority.py).
 * replication_interval: median iterations between fully replicated checkpoints in the tail (rounds aligned
   across machines through the driver, which plays the root's part); replication_interval_bound:
   checkpoint bytes / (idle fraction x link bandwidth x iteration time), rounded up, from the none blocks'
@@ -186,6 +188,7 @@ def interleaving(
     losses: int | None = None,
     machines: int | None = None,
     logs: str | None = None,
+    replication_nice: int | None = None,
 ) -> dict[str, object]:
     import math
     import random
@@ -217,7 +220,10 @@ def interleaving(
             emu,
             Path(scratch),
             train_args=train_args,
-            agent_args=["--phased"],
+            agent_args=[
+                "--phased",
+                *(["--nice", str(replication_nice)] if replication_nice is not None else []),
+            ],
             losses=losses,
             loss_every_s=(0.5, 2.0),
             seed=random.randrange(1 << 30),
@@ -243,7 +249,12 @@ def interleaving(
             blocks.setdefault(key, []).append(seconds)
             if index < len(host_cpu):
                 cpu_blocks.setdefault(key, []).append(host_cpu[index])
-    figures: dict[str, object] = {"interleave_link_gbps": round(link, 4)}
+    from worker_lib.agent.priority import REPLICATION_NICE
+
+    figures: dict[str, object] = {
+        "interleave_link_gbps": round(link, 4),
+        "replication_nice": REPLICATION_NICE if replication_nice is None else replication_nice,
+    }
     for phase in netmachine.PHASES:
         every = [t for (c, p), values in blocks.items() if p == phase for t in values]
         figures[f"iteration_s_{phase}"] = round(statistics.median(every), 4)
@@ -368,6 +379,12 @@ def main() -> None:
     parser.add_argument("--losses", type=int, help="machine losses in the tail (12; --quick 2)")
     parser.add_argument("--machines", type=int, help="machines of the interleaving run (4; --quick 2)")
     parser.add_argument("--logs", help="copy the agents' logs and JSON into this directory")
+    parser.add_argument(
+        "--replication-nice",
+        type=int,
+        help="the agents' replication threads run this many steps below training (the agent's default; "
+        "0: training's priority)",
+    )
     args = parser.parse_args()
     reason = netemu.unavailable()
     if reason:
@@ -389,6 +406,7 @@ def main() -> None:
             losses=args.losses,
             machines=args.machines,
             logs=args.logs,
+            replication_nice=args.replication_nice,
         )
     )
     for key, value in results.items():

@@ -101,6 +101,9 @@ def test_network_benchmark_runs() -> None:
     assert interleaving | {"machine_losses", "peer_restores"} <= set(figures)
     assert 0 < figures["host_busy_pct_none"] <= 100
     assert figures["machine_losses"] >= 1
+    from worker_lib.agent.priority import REPLICATION_NICE
+
+    assert figures["replication_nice"] == REPLICATION_NICE  # the agents' default, as a user's agent runs
 
 
 def test_gpu_benchmark_runs_or_says_why_not() -> None:
