@@ -174,7 +174,9 @@ def attach(
         data_port=int(env.get("CASTOR_DATA_PORT", "0")),
         machine_rank=machine_rank,
         embedded=True,
-        replication_nice=replication_nice(env.get(NICE_ENV)),
+        # 0 unless asked: here replication's threads share the training process's interpreter lock, and a
+        # lowered thread preempted while it holds the lock would hold up training's own thread.
+        replication_nice=replication_nice(env.get(NICE_ENV), default=0),
     )
     embedded = EmbeddedServices(
         MachineServices(RootClient(root_url, job_id, token), token, identity, root),

@@ -10,9 +10,14 @@ kernel's scheduler gives training the cores first and replication what is left, 
 means (measured with benchmarks/network.py: docs/figures.md, Network).
 
 Only those threads are lowered (Linux's nice is per thread): the agent's event loop, which refreshes its
-lease and answers the root, stays at the process's priority, and so does a restore's fetch from a peer,
-which is on the recovery's critical path while training waits. Elsewhere than Linux nice is per process,
-and nothing is changed.
+lease and answers the root, stays at the process's priority, and so does a restore's fetch from a peer.
+The holder's side of that fetch is a data-plane connection like any other; it runs while the job's
+training is stopped for the recovery, when nothing competes for the cores. The lowered threads share the
+agent's interpreter lock: one preempted while it holds the lock holds the event loop up until the
+scheduler runs it again, tens of milliseconds at worst on busy cores, against lease refreshes a third of
+a TTL apart. Embedded mode (worker_lib.embedded) runs these threads inside a training process, whose own
+thread would wait the same way, so it lowers them only when CASTOR_REPLICATION_NICE says so. Elsewhere
+than Linux nice is per process, and nothing is changed.
 """
 
 from __future__ import annotations
@@ -29,11 +34,11 @@ REPLICATION_NICE = 10  # 0: replication at training's priority
 NICE_MAX = 19  # the lowest priority Linux has
 
 
-def replication_nice(text: str | None) -> int:
+def replication_nice(text: str | None, default: int = REPLICATION_NICE) -> int:
     """The steps below the process that replication's threads run at, from CASTOR_REPLICATION_NICE or
-    --replication-nice (None or empty: the default)."""
+    --replication-nice (None or empty: `default`)."""
     if text is None or not text.strip():
-        return REPLICATION_NICE
+        return default
     try:
         nice = int(text)
     except ValueError:

@@ -100,6 +100,7 @@ def test_the_setting_is_read_from_the_environment_and_out_of_range_values_are_re
 ) -> None:
     assert replication_nice(None) == replication_nice("") == REPLICATION_NICE
     assert replication_nice(" 0 ") == 0 and replication_nice("19") == 19
+    assert replication_nice(None, default=0) == 0 and replication_nice("4", default=0) == 4  # embedded mode
     for bad in ("20", "-1", "low", "2.5"):
         with pytest.raises(ValueError, match=f"{NICE_ENV} must be a whole number from 0 to 19, got '{bad}'"):
             replication_nice(bad)
