@@ -106,6 +106,13 @@ def test_network_benchmark_runs() -> None:
     assert figures["replication_nice"] == REPLICATION_NICE  # the agents' default, as a user's agent runs
 
 
+def test_replication_priority_benchmark_runs() -> None:
+    figures = run_benchmark("replication_priority.py")
+    for nice in (0, 5, 10):
+        assert figures[f"loop_lag_max_ms_{nice}"] >= figures[f"loop_lag_p50_ms_{nice}"] >= 0
+        assert figures[f"replicas_per_s_{nice}"] > 0, "every priority still replicates"
+
+
 def test_gpu_benchmark_runs_or_says_why_not() -> None:
     """benchmarks/gpu.py needs a CUDA device: without one (here, CI) it says so in its JSON line and exits 0;
     with one it reports every figure the README quotes."""

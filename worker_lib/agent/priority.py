@@ -14,10 +14,11 @@ lease and answers the root, stays at the process's priority, and so does a resto
 The holder's side of that fetch is a data-plane connection like any other; it runs while the job's
 training is stopped for the recovery, when nothing competes for the cores. The lowered threads share the
 agent's interpreter lock: one preempted while it holds the lock holds the event loop up until the
-scheduler runs it again, tens of milliseconds at worst on busy cores, against lease refreshes a third of
-a TTL apart. Embedded mode (worker_lib.embedded) runs these threads inside a training process, whose own
-thread would wait the same way, so it lowers them only when CASTOR_REPLICATION_NICE says so. Elsewhere
-than Linux nice is per process, and nothing is changed.
+scheduler runs it again (benchmarks/replication_priority.py: at most about 0.3 s at nice 10 with every
+core spinning at nice 0, against lease refreshes a third of a TTL apart). Embedded mode
+(worker_lib.embedded) runs these threads inside a training process, whose own thread would wait the same
+way, so it lowers them only when CASTOR_REPLICATION_NICE says so. Elsewhere than Linux nice is per
+process, and nothing is changed.
 """
 
 from __future__ import annotations
