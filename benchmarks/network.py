@@ -197,7 +197,10 @@ def interleaving(
     sys.path.insert(0, str(REPO / "benchmarks"))
     import netmachine
 
+    from worker_lib.agent.priority import REPLICATION_NICE
     from worker_lib.interleave import MU, IterationComm, interval_bound, merge, profile
+
+    nice = REPLICATION_NICE if replication_nice is None else replication_nice  # what a user's agent runs at
 
     # Short blocks, many cycles: this host's load drifts over minutes, and a pair of blocks seconds apart
     # sees about the same load. A policy switch takes effect at the sender's next piece (2 MiB).
@@ -220,10 +223,7 @@ def interleaving(
             emu,
             Path(scratch),
             train_args=train_args,
-            agent_args=[
-                "--phased",
-                *(["--nice", str(replication_nice)] if replication_nice is not None else []),
-            ],
+            agent_args=["--phased", "--nice", str(nice)],
             losses=losses,
             loss_every_s=(0.5, 2.0),
             seed=random.randrange(1 << 30),
@@ -249,12 +249,7 @@ def interleaving(
             blocks.setdefault(key, []).append(seconds)
             if index < len(host_cpu):
                 cpu_blocks.setdefault(key, []).append(host_cpu[index])
-    from worker_lib.agent.priority import REPLICATION_NICE
-
-    figures: dict[str, object] = {
-        "interleave_link_gbps": round(link, 4),
-        "replication_nice": REPLICATION_NICE if replication_nice is None else replication_nice,
-    }
+    figures: dict[str, object] = {"interleave_link_gbps": round(link, 4), "replication_nice": nice}
     for phase in netmachine.PHASES:
         every = [t for (c, p), values in blocks.items() if p == phase for t in values]
         figures[f"iteration_s_{phase}"] = round(statistics.median(every), 4)
