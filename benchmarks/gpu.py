@@ -13,11 +13,12 @@ one iteration each per round, in an order that rotates from round to round:
 - `none`: no checkpoint;
 - `memcpy`: before the forward, a plain synchronous copy of every state tensor into preallocated pinned
   host memory (`copy_(non_blocking=True)`, then a synchronize): the simplest checkpoint to host memory;
-- `castor_default`: before the forward, `Checkpointer.save(i, {"model": model, "optimizer": optimizer})`
-  with the default settings: the device tensors are copied into a pinned staging buffer, the background
-  thread copies that into the shared-memory slot, and the optimizer step waits for the save on the host;
-- `castor_direct`: the same with CASTOR_CUDA_DIRECT=1: the device tensors are copied straight into the slot
-  (registered with the CUDA host allocator), and the optimizer step waits for those copies on the device.
+- `castor_direct`: before the forward, `Checkpointer.save(i, {"model": model, "optimizer": optimizer})`
+  with the default settings: the device tensors are copied straight into the slot (registered with the
+  CUDA host allocator), and the optimizer step waits for those copies on the device;
+- `castor_staged`: the same with CASTOR_CUDA_DIRECT=0: the device tensors are copied into a pinned staging
+  buffer, the background thread copies that into the shared-memory slot, and the optimizer step waits for
+  the save on the host.
 
 Overheads are the median per-round difference from `none` over the median `none` iteration; `stall_pct` the
 median share of an iteration the training thread spent blocked inside Castor (`stats.stalled_s`: save()
@@ -49,6 +50,8 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from models import Decoder, Shape, report, state_tensors
 
 from worker_lib import Checkpointer
+from worker_lib.checkpointer import fenced_save_threads
+from worker_lib.store.copy import default_threads
 from worker_lib.store.cuda import DIRECT_ENV, HostRegistration
 
 FULL = Shape(vocab=32768, width=1024, layers=24, heads=16, context=1024, batch=16)
@@ -154,12 +157,12 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
         "none": none,
         "memcpy": memcpy,
         "castor_direct": castor(True),
-        "castor_default": castor(False),
+        "castor_staged": castor(False),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
-    stalls: dict[str, list[float]] = {"castor_direct": [], "castor_default": []}
-    copy_s: dict[str, list[float]] = {"castor_direct": [], "castor_default": []}
-    save_calls: dict[str, list[float]] = {"castor_direct": [], "castor_default": []}
+    stalls: dict[str, list[float]] = {"castor_direct": [], "castor_staged": []}
+    copy_s: dict[str, list[float]] = {"castor_direct": [], "castor_staged": []}
+    save_calls: dict[str, list[float]] = {"castor_direct": [], "castor_staged": []}
     direct_bytes = 0
     fenced_before = 0
     consecutive: dict[str, list[float]] = {"none": [], "castor_direct": []}
@@ -212,13 +215,15 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
         "transformer_params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
         "state_gb": round(state_bytes / 1e9, 3),
         "rounds": rounds,
+        "copy_threads": default_threads(),
+        "copy_threads_fenced_save": fenced_save_threads(default_threads()),
         "iteration_s_none": round(median["none"], 4),
     }
-    for name in ("memcpy", "castor_direct", "castor_default"):
+    for name in ("memcpy", "castor_direct", "castor_staged"):
         paired = statistics.median(t - n for t, n in zip(times[name], times["none"], strict=True))
         results[f"iteration_s_{name}"] = round(median[name], 4)
         results[f"overhead_pct_{name}"] = round(100 * paired / median["none"], 2)
-    for name in ("castor_direct", "castor_default"):
+    for name in ("castor_direct", "castor_staged"):
         shares = [s / t for s, t in zip(stalls[name], times[name], strict=True)]
         results[f"stall_pct_{name}"] = round(100 * statistics.median(shares), 3)
         results[f"copy_s_{name}"] = round(statistics.median(copy_s[name]), 3)
@@ -237,7 +242,7 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
     )
     results["direct_bytes_gb"] = round(direct_bytes / 1e9, 3)
     results["staging_bytes_gb_castor_direct"] = round(direct_staging_bytes / 1e9, 3)
-    results["staging_bytes_gb_castor_default"] = round(staged_bytes / 1e9, 3)
+    results["staging_bytes_gb_castor_staged"] = round(staged_bytes / 1e9, 3)
     results["steps_fenced_on_device"] = fenced
     results["iterations_s"] = {name: [round(t, 4) for t in values] for name, values in times.items()}
     return results

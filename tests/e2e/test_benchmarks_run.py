@@ -123,7 +123,7 @@ def test_gpu_benchmark_runs_or_says_why_not() -> None:
         assert figures == {"skipped": "no CUDA device"}
         return
     expected = {"d2h_gbps_pinned", "d2h_gbps_shm_registered", "iteration_s_none", "iteration_s_memcpy"}
-    expected |= {"overhead_pct_castor_default", "overhead_pct_castor_direct", "stall_pct_castor_direct"}
+    expected |= {"overhead_pct_castor_staged", "overhead_pct_castor_direct", "stall_pct_castor_direct"}
     expected |= {"staging_bytes_gb_castor_direct", "steps_fenced_on_device", "direct_bytes_gb"}
     assert expected <= set(figures)
     assert figures["direct_bytes_gb"] > 0 and figures["staging_bytes_gb_castor_direct"] == 0

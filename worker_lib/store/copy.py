@@ -362,8 +362,9 @@ class CopyEngine:
         transfers: Sequence[Transfer],
         slot: Bytes | None = None,
         compiled: Sequence[SaveStripe] | None = None,
+        workers: int | None = None,
     ) -> list[str]:
-        """Run every piece of every stripe.
+        """Run every piece of every stripe, on at most `workers` threads (default: all of the engine's).
 
         With `slot` (a save: the transfers write into it) also zero the alignment padding and return each
         stripe's xxh3_64 hex digest, computed piece by piece right after the piece is copied. `compiled`:
@@ -435,7 +436,7 @@ class CopyEngine:
                     slot[end : end + run.pad] = 0
             return hasher.hexdigest()
 
-        self._run(len(stripes), run_stripe)
+        self._run(len(stripes), run_stripe, workers)
         return digests
 
     def check_copy(
@@ -492,8 +493,9 @@ class CopyEngine:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _run(self, count: int, task: Callable[[int], None]) -> None:
-        """Call task(0..count-1) on the threads, each taking the next index when done with one."""
+    def _run(self, count: int, task: Callable[[int], None], workers: int | None = None) -> None:
+        """Call task(0..count-1) on up to `workers` threads (default: all), each taking the next index when
+        done with one."""
         cursor = itertools.count()  # next() on a count is atomic under the GIL
         failed = threading.Event()
 
@@ -507,7 +509,8 @@ class CopyEngine:
 
         # The calling thread is one of the workers: it would only wait otherwise, and one thread fewer is
         # woken through the pool's queue (a wake-up costs tens of microseconds, more on a loaded machine).
-        futures = [self._pool.submit(worker) for _ in range(min(self.threads, count) - 1)]
+        threads = self.threads if workers is None else max(1, min(workers, self.threads))
+        futures = [self._pool.submit(worker) for _ in range(min(threads, count) - 1)]
         error: BaseException | None = None
         try:
             worker()

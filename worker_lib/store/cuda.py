@@ -2,30 +2,27 @@
 
 A save of device tensors:
 
-- **Straight into the slot** (`DirectCopies`, with CASTOR_CUDA_DIRECT=1): the slot's shared-memory mapping
-  is registered once with the
-  CUDA host allocator (`SlotRegistrations`, cudaHostRegister), and each contiguous device tensor is copied
-  into its region of the slot by the copy engine, on a side stream that first waits for the work already
-  queued on the tensor's current stream (so it captures the values the training step computed when save()
-  was called). Host memory holds no third copy of the state; the background thread only hashes those
-  bytes. Measured on an H200 host: 55 GB/s into registered shared memory, as into pinned memory, against
-  15 GB/s into the same memory unregistered; registering costs about 42 ms per GiB, once per mapping.
-- **Through one reusable pinned buffer** (`PinnedStager`, the default): every device tensor, and with
-  CASTOR_CUDA_DIRECT=1 strided ones, those with lazy conjugate or negative bits, and all of them when
-  registering is refused; the background thread then copies the staged bytes into the slot.
+- **Straight into the slot** (`DirectCopies`, the default; CASTOR_CUDA_DIRECT=0 turns it off): the slot's
+  shared-memory mapping is registered once with the CUDA host allocator (`SlotRegistrations`,
+  cudaHostRegister), and each contiguous device tensor is copied into its region of the slot by the copy
+  engine, on a side stream that first waits for the work already queued on the tensor's current stream (so
+  it captures the values the training step computed when save() was called). Host memory holds no third
+  copy of the state; the background thread only hashes those bytes. Measured on an H200 host: 55 GB/s into
+  registered shared memory, as into pinned memory, against 15 GB/s into the same memory unregistered;
+  registering costs 42-57 ms per GiB, once per mapping.
+- **Through one reusable pinned buffer** (`PinnedStager`): strided device tensors, those with lazy
+  conjugate or negative bits, all of them when registering is refused, and every one with
+  CASTOR_CUDA_DIRECT=0; the background thread then copies the staged bytes into the slot.
 
 The background thread queues the copies, on a side stream per device that waits for the event save()
 recorded on the current stream (`mark_devices`): they read the values training had computed at save().
-They end in events (`DeviceFence`). With CASTOR_CUDA_DIRECT=1 the optimizer step, which changes the saved
-tensors in place, waits for them on the device (`DeviceFence.order_device`: its stream waits for the events)
-instead of blocking the host until the save is done, once nothing host-side is left for the background
-thread to read from the live state (`needs_host_wait`; save() snapshots the few small host tensors of a GPU
-job, such as AdamW's `step` counters). By default the step blocks the host until the save is committed.
+They end in events (`DeviceFence`). The optimizer step, which changes the saved tensors in place, waits for
+them on the device (`DeviceFence.order_device`: its stream waits for the events) instead of blocking the
+host until the save is done, once nothing host-side is left for the background thread to read from the
+live state (`needs_host_wait`; save() snapshots the few small host tensors of a GPU job, such as AdamW's
+`step` counters). With CASTOR_CUDA_DIRECT=0 the step blocks the host until the save is committed.
 
-Run on an H200 (torch 2.11, 2026-11-27): the registration, the direct copy and the device-side fence
-(tests/unit/worker_lib/test_cuda_fences.py) and the default staged path (test_cuda.py's round trips); the
-wiring of the direct path into Checkpointer.save (background queuing, IssuedCopies, the host snapshot) has
-not run on a GPU yet, hence off by default.
+Run on an H200 (torch 2.11, 2026-11-28): every CUDA test, both paths (scripts/gpu-check).
 """
 
 from __future__ import annotations
@@ -40,8 +37,8 @@ from dataclasses import dataclass
 import torch
 
 _ALIGN = 64
-# "1": device tensors go straight into the slot and the optimizer step waits for them on the device. Off by
-# default until the whole path has run on a GPU (its pieces have; see the module docstring).
+# "1" (the default): device tensors go straight into the slot and the optimizer step waits for them on the
+# device. "0": every device tensor is staged through pinned memory; the step waits for the save on the host.
 DIRECT_ENV = "CASTOR_CUDA_DIRECT"
 
 log = logging.getLogger(__name__)
@@ -235,10 +232,11 @@ def _check(status: object) -> None:
 
 
 def direct_copies_enabled() -> bool:
-    value = os.environ.get(DIRECT_ENV, "0").strip()
+    """On unless CASTOR_CUDA_DIRECT=0 (unset or empty: on)."""
+    value = os.environ.get(DIRECT_ENV, "1").strip()
     if value not in ("0", "1", ""):
         raise ValueError(f"{DIRECT_ENV}={value!r}: expected 1 (direct device copies) or 0 (pinned staging)")
-    return value == "1"
+    return value != "0"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from worker_lib.checkpointer import fenced_save_threads
 from worker_lib.store.copy import CopyEngine, Extent, Piece, StripePlan, plan_checked
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -36,6 +37,19 @@ def test_the_calling_thread_copies_stripes_too(engine: CopyEngine) -> None:
     engine.copy(_stripes(40), [transfer])
     assert threading.get_ident() in transfer.threads
     assert len(transfer.threads) == engine.threads  # the caller and threads - 1 of the pool
+
+
+def test_a_copy_can_be_held_to_fewer_threads_than_the_engine_has() -> None:
+    """A save that runs beside a GPU job's training step uses some of the threads (fenced_save_threads)."""
+    copy_engine = CopyEngine(threads=4)
+    try:
+        for workers, expected in ((1, 1), (2, 2), (9, 4)):
+            transfer = _Recording()
+            copy_engine.copy(_stripes(40), [transfer], workers=workers)
+            assert len(transfer.threads) == expected
+    finally:
+        copy_engine.close()
+    assert [fenced_save_threads(n) for n in (1, 2, 3, 16)] == [1, 1, 1, 8]
 
 
 def test_a_failure_in_the_callers_share_waits_for_the_other_threads(engine: CopyEngine) -> None:

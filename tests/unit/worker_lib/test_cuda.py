@@ -1,8 +1,10 @@
-"""CUDA tensors through pinned host memory. Skipped without a GPU (the development machine has none)."""
+"""CUDA tensors, straight into the slot and through pinned memory. Skipped without a GPU (the development
+machine has none)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -10,14 +12,15 @@ from torch import nn
 
 from tests.unit.worker_lib.helpers import assert_bit_equal
 from worker_lib import Checkpointer
-from worker_lib.checkpointer import CheckpointerStats
+from worker_lib.checkpointer import CheckpointerStats, fenced_save_threads
+from worker_lib.store.copy import CopyEngine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture(params=["staged", "direct"])
 def direct(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Both device paths: pinned staging (the default) and straight into the slot (CASTOR_CUDA_DIRECT=1)."""
+    """Both device paths: straight into the slot (the default) and pinned staging (CASTOR_CUDA_DIRECT=0)."""
     monkeypatch.setenv("CASTOR_CUDA_DIRECT", "1" if request.param == "direct" else "0")
     return bool(request.param == "direct")
 
@@ -142,10 +145,10 @@ def save_then_step(shm_dir: Path) -> tuple[CheckpointerStats, int, dict[str, obj
 def test_device_tensors_go_straight_into_the_slot_and_the_step_waits_on_the_device(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """CASTOR_CUDA_DIRECT=1: every device tensor is copied into the shared-memory slot with no pinned
-    staging buffer, and the optimizer step right after save() waits for those copies on the device, not
-    the host; what is saved is the state at save(), AdamW's host `step` counters included."""
-    monkeypatch.setenv("CASTOR_CUDA_DIRECT", "1")
+    """By default every device tensor is copied into the shared-memory slot with no pinned staging
+    buffer, and the optimizer step right after save() waits for those copies on the device, not the host;
+    what is saved is the state at save(), AdamW's host `step` counters included."""
+    monkeypatch.delenv("CASTOR_CUDA_DIRECT", raising=False)
     stats, fenced, expected, on_device = save_then_step(shm_dir)
     assert fenced == 1
     assert stats.last_direct_bytes == on_device > 0
@@ -153,10 +156,10 @@ def test_device_tensors_go_straight_into_the_slot_and_the_step_waits_on_the_devi
     assert_bit_equal(restored_values(shm_dir), expected)
 
 
-def test_by_default_device_tensors_are_staged_and_the_step_waits_for_the_save_on_the_host(
+def test_with_direct_copies_off_device_tensors_are_staged_and_the_step_waits_on_the_host(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("CASTOR_CUDA_DIRECT", raising=False)
+    monkeypatch.setenv("CASTOR_CUDA_DIRECT", "0")
     stats, fenced, expected, on_device = save_then_step(shm_dir)
     assert fenced == 0
     assert stats.last_direct_bytes == 0
@@ -191,3 +194,25 @@ def test_slots_that_grow_are_registered_again_and_saves_keep_going_direct(
             checkpointer.wait()
             assert checkpointer.stats.last_direct_bytes == device_bytes(model, optimizer)
     assert_bit_equal(restored_values(shm_dir, 1024), expected)
+
+
+@pytest.mark.parametrize("direct", ["1", "0"], ids=["fenced-on-device", "host-wait"])
+def test_a_save_beside_training_hashes_on_half_the_copy_threads(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch, direct: str
+) -> None:
+    """A save the step waits for on the device runs beside training's launches: it leaves half the copy
+    threads idle. One the step waits for on the host uses them all (training is waiting anyway)."""
+    used: list[tuple[int, int | None]] = []
+    original = CopyEngine.copy
+
+    def recording(self: CopyEngine, *args: Any, **kwargs: Any) -> list[str]:
+        used.append((self.threads, kwargs.get("workers")))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CopyEngine, "copy", recording)
+    monkeypatch.setenv("CASTOR_CUDA_DIRECT", direct)
+    _, fenced, expected, _ = save_then_step(shm_dir)
+    ((threads, workers),) = used
+    assert fenced == (1 if direct == "1" else 0)
+    assert workers == (fenced_save_threads(threads) if direct == "1" else None)
+    assert_bit_equal(restored_values(shm_dir), expected)

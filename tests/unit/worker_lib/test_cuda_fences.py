@@ -33,10 +33,14 @@ def test_only_contiguous_device_sources_in_registered_memory_go_direct() -> None
     assert plan_direct([], [], []) == DirectPlan((), ())
 
 
-def test_direct_copies_are_opt_in_and_a_bad_switch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_direct_copies_are_the_default_0_turns_them_off_and_a_bad_switch_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from worker_lib.store.cuda import direct_copies_enabled
 
     monkeypatch.delenv("CASTOR_CUDA_DIRECT", raising=False)
+    assert direct_copies_enabled()
+    monkeypatch.setenv("CASTOR_CUDA_DIRECT", "0")
     assert not direct_copies_enabled()
     monkeypatch.setenv("CASTOR_CUDA_DIRECT", "1")
     assert direct_copies_enabled()
