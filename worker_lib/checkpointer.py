@@ -250,9 +250,9 @@ class Checkpointer:
     ) -> tuple[list[torch.Tensor], Marks, bool, bool]:
         """What the background thread copies each blob from; the marks of the device tensors among them
         (their copies are queued by the background thread, after the marks); whether they go straight into
-        the slot (CASTOR_CUDA_DIRECT=1); and whether the background thread still reads host tensors of the
-        live state (then the optimizer step waits for the whole save on the host). With direct copies a
-        GPU job's few host tensors (AdamW's `step` counters) are snapshotted here instead."""
+        the slot (unless CASTOR_CUDA_DIRECT=0); and whether the background thread still reads host tensors
+        of the live state (then the optimizer step waits for the whole save on the host). With direct
+        copies a GPU job's few host tensors (AdamW's `step` counters) are snapshotted here instead."""
         sources = [blob_source(blob, tensors) for blob in layout.blobs]
         marks = mark_devices(sources)
         direct = bool(marks) and direct_copies_enabled()
