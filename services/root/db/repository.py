@@ -122,6 +122,43 @@ async def newest_summary_iterations(session: AsyncSession, job_id: uuid.UUID) ->
     ]
 
 
+class RecoveryProgress(NamedTuple):
+    """How far a recovery's generation got on the job's live machines, counted in the database."""
+
+    not_inventoried: int  # live machines without the generation's inventory
+    oldest_not_inventoried_registered_at: datetime | None  # the earliest registration among them
+    not_restored: int
+    not_resumed: int
+    any_failed: bool  # a live machine is failed (its replacement has not registered)
+    any_embedded: bool
+
+
+async def recovery_progress(session: AsyncSession, job_id: uuid.UUID, generation: int) -> RecoveryProgress:
+    """One aggregate over the job's live machines: the leader asks 5 times a second while a recovery
+    waits for its agents, and loading a thousand machines' rows to find who is still missing was the
+    largest part of its step."""
+
+    def behind(column: Any) -> ColumnElement[bool]:
+        return or_(column.is_(None), column != generation)
+
+    def count(condition: ColumnElement[bool]) -> Any:
+        return func.coalesce(func.sum(case((condition, 1), else_=0)), 0)
+
+    query = select(
+        count(behind(Machine.inventory_generation)),
+        func.min(
+            case((behind(Machine.inventory_generation), Machine.registered_at)),
+            type_=Machine.registered_at.type,
+        ),
+        count(behind(Machine.restored_generation)),
+        count(behind(Machine.resumed_generation)),
+        count(Machine.state == MachineState.FAILED),
+        count(Machine.embedded.is_(True)),
+    ).where(Machine.job_id == job_id, Machine.state != MachineState.REPLACED)
+    inventory, oldest, restored, resumed, failed, embedded = (await session.execute(query)).one()
+    return RecoveryProgress(int(inventory), oldest, int(restored), int(resumed), failed > 0, embedded > 0)
+
+
 class LiveRank(NamedTuple):
     rank: int
     state: str

@@ -184,6 +184,58 @@ async def test_a_late_replacement_gets_its_own_time_to_report(
     assert [(m["rank"], m["instance_id"], m["state"]) for m in machines][1] == (1, "i-1b", "healthy")
 
 
+async def test_a_machine_that_never_reports_its_inventory_is_declared_lost_after_the_timeout(
+    client: httpx.AsyncClient, tight_app: FastAPI
+) -> None:
+    """While inventories are missing the leader only counts them (repo.recovery_progress); one missing
+    past the timeout is a lost machine all the same."""
+    scenario = await two_machines(client)
+    await scenario.kill_process(1)
+    await report_inventories(scenario, 2, [0])  # machine 1 says nothing
+    database = tight_app.state.castor.database
+    async with database.session() as session:
+        progress = await repo.recovery_progress(session, uuid.UUID(scenario.id), 2)
+        silent = next(m for m in await repo.live_machines(session, uuid.UUID(scenario.id)) if m.rank == 1)
+    assert progress == repo.RecoveryProgress(1, silent.registered_at, 2, 2, False, False)
+
+    async def lost() -> list[dict[str, Any]] | None:
+        failures: list[dict[str, Any]] = await scenario.api("/failures")
+        found = [f for f in failures if "did not report its inventory in time" in f["cause"]]
+        return found or None
+
+    (failure,) = await eventually(lost, "machine 1 to be declared lost for its missing inventory")
+    assert failure["rank"] == 1
+    machines = await scenario.api("/machines")
+    assert machines[1]["state"] == "failed" and machines[0]["state"] != "failed"
+    async with database.session() as session:
+        progress = await repo.recovery_progress(session, uuid.UUID(scenario.id), 2)
+    assert progress.any_failed
+
+
+async def test_a_machine_that_restores_but_never_resumes_is_declared_lost_after_the_timeout(
+    client: httpx.AsyncClient, tight_app: FastAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While ranks restore and resume the leader only counts their reports; a machine that never resumes
+    is lost once the restore timeout passes."""
+    monkeypatch.setattr(tight_app.state.castor.settings, "restore_timeout_s", 1.5)
+    scenario = await two_machines(client)
+    await scenario.kill_process(1)
+    await restore_without_resuming(scenario, generation=2)
+    body = {"instance_id": scenario.instances[0], "generation": 2, "event": "resumed"}
+    await scenario.post("/machines/0/progress", body, 204)  # machine 1 restored, and stays silent
+    async with tight_app.state.castor.database.session() as session:
+        progress = await repo.recovery_progress(session, uuid.UUID(scenario.id), 2)
+    assert progress == repo.RecoveryProgress(0, None, 0, 1, False, False)
+
+    async def lost() -> list[dict[str, Any]] | None:
+        failures: list[dict[str, Any]] = await scenario.api("/failures")
+        return [f for f in failures if "did not resume training in time" in f["cause"]] or None
+
+    (failure,) = await eventually(lost, "machine 1 to be declared lost for not resuming")
+    assert failure["rank"] == 1
+    assert [m["state"] for m in await scenario.api("/machines")] == ["healthy", "failed"]
+
+
 async def _job_in_state(scenario: Scenario, state: str) -> dict[str, Any] | None:
     job: dict[str, Any] = await scenario.api("")
     return job if job["state"] == state else None
