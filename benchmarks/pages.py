@@ -19,6 +19,11 @@ off so that nothing it finds changes the data) and this process times, alternate
 in (`job_page_ms`), GET /metrics (`metrics_ms`) and GET /api/v1/jobs/{id} (`job_api_ms`): the median of
 --times requests each after one untimed warm-up, from send to the last byte. `*_bytes` are the sizes.
 
+Then, in this process with this checkout's repository, what the root's leader reads at every pass (5 a
+second) while a recovery waits for its agents' reports: every live machine's row, as it did before
+(`leader_machines_ms`), against one aggregate query (`leader_progress_ms`); medians of 5 x --times reads,
+wall time and this process's CPU (`*_cpu_ms`).
+
 --profile DIR serves the app in this process instead (httpx's ASGI transport, no uvicorn) and writes
 cProfile's statistics of the timed requests to DIR/job_page.prof and DIR/metrics.prof, with the top
 functions by cumulative time printed (timings under a profiler are not the figures).
@@ -424,6 +429,36 @@ async def measure(
     return figures
 
 
+async def leader_reads(database_url: str, job_id: uuid.UUID, times: int) -> dict[str, Any]:
+    """What the root's leader reads at every pass (5 a second) while a recovery waits for its agents'
+    reports, on this checkout's repository: every live machine's row (`repo.live_machines`, what it read
+    before) against one aggregate (`repo.recovery_progress`). Median wall time and this process's CPU."""
+    from services.root.db import repository as repo
+    from services.root.db.database import Database
+
+    database = Database(database_url)
+    reads = {
+        "machines": lambda session: repo.live_machines(session, job_id),
+        "progress": lambda session: repo.recovery_progress(session, job_id, 2),
+    }
+    figures: dict[str, Any] = {}
+    try:
+        for name, read in reads.items():
+            wall, cpu = [], []
+            for attempt in range(times + 1):  # the first warms up, untimed
+                async with database.session() as session:
+                    started, used = time.perf_counter(), time.process_time()
+                    await read(session)
+                    if attempt:
+                        wall.append(time.perf_counter() - started)
+                        cpu.append(time.process_time() - used)
+            figures[f"leader_{name}_ms"] = round(1e3 * statistics.median(wall), 2)
+            figures[f"leader_{name}_cpu_ms"] = round(1e3 * statistics.median(cpu), 2)
+    finally:
+        await database.dispose()
+    return figures
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tests import harness
 
@@ -450,6 +485,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     await asyncio.sleep(3)
                     idle = round(100 * (cpu_seconds(pid) - before) / (time.monotonic() - started), 1)
                 figures = await measure(http, job_id, args, expect)
+                figures.update(await leader_reads(database_url, job_id, 5 * args.times))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return {
