@@ -154,12 +154,7 @@ async def _step(
         missing = [m for m in live if m.inventory_generation != plan.generation]
         if not missing:
             await _decide(session, job, plan, live, events, now, settings)
-        # A replacement's clock starts when it registered: EC2 takes minutes to deliver one.
-        late = [
-            m
-            for m in missing
-            if now - max(plan.created_at, m.registered_at) > timedelta(seconds=settings.inventory_timeout_s)
-        ]
+        late = [m for m in missing if _inventory_overdue(plan, m.registered_at, now, settings)]
         for machine in late:
             lost.append(await machine_lost(session, job, machine, "did not report its inventory in time"))
 
@@ -175,7 +170,7 @@ async def _step(
         if all(m.resumed_generation == plan.generation for m in live):
             resumed = await _last_report(session, job, plan.generation, now, resumed=True)
             _finish_recovery(job, plan, events, resumed)
-        elif plan.ready_at and now - plan.ready_at > timedelta(seconds=settings.restore_timeout_s):
+        elif _resume_overdue(plan, now, settings):
             for machine in live:
                 if machine.resumed_generation != plan.generation:
                     lost.append(await machine_lost(session, job, machine, "did not resume training in time"))
@@ -205,15 +200,35 @@ async def _waiting_for_agents(
         if not progress.not_inventoried:
             return None  # every inventory is in: decide
         assert progress.oldest_not_inventoried_registered_at is not None
-        waited = now - max(plan.created_at, progress.oldest_not_inventoried_registered_at)
-        return RecoveryState.COLLECTING if waited <= timedelta(seconds=settings.inventory_timeout_s) else None
-    if not progress.not_resumed:
-        return None  # every rank resumed: finish
-    if not progress.not_restored and any(e.restored_at is None for e in events):
-        return None  # every rank restored: record when
-    if plan.ready_at is None or now - plan.ready_at > timedelta(seconds=settings.restore_timeout_s):
-        return None
-    return RecoveryState.PLANNED if progress.not_restored else RecoveryState.RESUMING
+        if _inventory_overdue(plan, progress.oldest_not_inventoried_registered_at, now, settings):
+            return None
+    else:
+        if not progress.not_resumed:
+            return None  # every rank resumed: finish
+        if not progress.not_restored and any(e.restored_at is None for e in events):
+            return None  # every rank restored: record when
+        if plan.ready_at is None or _resume_overdue(plan, now, settings):
+            return None
+    return recovery_states.derive(
+        job.state,
+        plan.status,
+        fresh_failures=False,
+        machine_failed=False,
+        all_restored=not progress.not_restored,
+    )
+
+
+def _inventory_overdue(
+    plan: RecoveryPlan, registered_at: datetime, now: datetime, settings: Settings
+) -> bool:
+    """A machine registered at `registered_at` owes this collecting plan its inventory by now. A
+    replacement's clock starts when it registered: EC2 takes minutes to deliver one."""
+    return now - max(plan.created_at, registered_at) > timedelta(seconds=settings.inventory_timeout_s)
+
+
+def _resume_overdue(plan: RecoveryPlan, now: datetime, settings: Settings) -> bool:
+    """The ready plan's ranks should all have resumed by now."""
+    return plan.ready_at is not None and now - plan.ready_at > timedelta(seconds=settings.restore_timeout_s)
 
 
 def _state_of(
