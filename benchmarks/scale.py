@@ -57,7 +57,10 @@ Scenarios, in order:
   stops, and once its failure is recorded the leader's process is killed (SIGKILL) before the replacement
   registers; `failover_elected_s` from the kill to the new leader raising the fencing epoch, `failover_s`
   to the new leader continuing the recovery (its first recovery write: the plan collecting or ready),
-  `failover_*` as above.
+  `failover_*` as above;
+* --replicas N: N root replicas on the same Postgres (and etcd) from the start, the simulated agents
+  spread over them as agents given every replica's URL are (each fails over to the others): every
+  replica answers its share of the agents' requests, the leader also orchestrates.
 With --etcd, `etcd_db_growth_mb` is how much etcd's database file grew over the run, `etcd_db_in_use_mb`
 what it uses at the end (auto-compaction frees history; the file does not shrink without a defrag).
 
@@ -745,7 +748,9 @@ class Run:
                     await self._pg.close()
 
     def machine(self, rank: int, instance_id: str | None = None) -> SimulatedMachine:
-        # Machines spread over the replicas (each fails over to the others), as agents given every URL.
+        # Machines spread over the replicas (each fails over to the others), as agents given every URL do:
+        # an agent starts on the replica its instance id hashes to (worker_lib.client.first_replica), here
+        # the rank's turn, as even a spread.
         urls = [url for _, url in self.roots]
         shift = rank % len(urls)
         client = AgentHttp(urls[shift:] + urls[:shift], self.job_id, self.token, self.agent_session)
@@ -1330,6 +1335,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="two root replicas; also kill the leader in the middle of a machine's recovery",
     )
     parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="root replicas on the same Postgres (and etcd); the agents spread over them (--leader-kill: 2)",
+    )
+    parser.add_argument(
         "--no-loss", action="store_true", help="stop after the pages: register and steady state only"
     )
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the root replicas' logs here")
@@ -1387,7 +1398,7 @@ def main() -> None:
         roots: list[tuple[subprocess.Popen[bytes], str]] = []
         try:
             # One after the other: the first applies the migrations, the second finds them applied.
-            for index in range(2 if args.leader_kill else 1):
+            for index in range(max(args.replicas, 2 if args.leader_kill else 1)):
                 roots.append(start_root(workdir, database_url, args, f"root{index}"))
             figures = asyncio.run(Run(args, server, database, roots).run())
         except BaseException:

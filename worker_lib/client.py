@@ -13,6 +13,7 @@ considered answer and is raised at once as RootRejected with its error code.
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -85,6 +86,12 @@ class UnexpectedAnswer(RootError):
         self.status, self.url = status, url
 
 
+def first_replica(key: str, replicas: int) -> int:
+    """The replica (an index into the root URLs) a client identified by `key` asks first: stable across
+    restarts, evenly spread over many keys."""
+    return zlib.crc32(key.encode()) % replicas
+
+
 class RootClient:
     def __init__(
         self,
@@ -98,10 +105,13 @@ class RootClient:
         retry_writes: bool = True,
         transport: httpx.AsyncBaseTransport | None = None,
         user_agent: str | None = None,
+        spread_key: str | None = None,
     ):
         """`job_id`: the job whose worker surface this client calls ("": the public surface only).
         `retry_writes`: whether POSTs and DELETEs are retried like reads (the agent's writes are idempotent
-        reports; an operator's write that reached the root before its answer was lost must not run twice)."""
+        reports; an operator's write that reached the root before its answer was lost must not run twice).
+        `spread_key` (an agent's instance id): the replica asked first is `first_replica(spread_key, n)`
+        instead of the first URL, so a job's agents given the same URLs spread over the replicas."""
         urls = root_urls.split(",") if isinstance(root_urls, str) else list(root_urls)
         self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
         if not self.urls:
@@ -111,7 +121,10 @@ class RootClient:
         self.retry_for_s = retry_for_s
         self.retry_on = retry_on
         self.retry_writes = retry_writes
-        self._current = 0  # index of the replica that answered last
+        # The index of the replica that answered last. Every replica serves the worker API (the leader only
+        # also orchestrates), and a recovery's burst of a thousand agents' requests is one process's CPU:
+        # agents that each start on their own replica share it out.
+        self._current = first_replica(spread_key, len(self.urls)) if spread_key else 0
         headers = {"Authorization": f"Bearer {token}"}
         if user_agent:
             headers["User-Agent"] = user_agent

@@ -135,7 +135,7 @@ class Agent:
             machine_rank=config.machine_rank,
             replication_nice=config.replication_nice,
         )
-        self.client = RootClient(config.root_urls, config.job_id, config.token)
+        self.client = RootClient(config.root_urls, config.job_id, config.token, spread_key=config.instance_id)
         self.machine = MachineServices(self.client, config.token, identity, config.resolved_shm_root())
         self.exits: asyncio.Queue[ProcessExit] = asyncio.Queue()
         self.workers = WorkerGroup(

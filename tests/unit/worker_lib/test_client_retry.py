@@ -17,7 +17,7 @@ from services.cli import client as cli_client
 from worker_lib import rest
 from worker_lib.api.public import FailureOut, JobPage
 from worker_lib.api.worker import DirectiveOut, RegisterResponse
-from worker_lib.client import RootClient, RootRejected, RootUnavailable, UnexpectedAnswer
+from worker_lib.client import RootClient, RootRejected, RootUnavailable, UnexpectedAnswer, first_replica
 
 Handler = Callable[[httpx.Request], httpx.Response]
 
@@ -264,3 +264,58 @@ def test_the_cli_sends_a_write_once_and_reports_a_refused_connection_at_once() -
     with client, pytest.raises(cli_client.ApiError, match=r"HTTP 500"):
         client.run(client.api.jobs())
     assert len(seen) >= 2, "retried until the budget was spent, then the root's own answer"
+
+
+async def test_agents_spread_over_the_replicas_and_each_fails_over_to_the_next() -> None:
+    """An agent starts on the replica its instance id hashes to (a recovery's burst of requests is shared
+    out), stays there while it answers, and moves on when it fails."""
+    urls = ["http://a:8001", "http://b:8002", "http://c:8003"]
+    down: set[int] = set()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.port in down:
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(200, json=REGISTERED)
+
+    firsts: dict[str, str] = {}
+    for index in range(30):
+        seen: list[str] = []
+
+        def record(request: httpx.Request, seen: list[str] = seen) -> httpx.Response:
+            seen.append(f"{request.url.host}:{request.url.port}")
+            return handler(request)
+
+        instance = f"i-{index:04d}"
+        async with RootClient(
+            urls, "job-1", "t", spread_key=instance, transport=httpx.MockTransport(record)
+        ) as client:
+            await client.register(instance_id=instance)
+            await client.report_progress(3, {"event": "resumed"})
+        assert seen[0] == seen[1] == urls[first_replica(instance, 3)].removeprefix("http://")
+        firsts[instance] = seen[0]
+    assert set(firsts.values()) == {"a:8001", "b:8002", "c:8003"}  # thirty agents reach every replica
+    # Stable: the same instance starts on the same replica after a restart.
+    assert first_replica("i-0007", 3) == first_replica("i-0007", 3)
+
+    # Its replica down, an agent moves to the next one, and stays there.
+    instance = next(i for i, first in firsts.items() if first == "b:8002")
+    down.add(8002)
+    seen = []
+
+    def record_down(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.url.host}:{request.url.port}")
+        return handler(request)
+
+    async with RootClient(
+        urls, "job-1", "t", spread_key=instance, transport=httpx.MockTransport(record_down)
+    ) as client:
+        await client.register(instance_id=instance)
+        await client.report_progress(3, {"event": "resumed"})
+    assert seen == ["b:8002", "c:8003", "c:8003"]
+
+
+async def test_without_a_spread_key_the_first_url_is_asked_first() -> None:
+    client, seen = _client(["http://a:8001", "http://b:8002"], lambda r: httpx.Response(200, json=REGISTERED))
+    async with client:
+        await client.register(instance_id="i-1")
+    assert seen == ["a:8001"]
