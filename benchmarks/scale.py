@@ -598,18 +598,6 @@ def start_root(
     return process, f"http://127.0.0.1:{port}"
 
 
-def etcd_db_bytes(endpoint: str) -> tuple[int, int | None]:
-    """etcd's database file size and the part of it in use (bytes)."""
-    found = subprocess.run(
-        ["etcdctl", f"--endpoints={endpoint}", "endpoint", "status", "-w", "json"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    status = json.loads(found.stdout)[0]["Status"]
-    return int(status["dbSize"]), status.get("dbSizeInUse")
-
-
 def mb(size: float | None) -> float | None:
     return None if size is None else round(size / 1e6, 2)
 
@@ -758,7 +746,7 @@ class Run:
 
     async def scenarios(self) -> None:
         args, stats = self.args, self.stats
-        db_start = etcd_db_bytes(args.etcd_endpoint)[0] if args.etcd_endpoint else None
+        db_start = harness.etcd_db_bytes(args.etcd_endpoint)[0] if args.etcd_endpoint else None
         # -- register all
         started = time.monotonic()
 
@@ -888,7 +876,7 @@ class Run:
                 print(f"{prefix or 'machine_'}scenario failed: {exc!r}", file=sys.stderr, flush=True)
                 self.figures[f"{prefix}error"] = repr(exc)[:300]
         if args.etcd_endpoint:
-            size, in_use = etcd_db_bytes(args.etcd_endpoint)
+            size, in_use = harness.etcd_db_bytes(args.etcd_endpoint)
             self.figures["etcd_db_growth_mb"] = mb(size - (db_start or 0))
             self.figures["etcd_db_in_use_mb"] = mb(in_use)
         self.figures["errors"] = stats.errors

@@ -4,6 +4,7 @@ endpoint), each on a free loopback port with its own temp directory, stopped by 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -210,9 +211,29 @@ class Etcd:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def db_bytes(self) -> tuple[int, int | None]:
+        return etcd_db_bytes(self.endpoint)
+
+
+def etcd_db_bytes(endpoint: str) -> tuple[int, int | None]:
+    """etcd's database file size and the part of it in use (bytes; what compaction frees is reused, the
+    file itself shrinks only on a defrag)."""
+    found = subprocess.run(
+        ["etcdctl", f"--endpoints={endpoint}", "endpoint", "status", "-w", "json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    status = json.loads(found.stdout)[0]["Status"]
+    return int(status["dbSize"]), status.get("dbSizeInUse")
+
+
+# The history etcd keeps (periodic auto-compaction), as docker-compose.yml runs it but shorter: an hour there.
+ETCD_COMPACTION_RETENTION = "1m"
+
 
 @contextlib.contextmanager
-def etcd() -> Iterator[Etcd]:
+def etcd(compaction_retention: str = ETCD_COMPACTION_RETENTION) -> Iterator[Etcd]:
     directory = Path(tempfile.mkdtemp(prefix="castor-etcd."))
     client_port, peer_port = free_port(), free_port()
     # Short heartbeat/election so that a 1 s lease TTL is honoured (etcd raises shorter TTLs silently).
@@ -240,7 +261,7 @@ def etcd() -> Iterator[Etcd]:
             # Heartbeats and leader refreshes write all the time: without compaction the history grows until
             # the space quota stops every write (and every lease lapses at once). Keep one minute of it.
             "--auto-compaction-mode=periodic",
-            "--auto-compaction-retention=1m",
+            f"--auto-compaction-retention={compaction_retention}",
             "--logger",
             "zap",
             "--log-outputs",

@@ -1,0 +1,102 @@
+"""etcd with the auto-compaction Castor runs it with (docker-compose.yml, the test harness) keeps its
+database bounded while agents rewrite their heartbeat keys without end: without compaction every rewrite
+stays in etcd's history until its space quota stops every write, and every lease lapses at once.
+
+The agents here are worker_lib's own etcd heartbeats, rewriting their summaries far more often than an agent
+does (every 20 ms, not every 2 s) so that a long run's history accumulates in seconds, and the retention is
+seconds instead of compose's hour. The same history written to an etcd without compaction is the control:
+it is what the bound is measured against."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import subprocess
+import time
+import uuid
+
+from tests import harness
+from worker_lib.agent.heartbeat import etcd_heartbeats
+
+AGENTS = 24
+SUMMARY_PERIOD_S = 0.02
+RUN_S = 12.0
+PADDING = "x" * 1500  # a summary about the size of a machine's with eight ranks and their replicas
+
+
+async def rewrite_for(server: harness.Etcd, seconds: float) -> list[int]:
+    """AGENTS heartbeats rewriting a changed summary every SUMMARY_PERIOD_S for `seconds`; the database's
+    bytes in use, sampled every second."""
+    counter = itertools.count()
+    prefix = f"/castor-compaction-{uuid.uuid4().hex[:6]}"
+    tasks = [
+        asyncio.create_task(
+            etcd_heartbeats(
+                [server.endpoint],
+                f"{prefix}/machines/{rank}",
+                5,
+                1.0,
+                lambda rank=rank: {"rank": rank, "iteration": next(counter), "pad": PADDING},
+                summary_period_s=SUMMARY_PERIOD_S,
+            )
+        )
+        for rank in range(AGENTS)
+    ]
+    in_use: list[int] = []
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            await asyncio.sleep(1.0)
+            size, used = await asyncio.to_thread(server.db_bytes)
+            in_use.append(used if used is not None else size)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return in_use
+
+
+def revision(server: harness.Etcd) -> int:
+    found = subprocess.run(
+        ["etcdctl", f"--endpoints={server.endpoint}", "endpoint", "status", "-w", "fields"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(next(line for line in found.stdout.splitlines() if '"Revision"' in line).split(":")[1])
+
+
+def read_at_revision(server: harness.Etcd, at: int) -> str:
+    """What etcdctl says to a read of every key as of revision `at` (its error once that is compacted)."""
+    found = subprocess.run(
+        ["etcdctl", f"--endpoints={server.endpoint}", "get", "/", "--prefix", f"--rev={at}"],
+        capture_output=True,
+        text=True,
+    )
+    return found.stderr or found.stdout
+
+
+async def test_auto_compaction_keeps_etcd_bounded_while_agents_rewrite_their_keys() -> None:
+    # The control: the same writes into an etcd that never compacts ("0" turns it off).
+    with harness.etcd(compaction_retention="0") as unbounded:
+        grown = await rewrite_for(unbounded, RUN_S)
+        control_revisions = revision(unbounded)
+    with harness.etcd(compaction_retention="2s") as compacting:
+        kept = await rewrite_for(compacting, RUN_S)
+        revisions = revision(compacting)
+        early = read_at_revision(compacting, 2)
+    # About 15,000 revisions in each run here (the rate varies with the host's load).
+    assert revisions > 3_000 and control_revisions > 3_000, "the agents wrote a long history"
+    assert "compacted" in early, f"the history is gone, not merely unread: {early}"
+    # Without compaction the database grows with the history (here 2.5 MB a second, 30 MB at the end);
+    # with it, it saws between compactions (7-10 MB here) and levels off: its peaks in the run's second
+    # half are within a quarter of what the control grew over the same half of what they were in the
+    # first, and it ends far below the control.
+    half = len(grown) // 2
+    control_growth = grown[-1] - grown[half]
+    assert control_growth > 1 << 20, f"the control did not grow: {grown}"
+    assert max(kept[half:]) - max(kept[:half]) < control_growth / 4, f"not bounded: {kept} against {grown}"
+    assert kept[-1] < grown[-1] / 2, f"compacted {kept[-1]} bytes against {grown[-1]} without"
