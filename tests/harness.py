@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PG_BIN = Path(os.environ.get("CASTOR_PG_BIN", "/usr/lib/postgresql/15/bin"))
 VENV_BIN = Path(sys.executable).parent
@@ -215,16 +216,22 @@ class Etcd:
         return etcd_db_bytes(self.endpoint)
 
 
-def etcd_db_bytes(endpoint: str) -> tuple[int, int | None]:
-    """etcd's database file size and the part of it in use (bytes; what compaction frees is reused, the
-    file itself shrinks only on a defrag)."""
+def etcd_status(endpoint: str) -> dict[str, Any]:
+    """`etcdctl endpoint status`: the revision (`header.revision`), the database's sizes, the leader."""
     found = subprocess.run(
         ["etcdctl", f"--endpoints={endpoint}", "endpoint", "status", "-w", "json"],
         check=True,
         capture_output=True,
         text=True,
     )
-    status = json.loads(found.stdout)[0]["Status"]
+    status: dict[str, Any] = json.loads(found.stdout)[0]["Status"]
+    return status
+
+
+def etcd_db_bytes(endpoint: str) -> tuple[int, int | None]:
+    """etcd's database file size and the part of it in use (bytes; what compaction frees is reused, the
+    file itself shrinks only on a defrag)."""
+    status = etcd_status(endpoint)
     return int(status["dbSize"]), status.get("dbSizeInUse")
 
 

@@ -60,13 +60,7 @@ async def rewrite_for(server: harness.Etcd, seconds: float) -> list[int]:
 
 
 def revision(server: harness.Etcd) -> int:
-    found = subprocess.run(
-        ["etcdctl", f"--endpoints={server.endpoint}", "endpoint", "status", "-w", "fields"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return int(next(line for line in found.stdout.splitlines() if '"Revision"' in line).split(":")[1])
+    return int(harness.etcd_status(server.endpoint)["header"]["revision"])
 
 
 def read_at_revision(server: harness.Etcd, at: int) -> str:
