@@ -31,7 +31,7 @@ from worker_lib.agent_ipc import (
     default_directory,
     manifest_meta,
 )
-from worker_lib.errors import CheckpointError, CheckpointNotFoundError
+from worker_lib.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from worker_lib.fences import (
     BUSY_WAIT_LIMIT_S,
     HOST_SNAPSHOT_BYTES,
@@ -395,7 +395,13 @@ class Checkpointer:
             with self._store.open_read(iteration) as (manifest, data):
                 # Verifies every stripe before copying it out (one pass over the bytes, see restore.py).
                 matched = self._matched(manifest, into)
-                decode = restore_state(manifest, data, into, self._engine, matched, self._restore_plans)
+                try:
+                    decode = restore_state(manifest, data, into, self._engine, matched, self._restore_plans)
+                except CheckpointCorruptError as exc:
+                    # Recorded with the slot: the machine's next inventory reports this copy as corrupt,
+                    # so the next recovery plan reads the iteration from another copy.
+                    self._store.condemn(manifest, str(exc))
+                    raise
         except CheckpointNotFoundError:
             if iteration is None:
                 return None

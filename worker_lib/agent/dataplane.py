@@ -24,6 +24,7 @@ Operations after the handshake:
 * get: fetch a checkpoint the server holds (its own or a replica), manifest first so the receiver verifies
   as it goes.
 * inventory: what the server holds (rank, iteration, tier, digest, verified).
+* check: verify one copy the server holds (a fetch of it failed its checksums); a corrupt one is condemned.
 
 Transfers run in threads with blocking sockets: sendall/recv_into on a memoryview of the shared-memory slot
 move bytes with no Python-level copy, and both release the GIL, as xxh3 hashing does.
@@ -357,6 +358,14 @@ class PeerConnection:
         receive_checkpoint(self.sock, manifest, destination)
         return manifest
 
+    def check(self, rank: int, iteration: int, digest: str) -> str | None:
+        """Ask the peer to verify the bytes of its copy of `rank`'s checkpoint (after a fetch of it failed
+        its checksums here: corrupt in the peer's memory, which condemns it there, or only in transit);
+        None when intact, else the problem."""
+        send_message(self.sock, {"op": "check", "rank": rank, "iteration": iteration, "digest": digest})
+        problem = _expect_ok(self.sock).get("problem")
+        return None if problem is None else str(problem)
+
     def inventory(self, verify: bool = False) -> list[dict[str, Any]]:
         send_message(self.sock, {"op": "inventory", "verify": verify})
         holdings: list[dict[str, Any]] = _expect_ok(self.sock)["holdings"]
@@ -661,6 +670,11 @@ class DataPlaneServer:
         elif op == "inventory":
             holdings = self.holdings.inventory(verify_checksums=bool(request.get("verify")))
             send_message(sock, {"ok": True, "holdings": [h.to_json() for h in holdings]})
+        elif op == "check":
+            problem = self.holdings.check_copy(
+                int(request["rank"]), int(request["iteration"]), str(request["digest"])
+            )
+            send_message(sock, {"ok": True, "problem": problem})
         else:
             send_message(sock, {"ok": False, "code": "unknown_op", "error": f"unknown operation {op!r}"})
 

@@ -14,7 +14,7 @@ import shutil
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,6 +35,7 @@ LOCAL_SLOTS = 4  # what the agent makes for each local rank (see local_slots)
 LOCAL_SLOTS_ENV = "CASTOR_LOCAL_SLOTS"
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
 _SLOT_FILE = re.compile(r"^slot-(\d+)\.bin$")
+OVERWRITTEN = "overwritten while being checked"  # not held any more: no problem of its bytes
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class Holding:
     digest: str
     data_bytes: int
     committed_at: float
-    verified: bool | None  # None: not checked this time
+    verified: bool | None  # None: not checked yet (the restore that reads it checks every stripe)
     generation: int = 1  # the recovery-plan generation whose training made it (from the manifest)
     problem: str | None = None
 
@@ -92,6 +93,10 @@ def rank_capacity(root: Path, ranks: int, configured: int | None = None, extra_s
     return (free + used) // max(1, slots)
 
 
+def _checked_key(tier: Tier, rank: int, iteration: int, digest: str) -> tuple[str, int, int, str]:
+    return (tier, rank, iteration, digest)
+
+
 def manifest_generation(manifest: Manifest) -> int:
     value = manifest.meta.get("generation", 1)
     return value if isinstance(value, int) and value >= 1 else 1
@@ -106,6 +111,8 @@ class Holdings:
         self._stores: dict[tuple[Tier, int], SlotStore] = {}
         self._lock = threading.Lock()
         self._engine: CopyEngine | None = None
+        # Copies whose bytes a check here found intact: (tier, rank, iteration, digest).
+        self._intact: set[tuple[str, int, int, str]] = set()
 
     def directory(self, tier: Tier, rank: int) -> Path:
         return self.root / ("local" if tier == "local" else "replicas") / f"rank-{rank}"
@@ -156,12 +163,19 @@ class Holdings:
             return None
         return committed[0] if committed else None
 
-    def has_local(self, rank: int, iteration: int, digest: str | None = None) -> bool:
-        """Whether `rank`'s own store holds a committed `iteration` (with content `digest`, when given)."""
-        return any(
-            m.iteration == iteration and (digest is None or m.digest == digest)
-            for m in self.local_store(rank).committed()
-        )
+    def local_copy_problem(self, rank: int, iteration: int, digest: str | None = None) -> str | None:
+        """Why `rank`'s own store cannot give its committed `iteration` (with content `digest`, when given)
+        to a restore: not held, or found corrupt; None when it can."""
+        store = self.local_store(rank)
+        for manifest in store.committed():
+            if manifest.iteration == iteration and (digest is None or manifest.digest == digest):
+                problem = store.condemned(manifest)
+                return (
+                    None
+                    if problem is None
+                    else f"rank {rank}'s iteration {iteration} here is corrupt: {problem}"
+                )
+        return f"rank {rank} no longer holds iteration {iteration} (digest {digest}) locally"
 
     @contextmanager
     def open_read(
@@ -173,54 +187,128 @@ class Holdings:
     ) -> Iterator[tuple[Manifest, memoryview]]:
         """A checkpoint of `rank` held here, locked for reading: the local copy first, then a replica
         (with no iteration given and tier "any": the newer of the two). With `digest`, only a copy with
-        that content counts (the same iteration number of another history does not)."""
+        that content counts (the same iteration number of another history does not). A copy found corrupt
+        is never opened: CheckpointCorruptError says why, when no other copy matched."""
         tiers: list[Tier] = ["local", "replica"] if tier == "any" else [tier]
         if iteration is None and tier == "any":
             newest = [(m.iteration, t) for t in tiers if (m := self.newest(t, rank)) is not None]
             tiers = [t for _, t in sorted(newest, key=lambda found: -found[0])] or tiers
+        condemned = None
         with ExitStack() as stack:
             for candidate in tiers:
                 if not self.directory(candidate, rank).is_dir():
                     continue
+                store = self._store(candidate, rank)
                 try:
-                    opened = stack.enter_context(self._store(candidate, rank).open_read(iteration))
+                    opened = stack.enter_context(store.open_read(iteration))
                 except CheckpointNotFoundError:
                     continue
-                if digest is None or opened[0].digest == digest:
+                wanted_copy = digest is None or opened[0].digest == digest
+                if wanted_copy and (condemned := store.condemned(opened[0])) is None:
                     break
-                stack.close()  # another history's checkpoint of that iteration: let it go, look further
+                stack.close()  # another history's checkpoint of that iteration, or a corrupt one: go on
             else:
                 wanted = "any checkpoint" if iteration is None else f"iteration {iteration}"
                 if digest is not None:
                     wanted += f" with digest {digest}"
+                if condemned is not None:
+                    raise CheckpointCorruptError(f"rank {rank}'s {wanted} here is corrupt: {condemned}")
                 raise CheckpointNotFoundError(f"this machine holds no {wanted} of rank {rank} ({tier})")
             yield opened
 
     def inventory(self, verify_checksums: bool = False) -> list[Holding]:
-        """Every committed checkpoint held here; with `verify_checksums`, each one's bytes are checked."""
+        """Every committed checkpoint held here. Without `verify_checksums` no byte is read, so a recovery's
+        report costs nothing however much is held: a copy counts as verified once a check here passed
+        (`check`, `check_unverified`), as corrupt once it was condemned, and as unknown (None) otherwise,
+        for the restore verifies every stripe it reads anyway and condemns a corrupt copy. With it, every
+        copy not yet known is checked now."""
         found = []
         tiers: tuple[Tier, ...] = ("local", "replica")
         for tier in tiers:
             for rank in self.ranks(tier):
+                store = self._store(tier, rank)
                 try:
-                    manifests = self._store(tier, rank).committed()
+                    manifests = store.committed()
                 except CheckpointError:
                     continue
-                found += [self._holding(tier, rank, manifest, verify_checksums) for manifest in manifests]
+                found += [
+                    self._holding(tier, rank, store, manifest, verify_checksums) for manifest in manifests
+                ]
+        with self._lock:  # forget the checks of checkpoints no longer held
+            self._intact.intersection_update(
+                _checked_key(h.tier, h.rank, h.iteration, h.digest) for h in found
+            )
         return found
 
-    def _holding(self, tier: Tier, rank: int, manifest: Manifest, check: bool) -> Holding:
-        verified: bool | None = None
-        problem = None
-        if check:
-            try:
-                with self._store(tier, rank).open_read(manifest.iteration) as (current, data):
-                    verify(current, data, self._copy_engine())
+    def check(self, tier: Tier, rank: int, manifest: Manifest) -> str | None:
+        """Verify the bytes of one committed checkpoint held here; None when intact (remembered), else the
+        problem. A corrupt one is condemned (SlotStore.condemn): no later inventory offers it again."""
+        store = self._store(tier, rank)
+        try:
+            with store.open_read(manifest.iteration) as (current, data):
+                if current.digest != manifest.digest:
+                    return OVERWRITTEN
+                verify(current, data, self._copy_engine())
+        except CheckpointNotFoundError:
+            return OVERWRITTEN
+        except CheckpointCorruptError as exc:
+            store.condemn(manifest, str(exc))
+            return str(exc)
+        except CheckpointError as exc:
+            return str(exc)
+        with self._lock:
+            self._intact.add(_checked_key(tier, rank, manifest.iteration, manifest.digest))
+        return None
+
+    def check_copy(self, rank: int, iteration: int, digest: str) -> str | None:
+        """`check` of the copy of `rank`'s `iteration` with content `digest`, whichever tier holds it."""
+        tiers: tuple[Tier, ...] = ("local", "replica")
+        for tier in tiers:
+            if not self.directory(tier, rank).is_dir():
+                continue
+            manifest = self._committed_manifest(tier, rank, iteration, digest)
+            if manifest is not None:
+                return self.check(tier, rank, manifest)
+        return f"this machine holds no iteration {iteration} of rank {rank} with digest {digest}"
+
+    def check_unverified(self, stop: threading.Event | None = None) -> list[Holding]:
+        """Check every copy not yet known to be intact or corrupt, newest iteration first (the copies a
+        recovery most likely reads), until `stop` is set; returns the copies found corrupt."""
+        unknown = sorted(
+            (h for h in self.inventory() if h.verified is None), key=lambda h: (-h.iteration, h.tier, h.rank)
+        )
+        corrupt = []
+        for holding in unknown:
+            if stop is not None and stop.is_set():
+                break
+            manifest = self._committed_manifest(holding.tier, holding.rank, holding.iteration, holding.digest)
+            problem = None if manifest is None else self.check(holding.tier, holding.rank, manifest)
+            if problem is not None and problem != OVERWRITTEN:
+                corrupt.append(replace(holding, verified=False, problem=problem))
+        return corrupt
+
+    def condemned(self, tier: Tier, rank: int, manifest: Manifest) -> str | None:
+        """Why this copy was found corrupt, None when it was not (see SlotStore.condemn)."""
+        return self._store(tier, rank).condemned(manifest)
+
+    def _committed_manifest(self, tier: Tier, rank: int, iteration: int, digest: str) -> Manifest | None:
+        try:
+            committed = self._store(tier, rank).committed()
+        except CheckpointError:
+            return None
+        return next((m for m in committed if m.iteration == iteration and m.digest == digest), None)
+
+    def _holding(self, tier: Tier, rank: int, store: SlotStore, manifest: Manifest, check: bool) -> Holding:
+        problem = store.condemned(manifest)
+        verified: bool | None = False if problem is not None else None
+        if verified is None:
+            with self._lock:
+                known = _checked_key(tier, rank, manifest.iteration, manifest.digest) in self._intact
+            if known:
                 verified = True
-            except CheckpointNotFoundError:
-                verified, problem = False, "overwritten while being checked"
-            except CheckpointError as exc:
-                verified, problem = False, str(exc)
+            elif check:
+                problem = self.check(tier, rank, manifest)
+                verified = problem is None
         return Holding(
             rank=rank,
             iteration=manifest.iteration,

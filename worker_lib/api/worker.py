@@ -322,7 +322,9 @@ class Holding(BaseModel):
     digest: Text = Field(max_length=64)
     data_bytes: ByteCount
     verified: StrictBool | None = Field(
-        description="The checksums of every stripe matched (None: not checked)."
+        description="True: a check on the machine found every stripe's checksum matching; False: found "
+        "corrupt (`problem` says how), never planned; None: not checked yet (planned like an intact copy: "
+        "its restore verifies every stripe)."
     )
     generation: int = Field(
         1, strict=True, ge=1, le=INT32_MAX, description="The plan generation whose training made it."

@@ -7,6 +7,11 @@ then commits by renaming `slot-<k>.json.tmp` over `slot-<k>.json`. A process kil
 leaves either the old manifest with its untouched data, or no manifest, or the new manifest with every byte
 written. Readers hold a shared flock on `slot-<k>.bin`, so nobody writes a slot that is being read.
 
+A committed checkpoint found corrupt (a restore, a peer's fetch or a background check failed its checksums)
+is condemned: `slot-<k>.corrupt` records its digest and the problem, so inventories report it as corrupt
+and no recovery plan chooses it again. The record names the checkpoint it condemns, and the next write of
+the slot removes it.
+
 The same class serves the training process (write its checkpoints, read one back) and the worker agent
 (stream the newest slot to peers, write a replica received from the network into its own store). A
 SlotStore object is used by one thread at a time; separate objects and processes coordinate through the
@@ -18,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import json
 import mmap
 import os
 import threading
@@ -64,6 +70,7 @@ class _Slot:
         self.index = index
         self.data_path = directory / f"slot-{index}.bin"
         self.manifest_path = directory / f"slot-{index}.json"
+        self.condemned_path = directory / f"slot-{index}.corrupt"
         self.fd: int | None = None
         self.mapping: mmap.mmap | None = None
         self.array: NDArray[np.uint8] = _EMPTY
@@ -287,6 +294,36 @@ class SlotStore:
             return None
         return None
 
+    def condemn(self, manifest: Manifest, problem: str) -> bool:
+        """Record that the committed checkpoint `manifest` failed its checksums (`problem` says how); False
+        when no slot holds it any more (overwritten: nothing to record)."""
+        record = json.dumps(
+            {"iteration": manifest.iteration, "digest": manifest.digest, "problem": problem[:2000]}
+        ).encode()
+        for slot in self._slots:
+            with suppress(CheckpointCorruptError):
+                if self._manifest(slot) == manifest:
+                    temporary = slot.condemned_path.with_name(f"{slot.condemned_path.name}.{os.getpid()}.tmp")
+                    temporary.write_bytes(record)
+                    os.replace(temporary, slot.condemned_path)
+                    return True
+        return False
+
+    def condemned(self, manifest: Manifest) -> str | None:
+        """Why the committed checkpoint `manifest` was condemned; None when it was not."""
+        for slot in self._slots:
+            try:
+                record = json.loads(slot.condemned_path.read_bytes())
+            except (FileNotFoundError, ValueError):
+                continue
+            if (
+                isinstance(record, dict)
+                and record.get("digest") == manifest.digest
+                and record.get("iteration") == manifest.iteration
+            ):
+                return str(record.get("problem") or "failed its checksums")
+        return None
+
     def _want(self) -> None:
         """Say (by the mtime of a marker file) that a writer is waiting for a slot readers hold."""
         self._wanting = True
@@ -327,8 +364,9 @@ class SlotStore:
         return manifest
 
     def _invalidate(self, slot: _Slot) -> None:
-        with suppress(FileNotFoundError):
-            os.unlink(slot.manifest_path)
+        for path in (slot.manifest_path, slot.condemned_path):
+            with suppress(FileNotFoundError):
+                os.unlink(path)
 
     def _lock_any(self, candidates: list[_Slot], on_busy: OnBusy) -> _Slot | None:
         for slot in candidates:

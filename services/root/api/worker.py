@@ -157,7 +157,8 @@ async def report_inventory(
         ),
     ] = None,
 ) -> Response:
-    """What this machine holds, checksums verified, for the recovery being planned (its own row only:
+    """What this machine holds (each copy checked, found corrupt, or not checked yet: agents report at once
+    and check in the background) for the recovery being planned (its own row only:
     nothing shared is locked, the job row is not read). An agent that then long-polls its directive asks
     for both in this one request (`wait`): in a recovery a thousand agents report at once, and a request
     fewer each is a thousand fewer for the root while the plan waits for the last report."""

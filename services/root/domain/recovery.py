@@ -6,8 +6,10 @@ Rules (GEMINI, Section 6, made exact):
 * Per rank, the fastest tier that has it: its own machine's memory (local), another live machine's
   memory (peer), the persistent tier. A whole lost placement group therefore sends every rank to the
   newest persisted checkpoint (ranks that still hold that iteration in memory read it from there).
-* Only copies that passed their checksum count, and only copies on the current timeline: a checkpoint made
-  before a rollback to an older iteration is a different history, even with the same iteration number.
+* Copies found corrupt never count; copies not checked yet do (the restore verifies every stripe it reads
+  and condemns a corrupt copy, so the next plan passes it over), a checked one preferred among peers. Only
+  copies on the current timeline count: a checkpoint made before a rollback to an older iteration is a
+  different history, even with the same iteration number.
 * Nothing restorable: start from scratch, and say so.
 """
 
@@ -30,7 +32,7 @@ class MemoryCopy:
     iteration: int
     machine: int
     digest: str
-    verified: bool
+    verified: bool | None  # None: not checked yet; False: found corrupt
     generation: int  # the plan generation whose training produced it
 
 
@@ -95,7 +97,7 @@ def plan_recovery(
     usable = [
         c
         for c in copies
-        if c.verified
+        if c.verified is not False
         and c.machine in live
         and 0 <= c.rank < world_size
         and on_timeline(c.iteration, c.generation, resumed_from)
@@ -146,7 +148,7 @@ def _sources_for(
             sources.append(Source(rank, "local", machine=home, digest=own.digest))
             continue
         if copies:
-            peer = min(copies, key=lambda c: (fetches_from[c.machine], c.machine))
+            peer = min(copies, key=lambda c: (c.verified is not True, fetches_from[c.machine], c.machine))
             fetches_from[peer.machine] += 1
             sources.append(Source(rank, "peer", machine=peer.machine, digest=peer.digest))
             continue

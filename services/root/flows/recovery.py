@@ -407,7 +407,7 @@ async def _decide(
                 iteration=int(h["iteration"]),
                 machine=m.rank,
                 digest=str(h["digest"]),
-                verified=bool(h.get("verified")),
+                verified=h.get("verified"),
                 generation=int(h.get("generation") or 1),
             )
             for m, h in holdings

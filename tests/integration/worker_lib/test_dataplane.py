@@ -5,6 +5,7 @@ its previous replica."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -338,3 +339,82 @@ def test_closing_the_holdings_stops_their_verification_threads(sender: Holdings)
     assert pool, "verification hashes on a pool of threads"
     sender.close()
     assert not any(t.is_alive() for t in pool)
+
+
+def flip_a_bit(directory: Path, iteration: int) -> None:
+    """One bit of the committed checkpoint `iteration` in `directory` flips in memory."""
+    (slot,) = [
+        p for p in directory.glob("slot-*.json") if json.loads(p.read_bytes())["iteration"] == iteration
+    ]
+    offset = json.loads(slot.read_bytes())["tensors"][0]["offset"]
+    with open(slot.with_suffix(".bin"), "r+b") as data:
+        data.seek(offset)
+        byte = data.read(1)[0]
+        data.seek(offset)
+        data.write(bytes([byte ^ 0x01]))
+
+
+def test_a_copy_corrupt_in_memory_is_checked_on_complaint_condemned_and_never_served_again(
+    sender: Holdings, receiver: DataPlaneServer, shm: Path
+) -> None:
+    key = data_plane_key(TOKEN)
+    for iteration in (1, 2):
+        with (
+            sender.open_read(0, iteration) as (manifest, data),
+            PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer,
+        ):
+            peer.put(0, manifest, data)
+    flip_a_bit(receiver.holdings.directory("replica", 0), 2)
+    # A recovery's inventory reads no byte: the damage is not known yet.
+    assert [(h.iteration, h.verified) for h in receiver.holdings.inventory()] == [(2, None), (1, None)]
+    # The replacement's fetch finds it, stripe by stripe, and commits nothing.
+    fresh = SlotStore(shm / "replacement" / "local" / "rank-0")
+    with (
+        PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer,
+        pytest.raises(DataPlaneError) as failed,
+    ):
+        peer.get(0, fresh, iteration=2, digest=manifest.digest)
+    assert failed.value.code == "checksum_mismatch" and fresh.committed() == []
+    # Asked, the holder checks its copy: corrupt in its memory, so it condemns it there.
+    with PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer:
+        assert "checksum" in (peer.check(0, 2, manifest.digest) or "")
+        assert peer.check(0, 2, "no-such-digest") == (
+            "this machine holds no iteration 2 of rank 0 with digest no-such-digest"
+        )
+    held, older = receiver.holdings.inventory()
+    assert (
+        (held.iteration, older.verified) == (2, None)
+        and held.verified is False
+        and held.problem
+        and "stripe" in held.problem
+    )
+    # Never served again: refused before a byte is sent.
+    with (
+        PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer,
+        pytest.raises(DataPlaneError) as refused,
+    ):
+        peer.get(0, fresh, iteration=2, digest=manifest.digest)
+    assert refused.value.code == "unreadable" and "corrupt" in str(refused.value)
+    # An intact copy checked on complaint (damaged only in transit) is remembered as verified.
+    with PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer:
+        assert peer.check(0, 1, older.digest) is None
+    assert [h.verified for h in receiver.holdings.inventory()] == [False, True]
+    fresh.close()
+
+
+def test_background_checks_go_newest_first_and_stop_when_asked(sender: Holdings) -> None:
+    flip_a_bit(sender.directory("local", 0), 1)
+    stop = threading.Event()
+    stop.set()
+    assert sender.check_unverified(stop) == [], "asked to stop before the first copy: nothing checked"
+    assert [h.verified for h in sender.inventory()] == [None, None]
+    (corrupt,) = sender.check_unverified()
+    assert (corrupt.iteration, corrupt.verified) == (1, False) and "stripe" in (corrupt.problem or "")
+    # Both results are kept: the intact copy is reported verified, the corrupt one condemned.
+    assert {h.iteration: h.verified for h in sender.inventory()} == {2: True, 1: False}
+    assert sender.local_copy_problem(0, 2) is None
+    assert "iteration 1 here is corrupt: checkpoint of iteration 1 is corrupt" in (
+        sender.local_copy_problem(0, 1) or ""
+    )
+    assert sender.local_copy_problem(0, 3) == "rank 0 no longer holds iteration 3 (digest None) locally"
+    assert sender.check_unverified() == [], "nothing left to check"

@@ -7,7 +7,9 @@ import pytest
 from services.root.domain.recovery import MemoryCopy, PersistedShard, on_timeline, plan_recovery
 
 
-def mem(rank: int, iteration: int, machine: int, *, verified: bool = True, generation: int = 1) -> MemoryCopy:
+def mem(
+    rank: int, iteration: int, machine: int, *, verified: bool | None = True, generation: int = 1
+) -> MemoryCopy:
     return MemoryCopy(rank, iteration, machine, f"d{rank}-{iteration}", verified, generation)
 
 
@@ -140,6 +142,19 @@ def test_peer_fetches_spread_over_holders_and_name_a_live_machine() -> None:
     peers = [s for s in decision.sources if s.tier == "peer"]
     assert [s.rank for s in peers] == [0, 1]
     assert {s.machine for s in peers} == {1, 2}, "two fetches, two different holders"
+
+
+def test_copies_not_checked_yet_count_and_a_checked_peer_is_preferred() -> None:
+    # Inventories report without hashing: an unchecked copy (None) is planned like an intact one (the
+    # restore verifies it), a corrupt one (False) never is, and among peers a checked copy goes first.
+    unchecked = [mem(r, 9, r, verified=None) for r in range(4)]
+    decision = plan(copies=unchecked)
+    assert decision.iteration == 9 and [s.tier for s in decision.sources] == ["local"] * 4
+    replicas = [mem(0, 9, 1, verified=None), mem(0, 9, 2, verified=True), mem(0, 9, 3, verified=False)]
+    decision = plan(copies=unchecked[1:] + replicas)
+    assert (decision.sources[0].tier, decision.sources[0].machine) == ("peer", 2)
+    only_corrupt = [*unchecked[1:], mem(0, 9, 0, verified=False), mem(0, 9, 3, verified=False)]
+    assert plan(copies=only_corrupt).iteration is None
 
 
 def test_copies_on_dead_machines_are_ignored() -> None:

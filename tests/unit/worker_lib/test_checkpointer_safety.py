@@ -174,6 +174,13 @@ def test_a_corrupt_byte_is_detected_named_and_never_loaded(shm_dir: Path) -> Non
             checkpointer.restore()
         older = checkpointer.restore(iteration=2)  # the control plane may choose it explicitly
     assert older is not None and older.iteration == 2
+    # The failed restore condemned the copy where it lies: the machine's next inventory reports it
+    # corrupt (so no plan chooses it again).
+    store = SlotStore(shm_dir)
+    corrupt, intact = store.committed()
+    assert corrupt.iteration == 3 and "state['head']" in (store.condemned(corrupt) or "")
+    assert store.condemned(intact) is None
+    store.close()
 
 
 def test_once_a_stripe_is_found_corrupt_nothing_more_is_copied(shm_dir: Path) -> None:

@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -282,3 +283,24 @@ def test_mapping_gives_the_slots_shared_memory_and_changes_when_the_slot_grows(s
     assert store.mapping(grown.slot)[1] >= 10 * length
     grown.abort()
     store.close()
+
+
+def test_a_condemned_checkpoint_stays_condemned_until_its_slot_is_written(
+    shm_dir: Path, engine: CopyEngine
+) -> None:
+    store = SlotStore(shm_dir, slots=3)
+    first, second = (write_raw(store, it, bytes([it]) * 100, engine) for it in (1, 2))
+    assert store.condemn(second, "stripe 0: checksum mismatch")
+    assert store.condemned(second) == "stripe 0: checksum mismatch"
+    assert store.condemned(first) is None
+    # Another process (the agent) reads the record; the same iteration with other bytes is not condemned.
+    other = SlotStore(shm_dir, slots=3)
+    assert other.condemned(second) == "stripe 0: checksum mismatch"
+    assert other.condemned(replace(second, digest="another history")) is None
+    # Rolled back to 1: writing iteration 2 again reuses the condemned slot and drops its record.
+    third = write_raw(store, 2, b"\x07" * 100, engine)
+    assert store.condemned(third) is None and not list(shm_dir.glob("slot-*.corrupt"))
+    # A checkpoint no slot holds any more cannot be condemned.
+    assert not store.condemn(second, "gone")
+    store.close()
+    other.close()
