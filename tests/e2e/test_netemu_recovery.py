@@ -105,8 +105,8 @@ def test_machine_loss_and_partitions_on_1_gbit_links(net_cluster: NetCluster, tm
     new = settled(cluster, known)
     assert {e["kind"] for e in new} == {"software"}, new
     assert all(set(e["details"]["tiers"].values()) == {"local"} for e in new if e["details"].get("tiers"))
-    # The recovery counted no replica cut off mid-transfer: none of the inventoried copies failed its
-    # checksum, and the plan restores every rank from its own memory.
+    # The recovery counted no replica cut off mid-transfer: no copy was found corrupt (by the agents'
+    # background checks or a restore), and the plan restores every rank from its own memory.
     assert not [c for e in new for c in e["details"].get("corrupt", [])], new
     plan = cluster.api("GET", f"/api/v1/jobs/{cluster.job['id']}/recovery-plans")[0]
     assert {s["tier"] for s in plan["sources"]} == {"local"}, plan

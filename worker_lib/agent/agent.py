@@ -15,6 +15,7 @@ import contextlib
 import logging
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Coroutine
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from worker_lib.agent.address import default_address
-from worker_lib.agent.dataplane import fetch
+from worker_lib.agent.dataplane import DataPlaneError, PeerConnection, fetch
 from worker_lib.agent.heartbeat import REPLACED_CODES, Replaced
 from worker_lib.agent.holdings import Holdings
 from worker_lib.agent.launcher import LaunchSpec, ProcessExit, WorkerGroup
@@ -156,6 +157,8 @@ class Agent:
         # the next directive long poll (_report_inventory): the watcher takes its answer instead of polling.
         self._directive_revision = -1
         self._inventory_answer: asyncio.Task[DirectiveOut | None] | None = None
+        # Set to stop the background check of the copies held here (_check_holdings).
+        self._checks_stop: threading.Event | None = None
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -195,6 +198,7 @@ class Agent:
                     return 1
                 return self.done.result()
             finally:
+                self._stop_checks()
                 stopping: list[asyncio.Task[Any]] = [*tasks]
                 if self._inventory_answer is not None:
                     stopping.append(self._inventory_answer)  # a report still waiting for its answer
@@ -315,6 +319,7 @@ class Agent:
             case ReportProgress(generation=generation, event=event, details=details):
                 await self._progress(generation, event, details)
             case Restore(generation=generation, iteration=iteration, directive=directive):
+                self._stop_checks()  # the restore verifies what it reads; leave it the memory bandwidth
                 try:
                     restored = await self._restore(directive)
                 except Exception as exc:
@@ -410,7 +415,10 @@ class Agent:
     # -- the actions' work ---------------------------------------------------------------------------------
 
     async def _report_inventory(self, generation: int) -> None:
-        holdings = await asyncio.to_thread(self.machine.holdings.inventory, True)
+        # Reported at once, no byte read (a machine may hold hundreds of GB: hashing it all would put
+        # minutes on every recovery's critical path); the copies are checked in the background meanwhile,
+        # and whichever copy the plan chooses is verified stripe by stripe as it is restored.
+        holdings = await asyncio.to_thread(self.machine.holdings.inventory)
         body = {
             "instance_id": self.config.instance_id,
             "generation": generation,
@@ -422,6 +430,40 @@ class Agent:
         # instead of two is a thousand fewer for the root at 1,000 machines while the plan waits for the
         # last report.
         self._inventory_answer = asyncio.create_task(self._send_inventory(generation, body))
+        self._stop_checks()
+        self._checks_stop = threading.Event()
+        self._in_background(self._check_holdings(generation, body, self._checks_stop))
+
+    async def _check_holdings(self, generation: int, body: dict[str, Any], stop: threading.Event) -> None:
+        """Verify the copies the report could not vouch for, newest first, until the plan arrives (Restore
+        sets `stop`: then the restore is the check). Copies found corrupt are condemned where they lie and
+        the inventory reported again, so a plan not yet made passes them over (one already made sees
+        them fail their restore, and the next plan passes them over)."""
+        holdings = self.machine.holdings
+        try:
+            corrupt = await asyncio.to_thread(holdings.check_unverified, stop)
+        except Exception as exc:  # e.g. the agent closed its holdings while stopping: the restore checks
+            log.warning("the background check of the checkpoints held here stopped: %r", exc)
+            return
+        if not corrupt or stop.is_set():
+            return
+        for found in corrupt:
+            log.warning(
+                "rank %d's checkpoint of iteration %d (%s) is corrupt: %s",
+                found.rank,
+                found.iteration,
+                found.tier,
+                found.problem,
+            )
+        again = {**body, "holdings": [h.to_json() for h in await asyncio.to_thread(holdings.inventory)]}
+        try:
+            await self.client.report_inventory(self.machine.machine_rank, again)
+        except RootError as exc:
+            log.error("could not report the inventory of generation %d again: %s", generation, exc)
+
+    def _stop_checks(self) -> None:
+        if self._checks_stop is not None:
+            self._checks_stop.set()
 
     async def _send_inventory(self, generation: int, body: dict[str, Any]) -> DirectiveOut | None:
         try:
@@ -449,10 +491,8 @@ class Agent:
             holdings = self.machine.holdings
             if source.tier == "local":
                 # The plan's digest too: the same iteration number of another history is not this one.
-                if not holdings.has_local(rank, iteration, source.digest):
-                    raise CheckpointNotFoundError(
-                        f"rank {rank} no longer holds iteration {iteration} (digest {source.digest}) locally"
-                    )
+                if (problem := holdings.local_copy_problem(rank, iteration, source.digest)) is not None:
+                    raise CheckpointNotFoundError(problem)
             elif source.tier == "peer":
                 await asyncio.to_thread(self._fetch_from_peer, rank, iteration, source)
             else:
@@ -472,17 +512,38 @@ class Agent:
         if source.address is None or source.data_port is None:
             raise CheckpointNotFoundError(f"the plan names no data plane to fetch rank {rank} from")
         # Tried again on a new connection when the transport failed (a handshake the peer dropped: slow).
-        fetch(
-            source.address,
-            source.data_port,
-            self.machine.key,
-            self.config.job_id,
-            rank,
-            self.machine.holdings.local_store(rank),
-            iteration,
-            digest=source.digest,
-            max_bytes=self.machine.capacity,
-        )
+        try:
+            fetch(
+                source.address,
+                source.data_port,
+                self.machine.key,
+                self.config.job_id,
+                rank,
+                self.machine.holdings.local_store(rank),
+                iteration,
+                digest=source.digest,
+                max_bytes=self.machine.capacity,
+            )
+        except DataPlaneError as exc:
+            if exc.code != "checksum_mismatch" or source.digest is None:
+                raise
+            # Corrupt in the source's memory or only on the way? The source checks its copy and, if
+            # corrupt, condemns it: the next plan fetches this rank elsewhere instead of failing again.
+            try:
+                with PeerConnection(
+                    source.address, source.data_port, self.machine.key, self.config.job_id
+                ) as peer:
+                    problem = peer.check(rank, iteration, source.digest)
+            except (DataPlaneError, OSError) as check_failed:
+                raise DataPlaneError(
+                    f"{exc}; the source could not check its copy: {check_failed}", exc.code
+                ) from exc
+            verdict = (
+                "intact at the source (damaged in transit)"
+                if problem is None
+                else f"corrupt at the source: {problem}"
+            )
+            raise DataPlaneError(f"{exc}; {verdict}", exc.code) from exc
 
     def _on_commit(self, rank: int, iteration: int) -> None:
         """A local rank committed a checkpoint (the machine services' notify socket)."""
