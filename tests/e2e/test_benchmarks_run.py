@@ -46,6 +46,7 @@ def run_benchmark(script: str) -> Any:
     [
         ("replication.py", {"raw_socket_gbps", "replicate_gbps", "peer_fetch_gbps", "training_slowdown_pct"}),
         ("recovery.py", {"software", "etcd_detect_s"}),
+        ("inventory.py", {"report_s", "hashed_report_s", "background_check_s", "held_gib"}),
         ("agent_cost.py", {"agent_cpu_s_per_iteration", "save_blocked_ms", "training_cpu_s_per_iteration"}),
         ("pages.py", {"job_page_ms", "metrics_ms", "job_api_ms", "leader_machines_ms", "leader_progress_ms"}),
         ("http_stack.py", {"asyncio_h11_directive_cpu_us", "uvloop_httptools_directive_cpu_us"}),
