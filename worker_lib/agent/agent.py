@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from worker_lib.agent.address import default_address
-from worker_lib.agent.dataplane import DataPlaneError, PeerConnection, fetch
+from worker_lib.agent.dataplane import fetch
 from worker_lib.agent.heartbeat import REPLACED_CODES, Replaced
 from worker_lib.agent.holdings import Holdings
 from worker_lib.agent.launcher import LaunchSpec, ProcessExit, WorkerGroup
@@ -512,38 +512,17 @@ class Agent:
         if source.address is None or source.data_port is None:
             raise CheckpointNotFoundError(f"the plan names no data plane to fetch rank {rank} from")
         # Tried again on a new connection when the transport failed (a handshake the peer dropped: slow).
-        try:
-            fetch(
-                source.address,
-                source.data_port,
-                self.machine.key,
-                self.config.job_id,
-                rank,
-                self.machine.holdings.local_store(rank),
-                iteration,
-                digest=source.digest,
-                max_bytes=self.machine.capacity,
-            )
-        except DataPlaneError as exc:
-            if exc.code != "checksum_mismatch" or source.digest is None:
-                raise
-            # Corrupt in the source's memory or only on the way? The source checks its copy and, if
-            # corrupt, condemns it: the next plan fetches this rank elsewhere instead of failing again.
-            try:
-                with PeerConnection(
-                    source.address, source.data_port, self.machine.key, self.config.job_id
-                ) as peer:
-                    problem = peer.check(rank, iteration, source.digest)
-            except (DataPlaneError, OSError) as check_failed:
-                raise DataPlaneError(
-                    f"{exc}; the source could not check its copy: {check_failed}", exc.code
-                ) from exc
-            verdict = (
-                "intact at the source (damaged in transit)"
-                if problem is None
-                else f"corrupt at the source: {problem}"
-            )
-            raise DataPlaneError(f"{exc}; {verdict}", exc.code) from exc
+        fetch(
+            source.address,
+            source.data_port,
+            self.machine.key,
+            self.config.job_id,
+            rank,
+            self.machine.holdings.local_store(rank),
+            iteration,
+            digest=source.digest,
+            max_bytes=self.machine.capacity,
+        )
 
     def _on_commit(self, rank: int, iteration: int) -> None:
         """A local rank committed a checkpoint (the machine services' notify socket)."""

@@ -358,7 +358,7 @@ class PeerConnection:
         receive_checkpoint(self.sock, manifest, destination)
         return manifest
 
-    def check(self, rank: int, iteration: int, digest: str) -> str | None:
+    def check(self, rank: int, iteration: int | None, digest: str) -> str | None:
         """Ask the peer to verify the bytes of its copy of `rank`'s checkpoint (after a fetch of it failed
         its checksums here: corrupt in the peer's memory, which condemns it there, or only in transit);
         None when intact, else the problem."""
@@ -400,12 +400,17 @@ def fetch(
     on_retry: Callable[[Exception], None] = lambda exc: None,
 ) -> Manifest:
     """`PeerConnection(...).get(...)` (see there), on a new connection up to `attempts` times in all while the
-    transport fails as described at FETCH_ATTEMPTS; `on_retry(exc)` hears of each failure tried again."""
+    transport fails as described at FETCH_ATTEMPTS; `on_retry(exc)` hears of each failure tried again.
+    A checkpoint that fails its checksums here is not fetched again: the peer is asked to check its copy
+    (corrupt in its memory, which condemns it there so that no plan names it again, or only on the way),
+    and the error says which."""
     for attempt in range(1, attempts + 1):
         try:
             with PeerConnection(address, port, key, job_id) as peer:
                 return peer.get(rank, destination, iteration, tier, digest=digest, max_bytes=max_bytes)
         except (DataPlaneError, ConnectionResetError, ConnectionAbortedError, BrokenPipeError) as exc:
+            if isinstance(exc, DataPlaneError) and exc.code == "checksum_mismatch" and digest is not None:
+                raise _with_source_verdict(exc, address, port, key, job_id, rank, iteration, digest) from exc
             transient = not isinstance(exc, DataPlaneError) or (
                 exc.code in _FETCH_RETRY_CODES and not isinstance(exc, AuthenticationFailed)
             )
@@ -424,6 +429,28 @@ def fetch(
             on_retry(exc)
             time.sleep(retry_delay_s * attempt)
     raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _with_source_verdict(
+    failed: DataPlaneError,
+    address: str,
+    port: int,
+    key: bytes,
+    job_id: str,
+    rank: int,
+    iteration: int | None,
+    digest: str,
+) -> DataPlaneError:
+    """`failed` (a fetch that failed its checksums), with what the source found checking its own copy."""
+    try:
+        with PeerConnection(address, port, key, job_id) as peer:
+            problem = peer.check(rank, iteration, digest)
+    except (DataPlaneError, OSError) as exc:
+        return DataPlaneError(f"{failed}; the source could not check its copy: {exc}", failed.code)
+    verdict = (
+        "intact at the source: damaged on the way" if problem is None else f"corrupt at the source: {problem}"
+    )
+    return DataPlaneError(f"{failed}; {verdict}", failed.code)
 
 
 def receive_checkpoint(sock: socket.socket, manifest: Manifest, destination: SlotStore) -> None:
@@ -671,8 +698,9 @@ class DataPlaneServer:
             holdings = self.holdings.inventory(verify_checksums=bool(request.get("verify")))
             send_message(sock, {"ok": True, "holdings": [h.to_json() for h in holdings]})
         elif op == "check":
+            iteration = request.get("iteration")
             problem = self.holdings.check_copy(
-                int(request["rank"]), int(request["iteration"]), str(request["digest"])
+                int(request["rank"]), None if iteration is None else int(iteration), str(request["digest"])
             )
             send_message(sock, {"ok": True, "problem": problem})
         else:

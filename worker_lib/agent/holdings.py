@@ -260,8 +260,9 @@ class Holdings:
             self._intact.add(_checked_key(tier, rank, manifest.iteration, manifest.digest))
         return None
 
-    def check_copy(self, rank: int, iteration: int, digest: str) -> str | None:
-        """`check` of the copy of `rank`'s `iteration` with content `digest`, whichever tier holds it."""
+    def check_copy(self, rank: int, iteration: int | None, digest: str) -> str | None:
+        """`check` of the copy of `rank`'s `iteration` (any, when None) with content `digest`, whichever
+        tier holds it."""
         tiers: tuple[Tier, ...] = ("local", "replica")
         for tier in tiers:
             if not self.directory(tier, rank).is_dir():
@@ -269,7 +270,8 @@ class Holdings:
             manifest = self._committed_manifest(tier, rank, iteration, digest)
             if manifest is not None:
                 return self.check(tier, rank, manifest)
-        return f"this machine holds no iteration {iteration} of rank {rank} with digest {digest}"
+        what = "checkpoint" if iteration is None else f"iteration {iteration}"
+        return f"this machine holds no {what} of rank {rank} with digest {digest}"
 
     def check_unverified(self, stop: threading.Event | None = None) -> list[Holding]:
         """Check every copy not yet known to be intact or corrupt, newest iteration first (the copies a
@@ -291,12 +293,14 @@ class Holdings:
         """Why this copy was found corrupt, None when it was not (see SlotStore.condemn)."""
         return self._store(tier, rank).condemned(manifest)
 
-    def _committed_manifest(self, tier: Tier, rank: int, iteration: int, digest: str) -> Manifest | None:
+    def _committed_manifest(
+        self, tier: Tier, rank: int, iteration: int | None, digest: str
+    ) -> Manifest | None:
         try:
             committed = self._store(tier, rank).committed()
         except CheckpointError:
             return None
-        return next((m for m in committed if m.iteration == iteration and m.digest == digest), None)
+        return next((m for m in committed if iteration in (None, m.iteration) and m.digest == digest), None)
 
     def _holding(self, tier: Tier, rank: int, store: SlotStore, manifest: Manifest, check: bool) -> Holding:
         problem = store.condemned(manifest)

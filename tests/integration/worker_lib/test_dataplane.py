@@ -30,6 +30,7 @@ from worker_lib.agent.dataplane import (
     _server_handshake,
     _signed_manifest,
     data_plane_key,
+    fetch,
     recv_message,
     send_message,
 )
@@ -367,17 +368,15 @@ def test_a_copy_corrupt_in_memory_is_checked_on_complaint_condemned_and_never_se
     flip_a_bit(receiver.holdings.directory("replica", 0), 2)
     # A recovery's inventory reads no byte: the damage is not known yet.
     assert [(h.iteration, h.verified) for h in receiver.holdings.inventory()] == [(2, None), (1, None)]
-    # The replacement's fetch finds it, stripe by stripe, and commits nothing.
+    # The replacement's fetch finds it, stripe by stripe, commits nothing, and asks the holder to check its
+    # copy: corrupt in the holder's memory (not only on the way), so the holder condemns it there.
     fresh = SlotStore(shm / "replacement" / "local" / "rank-0")
-    with (
-        PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer,
-        pytest.raises(DataPlaneError) as failed,
-    ):
-        peer.get(0, fresh, iteration=2, digest=manifest.digest)
+    with pytest.raises(DataPlaneError) as failed:
+        fetch("127.0.0.1", receiver.port, key, JOB, 0, fresh, 2, digest=manifest.digest)
     assert failed.value.code == "checksum_mismatch" and fresh.committed() == []
-    # Asked, the holder checks its copy: corrupt in its memory, so it condemns it there.
+    assert "; corrupt at the source: checkpoint of iteration 2 is corrupt" in str(failed.value)
     with PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer:
-        assert "checksum" in (peer.check(0, 2, manifest.digest) or "")
+        assert "stripe" in (peer.check(0, 2, manifest.digest) or "")
         assert peer.check(0, 2, "no-such-digest") == (
             "this machine holds no iteration 2 of rank 0 with digest no-such-digest"
         )
