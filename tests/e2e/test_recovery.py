@@ -22,6 +22,7 @@ from tests.e2e.recovery_checks import (
     replicated_iteration,
     wait_for_iteration,
 )
+from worker_lib.agent.agent import NO_BACKGROUND_CHECK_ENV
 from worker_lib.agent.holdings import Holdings
 
 pytestmark = pytest.mark.slow
@@ -119,10 +120,13 @@ def test_loss_of_a_whole_group_restores_its_ranks_from_the_persistent_tier(
     assert {tiers["0"], tiers["1"]} <= {"local", "persistent"}, tiers
 
 
+@pytest.mark.parametrize("found_by", ["background check", "restore"])
 def test_corrupted_memory_checkpoint_falls_back_to_the_next_tier(
-    cluster: LocalCluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, found_by: str
 ) -> None:
     logs = tmp_path / "logs"
+    if found_by == "restore":  # the agents (started by the root) inherit it: the plan names the copy
+        monkeypatch.setenv(NO_BACKGROUND_CHECK_ENV, "1")
     cluster.start_root()
     start_job(cluster, logs, machines=2)
     kill_training_process(logs, rank=1, signum=signal.SIGSTOP)  # frozen: it commits nothing more
@@ -139,15 +143,21 @@ def test_corrupted_memory_checkpoint_falls_back_to_the_next_tier(
     kill_training_process(logs, rank=1)
     reached = newest_iteration(logs)
 
-    # The inventories report without reading a byte. Either the agent's background check finds the damage
-    # before the plan is made, or the plan names the local copy and its restore finds it (the agent, or
-    # the training process stripe by stripe): the copy is condemned where it lies, and the next plan takes
-    # the peer's replica. Either way no corrupt byte is loaded, and the same iteration resumes.
+    # The inventories report without reading a byte. The agent's background check finds the damage before
+    # the plan is made (with it on, what happened in every run here, though it is a race), or the plan names
+    # the local copy and the training process's restore finds it, stripe by stripe: the copy is condemned
+    # where it lies, and the (next) plan takes the peer's replica. Either way no corrupt byte is loaded, and
+    # the same iteration resumes.
     def passed_over() -> dict[str, Any] | None:
         events = cluster.failures()
         return next((e for e in events if e["state"] == "recovered" and e["details"].get("corrupt")), None)
 
     event = wait_until(passed_over, 120, "a recovery that passed the corrupt copy over", 0.25)
+    if found_by == "restore":
+        # The plan named the corrupt copy; the training process's restore found it before loading a byte
+        # of it, failed (a failure of its own), and the next plan read the rank from the peer.
+        causes = [e["cause"] for e in cluster.failures()]
+        assert any("exited with code 1: CheckpointCorruptError" in c for c in causes), causes
     check_event(event, kind=event["kind"], tier="peer")
     assert event["details"]["tiers"] == {"0": "local", "1": "peer"}
     corrupt = event["details"]["corrupt"]
