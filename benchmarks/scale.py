@@ -362,7 +362,7 @@ class SimulatedMachine:
                         "tier": "local" if machine == self.rank else "replica",
                         "digest": f"{rank:08x}{iteration:08x}",
                         "data_bytes": 1 << 20,
-                        "verified": True,
+                        "verified": None,  # as agents report: not checked yet (the restore checks)
                         "generation": self.trained,
                     }
                 )
