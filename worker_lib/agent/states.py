@@ -11,7 +11,8 @@ The states, as the root's directives drive them (the README's Recovery section h
 
     REGISTERING -> IDLE                       registered, warm spares started; nothing trains yet
     IDLE/...    -> COLLECTING                 a recovery (directive `collecting`, a new generation): stop
-                                              training, pause replication, report the verified inventory
+                                              training, pause replication, report the inventory (checked
+                                              in the background until the plan comes)
     ...         -> RESTORING                  a plan (`ready`, a new generation): stop training, bring the
                                               plan's iteration into every local rank's store
     RESTORING   -> RESUMING | RESTORE_FAILED  started the processes from it (reported `restored`), or a
