@@ -289,10 +289,6 @@ class Holdings:
                 corrupt.append(replace(holding, verified=False, problem=problem))
         return corrupt
 
-    def condemned(self, tier: Tier, rank: int, manifest: Manifest) -> str | None:
-        """Why this copy was found corrupt, None when it was not (see SlotStore.condemn)."""
-        return self._store(tier, rank).condemned(manifest)
-
     def _committed_manifest(
         self, tier: Tier, rank: int, iteration: int | None, digest: str
     ) -> Manifest | None:
