@@ -565,6 +565,10 @@ class DataPlaneServer:
         # they read from and write into.
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._connections_lock = threading.Lock()
+        # Every connection thread not known to have ended: one that leaves its connection as stop() begins
+        # (it saw the closing flag) is out of `_connections` before it has returned, and stop() waits for
+        # it too.
+        self._threads: set[threading.Thread] = set()
 
     def start(self) -> DataPlaneServer:
         self._thread.start()
@@ -577,13 +581,14 @@ class DataPlaneServer:
         self._listener.close()
         self._thread.join(timeout=5)
         with self._connections_lock:
-            connections = dict(self._connections)
+            connections, threads = list(self._connections), list(self._threads)
         for sock in connections:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
         deadline = time.monotonic() + 5
-        for thread in connections.values():
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        for thread in threads:
+            if thread.ident is not None:  # started (the accept loop starts each right after listing it)
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _count_auth_failure(self) -> None:
         self.counters.auth_failures += 1
@@ -618,6 +623,8 @@ class DataPlaneServer:
                     continue
                 self._unauthenticated += 1
                 self._connections[sock] = thread
+                self._threads = {t for t in self._threads if t.is_alive()}
+                self._threads.add(thread)
             thread.start()
 
     def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
