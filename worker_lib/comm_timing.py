@@ -14,10 +14,11 @@ start to the end that 3/4 of the window's iterations stopped by: a quantile, not
 Publishing is a small file in the rank's shared-memory directory ($CASTOR_SHM_DIR, next to its checkpoint
 slots), mapped by both sides: the agent that already reads this rank's checkpoints from that directory reads
 the board too (worker_lib/agent/replication.py). Besides the profile, the board carries the latest
-iteration's start (CLOCK_MONOTONIC, the same clock in every process of the machine) and how many of
+iteration's start (CLOCK_MONOTONIC, the same clock in every process of the machine), how many of
 training's collectives are in flight right now, so the sender also holds back a chunk while training is
-actually communicating. Writes take microseconds (a seqlock over a few stores into the mapping), no system
-call, so the hooks cost training nothing measurable.
+actually communicating, and since when the wire has been quiet after an iteration's last collective (its
+count reached the profile's), the anchor of the profile's `gap`. Writes take microseconds (a seqlock over
+a few stores into the mapping), no system call, so the hooks cost training nothing measurable.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from typing import Any
 from worker_lib.interleave import CommProfile, IterationComm, profile
 
 BOARD_FILE = "comm-timing"
-MAGIC = b"CCT1"
+MAGIC = b"CCT2"
 MAX_SPANS = 64
-# magic, seq, iteration start, in flight, iterations seen, period, profiled at, span count, spans
-_HEAD = struct.Struct("<4sQdqqddq")
+# magic, seq, iteration start, in flight, iterations seen, period, profiled at, span count, quiet since,
+# the profile's collectives and gap; then the spans
+_HEAD = struct.Struct("<4sQdqqddqdqd")
 _SPAN = struct.Struct("<dd")
 SIZE = _HEAD.size + MAX_SPANS * _SPAN.size
 
@@ -50,6 +52,9 @@ class BoardState:
     iterations: int  # iterations seen
     profile: CommProfile | None
     profiled_at: float  # time.monotonic() of the profile's publication
+    # time.monotonic() the latest iteration's collectives all ended (as many as the profile's); 0 while
+    # some are still to come or on the wire
+    quiet_since: float = 0.0
 
 
 class CommBoard:
@@ -62,7 +67,7 @@ class CommBoard:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             temporary = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
             with open(temporary, "wb") as f:
-                f.write(_HEAD.pack(MAGIC, 0, 0.0, 0, 0, 0.0, 0.0, 0).ljust(SIZE, b"\0"))
+                f.write(_HEAD.pack(MAGIC, 0, 0.0, 0, 0, 0.0, 0.0, 0, 0.0, 0, 0.0).ljust(SIZE, b"\0"))
             os.replace(temporary, self.path)  # a reader never maps a half-written file
         with open(self.path, "r+b" if create else "rb") as f:
             self._map = mmap.mmap(f.fileno(), SIZE, access=mmap.ACCESS_WRITE if create else mmap.ACCESS_READ)
@@ -88,7 +93,10 @@ class CommBoard:
 
     def _write(self, **changes: Any) -> None:
         with self._lock:  # the gloo thread (completions) and the training thread (starts) both write
-            fields = ("magic", "seq", "start", "in_flight", "iterations", "period", "profiled_at", "spans")
+            fields = (
+                "magic", "seq", "start", "in_flight", "iterations", "period", "profiled_at", "spans",
+                "quiet_since", "collectives", "gap",
+            )  # fmt: skip
             values = self._values
             for name, value in changes.items():
                 values[fields.index(name)] = value
@@ -104,12 +112,18 @@ class CommBoard:
     def iteration_started(self, at: float, iterations: int) -> None:
         self._write(start=at, iterations=iterations)
 
-    def set_in_flight(self, count: int) -> None:
-        self._write(in_flight=count)
+    def set_in_flight(self, count: int, quiet_since: float = 0.0) -> None:
+        self._write(in_flight=count, quiet_since=quiet_since)
 
     def publish(self, found: CommProfile, at: float) -> None:
         self._spans = tuple(found.busy[:MAX_SPANS])
-        self._write(period=found.period, profiled_at=at, spans=len(self._spans))
+        self._write(
+            period=found.period,
+            profiled_at=at,
+            spans=len(self._spans),
+            collectives=found.collectives,
+            gap=found.gap,
+        )
 
     # -- reader ------------------------------------------------------------------------------------------
 
@@ -122,8 +136,8 @@ class CommBoard:
             spans = tuple(_SPAN.unpack_from(self._map, _HEAD.size + i * _SPAN.size) for i in range(count))
             if struct.unpack_from("<Q", self._map, 4)[0] != head[1]:
                 continue
-            found = CommProfile(head[5], spans) if head[5] > 0 else None
-            return BoardState(head[2], int(head[3]), int(head[4]), found, head[6])
+            found = CommProfile(head[5], spans, int(head[9]), head[10]) if head[5] > 0 else None
+            return BoardState(head[2], int(head[3]), int(head[4]), found, head[6], head[8])
         return None
 
 
@@ -147,6 +161,7 @@ class CommTimer:
         self._start: float | None = None
         self._busy: list[tuple[float, float]] = []
         self._in_flight = 0
+        self._ended = 0  # collectives ended since the latest iteration start
         self._since_publish = 0
         # Absolute (time.monotonic()) busy spans and iteration starts, the newest kept: what a benchmark or
         # a test compares with the agent's send windows.
@@ -164,6 +179,7 @@ class CommTimer:
                     self.history.append(IterationComm(now - self._start, spans))
                     self._since_publish += 1
             self._busy = []
+            self._ended = 0
             self._start = now
             self.starts.append(now)
             self.iterations += 1
@@ -179,11 +195,10 @@ class CommTimer:
                 self.board.publish(found, now)
 
     def comm_started(self) -> float:
-        with self._lock:
+        with self._lock:  # the board written under it too: a start and a finish never land out of order
             self._in_flight += 1
-            count = self._in_flight
-        if self.board is not None:
-            self.board.set_in_flight(count)
+            if self.board is not None:
+                self.board.set_in_flight(self._in_flight)
         return time.monotonic()
 
     def comm_finished(self, started: float) -> None:
@@ -192,9 +207,13 @@ class CommTimer:
             self._in_flight = max(0, self._in_flight - 1)
             count = self._in_flight
             self._busy.append((started, now))
+            self._ended += 1
             self.spans.append((started, now))
-        if self.board is not None:
-            self.board.set_in_flight(count)
+            # The iteration's communication is over: quiet until the next one's first collective (the
+            # profile's gap), however long this iteration's took.
+            over = count == 0 and self.profile is not None and 0 < self.profile.collectives <= self._ended
+            if self.board is not None:
+                self.board.set_in_flight(count, now if over else 0.0)
 
 
 def board_path(directory: Path | str | None = None) -> Path | None:

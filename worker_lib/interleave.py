@@ -13,6 +13,7 @@ Time is in seconds, sizes in bytes. A span is (start, end) relative to an iterat
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -42,10 +43,15 @@ class IterationComm:
 @dataclass(frozen=True)
 class CommProfile:
     """What the sender schedules by: the typical iteration length and the busy spans (merged, relative to
-    the iteration's start) of training's communication."""
+    the iteration's start) of training's communication; and, anchored to the communication's end rather
+    than to the iteration's start, how many collectives an iteration has (`collectives`) and how long the
+    wire then stays idle until the next iteration's first collective (`gap`: the quiet time that all but
+    1 - coverage of the window's iterations had; 0 when unknown)."""
 
     period: float
     busy: tuple[Span, ...]
+    collectives: int = 0
+    gap: float = 0.0
 
     def idle(self) -> list[Span]:
         return idle_spans(self.busy, self.period)
@@ -101,11 +107,19 @@ def profile(iterations: Sequence[IterationComm], coverage: float = COVERAGE) -> 
     of the iterations communicated then; each span of the union that holds quantile-busy instants is busy
     from its start to its last quantile-busy instant, and a span of the union that holds none (a
     collective seen in too few iterations) is left out. `coverage` 1.0 is the union of every iteration's
-    busy spans. None without iterations."""
+    busy spans. None without iterations.
+
+    The collectives' durations vary far more than what separates them (on a loaded link one all-reduce
+    takes twice as long as the next), and a busy span that ends at the `coverage` quantile of the ends
+    leaves the quiet time after an early end unused. So the profile also measures that quiet time from
+    the other anchor: the gap from an iteration's last collective's end to the next one's first start
+    (the optimizer step, the next forward, the backward up to its first bucket: compute, steadier),
+    counted only between consecutive iterations that had the usual number of collectives."""
     usable = [it for it in iterations if it.duration > 0]
     if not usable:
         return None
     period = statistics.median(it.duration for it in usable)
+    collectives = int(statistics.median_low(len(it.busy) for it in usable))
     # Quantile-busy: at least `needed` of the iterations busy at that instant (1: the union).
     needed = max(1, math.floor((1.0 - coverage) * len(usable) + 1e-9) + 1)
     # A sweep over every iteration's merged spans: +1 where one starts, -1 where one ends (ends first at
@@ -125,7 +139,13 @@ def profile(iterations: Sequence[IterationComm], coverage: float = COVERAGE) -> 
         inside = [e for s, e in quantile if start <= s and e <= end]
         if inside:
             busy.append((start, max(inside)))
-    return CommProfile(period, tuple((s, min(e, period)) for s, e in busy if s < period))
+    gaps = sorted(
+        current.duration - max(e for _, e in current.busy) + min(s for s, _ in following.busy)
+        for current, following in itertools.pairwise(usable)
+        if collectives and len(current.busy) == collectives and len(following.busy) == collectives
+    )
+    gap = max(0.0, gaps[min(len(gaps) - 1, math.floor((1.0 - coverage) * len(gaps)))]) if gaps else 0.0
+    return CommProfile(period, tuple((s, min(e, period)) for s, e in busy if s < period), collectives, gap)
 
 
 def idle_left(profile: CommProfile, phase: float) -> float:
@@ -178,11 +198,15 @@ def next_grant(
     chunk_max: int = CHUNK_MAX,
     chunk_min: int = CHUNK_MIN,
     poll_s: float = 0.002,
+    quiet_for: float | None = None,
 ) -> Grant:
     """The interleaved sender's decision at `phase` seconds after the latest iteration start, with
     `in_flight` collectives of training on the wire right now: send a chunk that drains inside the current
     idle span, else wait until the next one opens. Without a profile (training not measured yet, or not
-    communicating through a timed model) nothing is known to protect: the chunk is sent whole."""
+    communicating through a timed model) nothing is known to protect: the chunk is sent whole.
+    `quiet_for`: seconds since the latest iteration's collectives all ended (as many as the profile's
+    `collectives`; None while some are still to come): the idle span then lasts until the profile's `gap`
+    after that end, when this is longer than what the phase alone says (a collective that ended early)."""
     if wanted <= 0:
         return Grant(0)
     if profile is None:
@@ -190,6 +214,8 @@ def next_grant(
     if in_flight > 0:
         return Grant(0, poll_s)  # training is on the wire: whatever the profile says
     left = idle_left(profile, phase)
+    if quiet_for is not None and profile.gap > 0:
+        left = max(left, profile.gap - quiet_for)
     size = chunk_size(left, bandwidth, mu=mu, alpha=alpha, chunk_max=chunk_max, chunk_min=chunk_min)
     if size > 0:
         return Grant(min(size, wanted))

@@ -135,12 +135,16 @@ class Pacer:
             states = self.states()
             timed = [s for s in states if s.profile is not None]
             start = max((s.iteration_start for s in states), default=0.0)
+            # Every local rank's iteration communicated all it does (the wire quiet since the latest end):
+            # the gap after that end is idle, even where the phase says a late collective would still run.
+            quiet = [s.quiet_since for s in timed]
             decided: Grant = next_grant(
                 timed[0].profile if timed else None,
                 now + ahead - start,
                 sum(s.in_flight for s in states),
                 wanted,
                 rate,
+                quiet_for=now + ahead - max(quiet) if quiet and min(quiet) > 0 else None,
             )
             if decided.size > 0:
                 size = self._capped(decided.size, deadline)

@@ -107,6 +107,28 @@ def test_the_profile_covers_most_iterations_and_every_recurring_pattern() -> Non
     assert found is not None and found.busy == (pytest.approx((0.2, 0.6)),)
 
 
+def test_the_profile_measures_the_quiet_gap_after_the_last_collective() -> None:
+    # Two buckets per iteration whose end varies (0.5 to 0.8): the quiet time from the last one's end to
+    # the next iteration's first start is 0.55 + 0.3 - 0.05 jitter. The profile's busy span ends late
+    # (most iterations' ends), the gap follows the compute between them instead.
+    ends = [0.5, 0.8, 0.6, 0.7, 0.5, 0.75, 0.55, 0.8]
+    iterations = [IterationComm(end + 0.55, ((0.3, 0.4), (0.4, end))) for end in ends]
+    found = profile(iterations)
+    assert found is not None
+    assert found.collectives == 2
+    assert found.gap == pytest.approx(0.85)  # 0.55 after the end, and 0.3 into the next iteration
+    assert found.busy[0][1] >= 0.75  # the phase alone leaves the quiet time after an early end unused
+    # An iteration with a collective of its own (a third bucket) is no measure of the usual gap.
+    odd = [*iterations[:4], IterationComm(1.0, ((0.3, 0.4), (0.4, 0.5), (0.6, 0.95))), *iterations[4:]]
+    odd_found = profile(odd)
+    assert odd_found is not None and odd_found.collectives == 2 and odd_found.gap == pytest.approx(0.85)
+    # A short gap in a quarter of the iterations sets the gap: the sender must not run into the collective.
+    short = [IterationComm(0.8 + (0.1 if i % 4 == 0 else 0.4), ((0.3, 0.4), (0.4, 0.8))) for i in range(8)]
+    found = profile(short)
+    assert found is not None and found.gap == pytest.approx(0.4)  # not the 0.7 of the other iterations
+    assert profile([IterationComm(1.0, ())] * 3) == CommProfile(1.0, (), 0, 0.0)  # nothing to anchor on
+
+
 def test_idle_left_counts_from_the_phase_and_wraps_the_head_of_the_iteration() -> None:
     found = CommProfile(1.0, ((0.3, 0.5),))
     assert idle_left(found, 0.6) == pytest.approx(0.7)  # 0.6 -> 1.3
@@ -139,6 +161,24 @@ def test_the_sender_sends_only_in_idle_spans_and_waits_for_the_next_one() -> Non
     assert grant.size == 0 and grant.wait_s > 0
     # Without a profile nothing is known to protect.
     assert next_grant(None, 0.35, 0, 100 * MB, bandwidth).size == 32 * MB
+
+
+def test_a_collective_that_ended_early_opens_the_gap_after_it() -> None:
+    # Busy 0.3-0.8 by the profile; this iteration's collectives all ended at 0.45, and the gap after the
+    # last collective is 0.4 (to the next iteration's first at about 0.85).
+    found = CommProfile(1.0, ((0.3, 0.8),), collectives=1, gap=0.4)
+    bandwidth = 100e6
+    assert next_grant(found, 0.5, 0, 100 * MB, bandwidth).size == 0  # the phase alone: busy
+    granted = next_grant(found, 0.5, 0, 100 * MB, bandwidth, quiet_for=0.05).size
+    assert granted > 0 and granted == pytest.approx(chunk_size(0.35, bandwidth), abs=1)  # mu of 0.35 s
+    assert next_grant(found, 0.5, 0, 100 * MB, bandwidth, quiet_for=0.5).size == 0  # the gap is over
+    assert next_grant(found, 0.5, 1, 100 * MB, bandwidth, quiet_for=0.05).size == 0  # on the wire again
+    # Past the phase's own idle span the longer of the two counts: the phase at 0.9 leaves 0.4 s.
+    assert next_grant(found, 0.9, 0, 100 * MB, bandwidth, quiet_for=0.39).size == pytest.approx(
+        chunk_size(0.4, bandwidth), abs=1
+    )
+    # Without a measured gap (an older board, no collectives) the phase decides.
+    assert next_grant(CommProfile(1.0, ((0.3, 0.8),)), 0.5, 0, MB, bandwidth, quiet_for=0.0).size == 0
 
 
 def test_algorithm_2_partitions_a_checkpoint_over_the_spans_and_spills_into_the_last() -> None:
@@ -179,6 +219,20 @@ def test_the_board_carries_the_profile_the_start_and_the_collectives_in_flight(t
     assert state.profile is not None and timer.profile is not None
     assert state.profile.period == pytest.approx(timer.profile.period)
     assert state.profile.busy == timer.profile.busy  # doubles, as written
+    assert state.profile.collectives == timer.profile.collectives == 1
+    assert state.profile.gap == pytest.approx(timer.profile.gap)
+    # The iteration's one collective ended: quiet since then, across the next iteration's start, until the
+    # next collective starts.
+    assert state.quiet_since >= state.iteration_start > 0
+    timer.iteration_start()
+    quiet = reader.read()
+    assert quiet is not None and quiet.quiet_since == state.quiet_since
+    started = timer.comm_started()
+    busy = reader.read()
+    assert busy is not None and busy.quiet_since == 0.0 and busy.in_flight == 1
+    timer.comm_finished(started)
+    again = reader.read()
+    assert again is not None and again.quiet_since >= started
     board.close()
     reader.close()
 
@@ -218,6 +272,22 @@ def test_the_interleaved_pacer_grants_nothing_while_training_communicates(tmp_pa
     thread.start()
     assert done.wait(5)
     assert result == [0]
+    pacer.finished()
+    pacer.close()
+    board.close()
+
+
+def test_the_pacer_sends_in_the_quiet_gap_after_training_communicated(tmp_path: Path) -> None:
+    path = tmp_path / "comm-timing"
+    board = CommBoard(path, create=True)
+    clock = FakeClock()
+    board.publish(CommProfile(1.0, ((0.3, 0.8),), collectives=1, gap=0.5), clock.now)
+    pacer = Pacer("interleaved", boards=lambda: [path], clock=clock)
+    pacer.bandwidth = 100e6
+    board.iteration_started(clock.now - 0.5, 10)  # by the phase, the collective still runs
+    board.set_in_flight(0, clock.now - 0.05)  # it ended 50 ms ago: 0.45 s of quiet left
+    granted = pacer.grant(100 * MB, lambda: 0)
+    assert 0.3 * 100e6 <= granted <= 0.45 * 100e6
     pacer.finished()
     pacer.close()
     board.close()
