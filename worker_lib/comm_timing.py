@@ -161,7 +161,6 @@ class CommTimer:
         self._start: float | None = None
         self._busy: list[tuple[float, float]] = []
         self._in_flight = 0
-        self._ended = 0  # collectives ended since the latest iteration start
         self._since_publish = 0
         # Absolute (time.monotonic()) busy spans and iteration starts, the newest kept: what a benchmark or
         # a test compares with the agent's send windows.
@@ -179,7 +178,6 @@ class CommTimer:
                     self.history.append(IterationComm(now - self._start, spans))
                     self._since_publish += 1
             self._busy = []
-            self._ended = 0
             self._start = now
             self.starts.append(now)
             self.iterations += 1
@@ -207,11 +205,10 @@ class CommTimer:
             self._in_flight = max(0, self._in_flight - 1)
             count = self._in_flight
             self._busy.append((started, now))
-            self._ended += 1
             self.spans.append((started, now))
             # The iteration's communication is over: quiet until the next one's first collective (the
             # profile's gap), however long this iteration's took.
-            over = count == 0 and self.profile is not None and 0 < self.profile.collectives <= self._ended
+            over = count == 0 and self.profile is not None and 0 < self.profile.collectives <= len(self._busy)
             if self.board is not None:
                 self.board.set_in_flight(count, now if over else 0.0)
 
