@@ -66,3 +66,41 @@ async def test_crash_reports_read_only_what_they_need(client: httpx.AsyncClient,
     assert len(set(ids)) == 1 and ids[0] is not None, "the first crash opens a failure, the others join it"
     failure = await job.api(f"/failures/{ids[0]}")
     assert failure["kind"] == "software" and len(failure["details"]["cascade"]) == 2
+
+
+def crash_report(instance: str, rank: int, error_type: str, message: str) -> dict[str, object]:
+    error = {"type": error_type, "message": f"{error_type}: {message}"}  # as torchelastic writes it
+    return {**exit_report(instance, rank, 1), "error": error}
+
+
+@pytest.mark.parametrize("order", ["symptom first", "cause first"])
+async def test_the_exit_that_says_nothing_of_its_peers_is_the_cause_whichever_arrives_first(
+    client: httpx.AsyncClient, order: str
+) -> None:
+    # Rank 1's restore finds its checkpoint corrupt and exits; ranks 0 and 2, waiting on it in a collective,
+    # exit with gloo's error. Which report reaches the root first is a race.
+    job = await running_job(client, 4)
+    cause = crash_report(
+        job.instances[1], 1, "CheckpointCorruptError", "checkpoint of iteration 7 is corrupt"
+    )
+    symptoms = [
+        crash_report(job.instances[r], r, "RuntimeError", "[gloo/transport/tcp/pair.cc:537] Read error")
+        for r in (0, 2)
+    ]
+    reports = [symptoms[0], cause, symptoms[1]] if order == "symptom first" else [cause, *symptoms]
+    ids = set()
+    for report in reports:
+        rank = int(str(report["global_rank"]))
+        response = await job.post(f"/machines/{rank}/exits", report, 202)
+        ids.add(response.json()["failure_id"])
+    assert len(ids) == 1 and None not in ids, "one failure; the other exits join it"
+
+    failure = await job.api(f"/failures/{ids.pop()}")
+    assert failure["kind"] == "software" and failure["rank"] == 1, failure
+    assert "rank 1" in failure["cause"] and "CheckpointCorruptError" in failure["cause"], failure["cause"]
+    details = failure["details"]
+    assert details["global_rank"] == 1 and details["error"]["type"] == "CheckpointCorruptError", details
+    # The peers' exits are the cascade, each with the cause it was seen as.
+    cascade = details["cascade"]
+    assert sorted(e["global_rank"] for e in cascade) == [0, 2], cascade
+    assert all("Read error" in e["cause"] and e["error"]["type"] == "RuntimeError" for e in cascade), cascade

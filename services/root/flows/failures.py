@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -91,12 +91,8 @@ async def record_exit(
         details["error"] = error
     current = await joinable_failures(session, job)
     if current:
-        consequence = current[0]
-        consequence.details = {
-            **consequence.details,
-            "cascade": [*consequence.details.get("cascade", []), {**details, "at": now.isoformat()}],
-        }
-        return consequence
+        join_exit(current[0], machine, rank, what, details, now)
+        return current[0]
     event = FailureEvent(
         job_id=job.id,
         machine_id=machine.id,
@@ -110,6 +106,40 @@ async def record_exit(
     session.add(event)
     await session.flush()
     return event
+
+
+# The details an exit report writes on the failure it opens (record_exit); the rest (a replacement, the
+# restore's tiers, a cascade) belong to the failure, whichever exit it names.
+_EXIT_DETAILS = ("exit_code", "global_rank", "local_rank", "instance_id", "machine_rank", "error")
+
+
+def join_exit(
+    event: FailureEvent, machine: Machine, rank: int, cause: str, details: dict[str, Any], now: datetime
+) -> None:
+    """A process exit joins the open failure `event` as part of its cascade, with its own cause.
+
+    Which exit reaches the root first is a race: a process that fails for a reason of its own (a corrupt
+    checkpoint, a ValueError) takes its peers down in their next collective, and one of theirs (a gloo
+    error) can arrive first and open the failure. An exit that says nothing of its peers
+    (`implicates_a_peer`) is then the likelier cause: it becomes the failure's cause, and the peer's exit
+    that opened it moves into the cascade. A machine's loss (a hardware failure) stays the cause."""
+    entry = {"cause": cause, **details, "at": now.isoformat()}
+    cascade = list(event.details.get("cascade", []))
+    if (
+        event.kind != FailureKind.SOFTWARE
+        or not is_peer_symptom(event)
+        or implicates_a_peer(details["exit_code"], details.get("error"))
+    ):
+        event.details = {**event.details, "cascade": [*cascade, entry]}
+        return
+    opener = {k: event.details[k] for k in _EXIT_DETAILS if k in event.details}
+    kept = {k: v for k, v in event.details.items() if k not in _EXIT_DETAILS and k != "cascade"}
+    event.details = {
+        **kept,
+        **details,
+        "cascade": [{"cause": event.cause, **opener, "at": event.detected_at.isoformat()}, *cascade],
+    }
+    event.cause, event.rank, event.machine_id = cause, rank, machine.id
 
 
 async def machine_lost(
