@@ -164,6 +164,7 @@ class RootClient:
         global_rank: int,
         exit_code: int,
         error: ProcessError | Mapping[str, str] | None = None,
+        generation: int | None = None,
     ) -> ExitAck:
         body: dict[str, Any] = {
             "instance_id": instance_id,
@@ -173,6 +174,8 @@ class RootClient:
         }
         if error is not None:  # the exception from the process's torchelastic error file
             body["error"] = error
+        if generation is not None:
+            body["generation"] = generation
         return await self.call(ExitAck, "POST", self._worker(f"/machines/{rank}/exits"), json=body)
 
     async def directive(self, after: int, wait_s: float = 10.0, machine: int | None = None) -> DirectiveOut:

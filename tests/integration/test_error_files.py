@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,42 @@ def test_read_error_file_takes_the_traceback_tail_and_plain_messages(tmp_path: P
     path.write_text("not json")
     assert read_error_file(path) is None
     assert read_error_file(tmp_path / "missing.json") is None
+
+
+def ended(pid: int) -> bool:
+    """Whether process `pid` has exited: a zombie, or reaped already (asyncio's child watcher reaps in a
+    thread of its own, and hands the exit to the event loop)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.parametrize("failed_first", [True, False])
+async def test_a_process_that_failed_before_a_stop_is_no_expected_stop(
+    tmp_path: Path, failed_first: bool
+) -> None:
+    # A recovery's stop can reach the agent before the exit of a process that failed on its own (its failure,
+    # or a peer's it took down, set the recovery off): that exit still says why, and is reported.
+    script = tmp_path / "train.py"
+    script.write_text(WITH_RECORD if failed_first else "import time\ntime.sleep(60)\n")
+    exits: asyncio.Queue[ProcessExit] = asyncio.Queue()
+    group = WorkerGroup(exits, warm=False, pid_dir=tmp_path / "machine" / "pids")
+    try:
+        await group.start(spec(tmp_path, script))
+        pid = int((tmp_path / "machine" / "pids" / "rank-0").read_text().split()[0])
+        if failed_first:
+            # Blocking the event loop: the exit is not seen until the stop has begun.
+            deadline = time.monotonic() + 60
+            while not ended(pid) and time.monotonic() < deadline:
+                time.sleep(0.01)  # noqa: ASYNC251 (blocking on purpose, see above)
+            assert ended(pid)
+        await group.stop()
+        process_exit = await asyncio.wait_for(exits.get(), timeout=30)
+    finally:
+        await group.stop()
+    if failed_first:
+        check(process_exit, tmp_path)  # exit code 1, the ValueError, and not expected
+    else:
+        assert process_exit.expected and process_exit.exit_code == -15 and process_exit.error is None

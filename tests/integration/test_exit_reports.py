@@ -104,3 +104,33 @@ async def test_the_exit_that_says_nothing_of_its_peers_is_the_cause_whichever_ar
     cascade = details["cascade"]
     assert sorted(e["global_rank"] for e in cascade) == [0, 2], cascade
     assert all("Read error" in e["cause"] and e["error"]["type"] == "RuntimeError" for e in cascade), cascade
+
+
+async def test_an_exit_of_a_generation_a_recovery_replaced_joins_that_recovery(
+    client: httpx.AsyncClient,
+) -> None:
+    # Rank 0's gloo abort opens recovery generation 2, which is planned and carried out before the agent of
+    # rank 1 reports its own process's exit from generation 1 (its agent saw the exit only when it stopped
+    # the process for the recovery): part of that recovery, and its cause, never a failure of its own.
+    job = await running_job(client, 4)
+    gloo = crash_report(
+        job.instances[0], 0, "RuntimeError", "[gloo/transport/tcp/pair.cc:553] Connection closed"
+    )
+    opened = (await job.post("/machines/0/exits", gloo, 202)).json()["failure_id"]
+    await job.recover(iteration=5)
+
+    late = {
+        **crash_report(job.instances[1], 1, "CheckpointCorruptError", "iteration 5 is corrupt"),
+        "generation": 1,
+    }
+    assert (await job.post("/machines/1/exits", late, 202)).json()["failure_id"] == opened
+    assert (await job.api(""))["state"] == "running", "no new recovery"
+    failures = await job.api("/failures")
+    assert [f["id"] for f in failures] == [opened], failures
+    failure = await job.api(f"/failures/{opened}")
+    assert "CheckpointCorruptError" in failure["cause"] and failure["rank"] == 1, failure
+    assert [e["global_rank"] for e in failure["details"]["cascade"]] == [0], failure["details"]
+
+    # The generation that runs now: a failure of its own, as before.
+    current = {**crash_report(job.instances[2], 2, "ValueError", "boom"), "generation": 2}
+    assert (await job.post("/machines/2/exits", current, 202)).json()["failure_id"] != opened

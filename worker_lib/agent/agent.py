@@ -599,6 +599,7 @@ class Agent:
                 global_rank=ended.global_rank,
                 exit_code=ended.exit_code,
                 error=ended.error,
+                generation=ended.generation,
             )
         except (RootUnavailable, RootRejected) as exc:
             log.error("could not report the exit of rank %d: %s", ended.global_rank, exc)

@@ -29,6 +29,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,6 +143,14 @@ async def _until_written(path: Path, timeout_s: float) -> None:
         await asyncio.sleep(0.1)
 
 
+def written_before(path: Path, moment: float) -> bool:
+    """Whether the file at `path` was last written before `moment` (time.time()); False if it is missing."""
+    try:
+        return path.stat().st_mtime < moment
+    except OSError:
+        return False
+
+
 def read_error_file(path: Path) -> dict[str, str] | None:
     """The exception in a torchelastic error file (`ErrorHandler.record_exception`'s format:
     {"message": {"message": "ValueError: boom", "extraInfo": {"py_callstack": "Traceback ..."}}}; the
@@ -247,6 +256,7 @@ class WorkerGroup:
         self._watchers: list[asyncio.Task[None]] = []
         self._spares: list[asyncio.subprocess.Process] = []
         self._stopping = False
+        self._stopping_since = 0.0  # time.time() when stop() began (error files' clock)
         self._warm_starts = 0
         self._warm: set[int] = set()  # pids of spares whose imports are done
         # Whether a command's interpreter is the spares' (by its executable and startup environment): it
@@ -414,13 +424,17 @@ class WorkerGroup:
 
     async def _watch(self, spec: LaunchSpec, local_rank: int, process: asyncio.subprocess.Process) -> None:
         code = await process.wait()
-        error = read_error_file(self.error_file(spec, local_rank)) if code != 0 else None
+        error_file = self.error_file(spec, local_rank)
+        error = read_error_file(error_file) if code != 0 else None
+        # A process that failed on its own just before a stop (the recovery its failure set off, or a peer's,
+        # reached this agent before its exit did) is no expected stop: its exit says why, and is reported.
+        expected = self._stopping and not (
+            error is not None and written_before(error_file, self._stopping_since)
+        )
         if local_rank in self._hung and self.spec is spec:
             error = hang_error(self._hung.pop(local_rank), self.stacks_file(spec, local_rank))
         await self.exits.put(
-            ProcessExit(
-                spec.generation, local_rank, spec.global_rank(local_rank), code, self._stopping, error
-            )
+            ProcessExit(spec.generation, local_rank, spec.global_rank(local_rank), code, expected, error)
         )
 
     async def stop_hung(self, global_rank: int, reason: str, dump_wait_s: float = 3.0) -> bool:
@@ -451,7 +465,8 @@ class WorkerGroup:
         """Stop every process: SIGTERM to each process group, SIGKILL after the grace period."""
         if not self._processes:
             return
-        self._stopping = True
+        if not self._stopping:
+            self._stopping, self._stopping_since = True, time.time()
         self.signal(signal.SIGTERM)
         waits = [asyncio.create_task(p.wait()) for p in self._processes.values()]
         _, pending = await asyncio.wait(waits, timeout=grace_s)

@@ -253,6 +253,11 @@ class ExitReport(BaseModel):
     error: ProcessError | None = Field(
         None, description="The uncaught exception the process recorded before it exited, if it did."
     )
+    generation: Count | None = Field(
+        None,
+        description="The plan generation the process was started for. An exit of a generation a recovery "
+        "has since replaced is part of that recovery: it joins the recovery's failure, never opens one.",
+    )
 
 
 class ExitAck(WireModel):

@@ -4,7 +4,8 @@ that stopped heartbeating or whose etcd lease expired, an instance the cloud rep
 Classification follows who is still there: a process died on a machine whose agent reports it, so the
 machine is fine (software); the agent itself is gone (hardware). A failure while a recovery is being
 prepared joins that recovery; a process exit then is usually a consequence (the ranks waiting on a dead
-peer's collective fail too) and is recorded on the open event rather than as a failure of its own.
+peer's collective fail too) and is recorded on the open event rather than as a failure of its own, as is
+an exit of a process from a generation a recovery has already replaced (reported late: `join_exit`).
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ async def record_exit(
         # within the column's 500 characters) and whole in the details (the failure page's traceback).
         what = f"{what}: {request.error.message}"[:500]
         details["error"] = error
-    current = await joinable_failures(session, job)
+    current: Sequence[FailureEvent] = await joinable_failures(session, job)
+    if not current and request.generation is not None:
+        current = await _failures_that_replaced(session, job, request.generation)
     if current:
         join_exit(current[0], machine, rank, what, details, now)
         return current[0]
@@ -106,6 +109,16 @@ async def record_exit(
     session.add(event)
     await session.flush()
     return event
+
+
+async def _failures_that_replaced(session: AsyncSession, job: Job, generation: int) -> Sequence[FailureEvent]:
+    """The failures of the newest plan when it replaced `generation` (an exit of an older generation's
+    process reported late: its agent stopped it for that recovery, or saw it fail only then). The recovery
+    already restarts every rank: the exit is part of it, not a failure of its own."""
+    plan = await repo.latest_plan_head(session, job.id)
+    if plan is None or plan.generation <= generation:
+        return []
+    return await repo.failures_of_plan(session, plan.id)
 
 
 # The details an exit report writes on the failure it opens (record_exit); the rest (a replacement, the
