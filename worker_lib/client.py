@@ -174,9 +174,16 @@ class RootClient:
         }
         if error is not None:  # the exception from the process's torchelastic error file
             body["error"] = error
-        if generation is not None:
-            body["generation"] = generation
-        return await self.call(ExitAck, "POST", self._worker(f"/machines/{rank}/exits"), json=body)
+        url = self._worker(f"/machines/{rank}/exits")
+        if generation is None:
+            return await self.call(ExitAck, "POST", url, json=body)
+        try:
+            return await self.call(ExitAck, "POST", url, json={**body, "generation": generation})
+        except RootRejected as exc:
+            # A root older than the report's generation forbids the field: the report without it, as before.
+            if exc.status != 422 or "generation" not in exc.message:
+                raise
+        return await self.call(ExitAck, "POST", url, json=body)
 
     async def directive(self, after: int, wait_s: float = 10.0, machine: int | None = None) -> DirectiveOut:
         """The job's current directive, once its revision is newer than `after` (long poll). With `machine`,

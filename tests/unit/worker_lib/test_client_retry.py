@@ -8,6 +8,7 @@ pydantic models. The root is an httpx.MockTransport: what is under test is the c
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable
 
 import httpx
@@ -313,3 +314,28 @@ async def test_without_a_spread_key_the_first_url_is_asked_first() -> None:
     async with client:
         await client.register(instance_id="i-1")
     assert seen == ["a:8001"]
+
+
+async def test_an_exit_report_reaches_a_root_that_predates_its_generation() -> None:
+    bodies: list[dict[str, object]] = []
+
+    def older_root(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        if "generation" in body:  # as a root whose ExitReport has no generation field answers
+            problem = "invalid request: generation: Extra inputs are not permitted"
+            return httpx.Response(422, json={"error": {"code": "validation_error", "message": problem}})
+        return httpx.Response(202, json={"failure_id": 9})
+
+    client, _ = _client(["http://a:1"], older_root)
+    ack = await client.report_exit(0, "i-0", local_rank=0, global_rank=0, exit_code=1, generation=3)
+    assert ack.failure_id == 9
+    assert [("generation" in b) for b in bodies] == [True, False], bodies
+
+    # Any other rejection is the root's answer, raised as it was.
+    def rejecting(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(409, json={"error": {"code": "replaced", "message": "rank 0 is i-1's now"}})
+
+    client, _ = _client(["http://a:1"], rejecting)
+    with pytest.raises(RootRejected):
+        await client.report_exit(0, "i-0", local_rank=0, global_rank=0, exit_code=1, generation=3)
