@@ -134,3 +134,33 @@ async def test_an_exit_of_a_generation_a_recovery_replaced_joins_that_recovery(
     # The generation that runs now: a failure of its own, as before.
     current = {**crash_report(job.instances[2], 2, "ValueError", "boom"), "generation": 2}
     assert (await job.post("/machines/2/exits", current, 202)).json()["failure_id"] != opened
+
+
+async def test_a_late_exit_names_the_failure_its_peers_opened_when_a_recovery_failed(
+    client: httpx.AsyncClient,
+) -> None:
+    # Rank 1 is killed; generation 2 is planned; rank 1's restore then finds its copy corrupt and exits, which
+    # aborts rank 0's collective: rank 0's exit reaches the root first and opens the next recovery, which
+    # takes up both failures. Rank 1's exit, reported last, is the cause of the second, not part of the first.
+    job = await running_job(client, 4)
+    killed = await job.kill_process(1)
+    await job.collect(2, iteration=5)
+    gloo = {
+        **crash_report(
+            job.instances[0], 0, "RuntimeError", "[gloo/transport/tcp/pair.cc:553] Connection closed"
+        ),
+        "generation": 2,
+    }
+    aborted = (await job.post("/machines/0/exits", gloo, 202)).json()["failure_id"]
+    assert aborted != killed
+    await job.plan(3, "collecting")
+
+    corrupt = {
+        **crash_report(job.instances[1], 1, "CheckpointCorruptError", "iteration 5 is corrupt"),
+        "exit_code": -15,  # still exiting when its agent stopped it for the recovery
+        "generation": 2,
+    }
+    assert (await job.post("/machines/1/exits", corrupt, 202)).json()["failure_id"] == aborted
+    failure = await job.api(f"/failures/{aborted}")
+    assert "CheckpointCorruptError" in failure["cause"] and failure["rank"] == 1, failure
+    assert "cascade" not in (await job.api(f"/failures/{killed}"))["details"]

@@ -94,8 +94,11 @@ async def record_exit(
     if not current and request.generation is not None:
         current = await _failures_that_replaced(session, job, request.generation)
     if current:
-        join_exit(current[0], machine, rank, what, details, now)
-        return current[0]
+        # Of several open failures (a recovery that failed and the one that followed it), the one this exit
+        # would name the cause of, if any: a late exit belongs with the failure its collective opened.
+        joined = next((e for e in current if _takes_cause(e, details)), current[0])
+        join_exit(joined, machine, rank, what, details, now)
+        return joined
     event = FailureEvent(
         job_id=job.id,
         machine_id=machine.id,
@@ -138,11 +141,7 @@ def join_exit(
     that opened it moves into the cascade. A machine's loss (a hardware failure) stays the cause."""
     entry = {"cause": cause, **details, "at": now.isoformat()}
     cascade = list(event.details.get("cascade", []))
-    if (
-        event.kind != FailureKind.SOFTWARE
-        or not is_peer_symptom(event)
-        or implicates_a_peer(details["exit_code"], details.get("error"))
-    ):
+    if not _takes_cause(event, details):
         event.details = {**event.details, "cascade": [*cascade, entry]}
         return
     opener = {k: event.details[k] for k in _EXIT_DETAILS if k in event.details}
@@ -153,6 +152,15 @@ def join_exit(
         "cascade": [{"cause": event.cause, **opener, "at": event.detected_at.isoformat()}, *cascade],
     }
     event.cause, event.rank, event.machine_id = cause, rank, machine.id
+
+
+def _takes_cause(event: FailureEvent, details: dict[str, Any]) -> bool:
+    """Whether an exit with `details` becomes the cause of `event` when it joins it (see join_exit)."""
+    return (
+        event.kind == FailureKind.SOFTWARE
+        and is_peer_symptom(event)
+        and not implicates_a_peer(details["exit_code"], details.get("error"))
+    )
 
 
 async def machine_lost(

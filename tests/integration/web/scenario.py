@@ -106,6 +106,34 @@ class Scenario:
         """Report inventories for recovery generation 2 (every machine holds `iteration` of its own rank
         and its peer's replica; `corrupt_rank`'s own copy fails its checksum), then restore and resume."""
         generation = 2
+        plan = await self.collect(generation, iteration, corrupt_rank=corrupt_rank)
+        tiers = {s["rank"]: s for s in plan["sources"]}
+        machines = len(self.instances)
+        assert sorted(tiers) == list(range(machines)), plan
+        for rank, instance in enumerate(self.instances):
+            source = tiers[rank]
+            details = {str(rank): {"tier": source["tier"], "seconds": 0.25, "source": source["source_rank"]}}
+            body = {
+                "instance_id": instance,
+                "generation": generation,
+                "event": "restored",
+                "details": details,
+            }
+            await self.post(f"/machines/{rank}/progress", body, 204)
+        for rank, instance in enumerate(self.instances):
+            body = {"instance_id": instance, "generation": generation, "event": "resumed"}
+            await self.post(f"/machines/{rank}/progress", body, 204)
+
+        async def recovered() -> bool:
+            return (await self.api(""))["state"] == "running"
+
+        await eventually(recovered, "the job to run again")
+
+    async def collect(
+        self, generation: int, iteration: int, *, corrupt_rank: int | None = None
+    ) -> dict[str, Any]:
+        """Report every machine's inventory for recovery `generation` (each holds `iteration` of its own rank
+        and its peer's replica; `corrupt_rank`'s own copy fails its checksum); returns the ready plan."""
         await self.plan(generation, "collecting")
         machines = len(self.instances)
         for rank, instance in enumerate(self.instances):
@@ -131,27 +159,7 @@ class Scenario:
             ]
             body = {"instance_id": instance, "generation": generation, "holdings": holdings}
             await self.post(f"/machines/{rank}/inventory", body, 204)
-        plan = await self.plan(generation, "ready")
-        tiers = {s["rank"]: s for s in plan["sources"]}
-        assert sorted(tiers) == list(range(machines)), plan
-        for rank, instance in enumerate(self.instances):
-            source = tiers[rank]
-            details = {str(rank): {"tier": source["tier"], "seconds": 0.25, "source": source["source_rank"]}}
-            body = {
-                "instance_id": instance,
-                "generation": generation,
-                "event": "restored",
-                "details": details,
-            }
-            await self.post(f"/machines/{rank}/progress", body, 204)
-        for rank, instance in enumerate(self.instances):
-            body = {"instance_id": instance, "generation": generation, "event": "resumed"}
-            await self.post(f"/machines/{rank}/progress", body, 204)
-
-        async def recovered() -> bool:
-            return (await self.api(""))["state"] == "running"
-
-        await eventually(recovered, "the job to run again")
+        return await self.plan(generation, "ready")
 
 
 async def running_job(client: httpx.AsyncClient, machines: int = 4, *, prefix: str = "i") -> Scenario:
