@@ -122,7 +122,8 @@ class LocalCluster:
     def root_urls(self) -> str:
         return ",".join(root.url for root in self.roots)
 
-    def api(self, method: str, path: str, **kwargs: Any) -> Any:
+    def api(self, method: str, path: str, token: str | None = None, **kwargs: Any) -> Any:
+        """The answer of the first live root (as admin, or with `token`)."""
         last: Exception | None = None
         for root in self.roots:
             if root.process.poll() is not None:
@@ -131,7 +132,7 @@ class LocalCluster:
                 response = httpx.request(
                     method,
                     root.url + path,
-                    headers={"Authorization": f"Bearer {self.admin_token}"},
+                    headers={"Authorization": f"Bearer {token or self.admin_token}"},
                     timeout=30,
                     **kwargs,
                 )
@@ -155,6 +156,14 @@ class LocalCluster:
 
     def job_state(self) -> dict[str, Any]:
         return dict(self.api("GET", f"/api/v1/jobs/{self.job['id']}"))
+
+    def persist_target(self) -> int | None:
+        """The iteration the root has told every rank to persist next, as its agents read it."""
+        directive = self.api(
+            "GET", f"/api/v1/worker/jobs/{self.job['id']}/directive", token=self.job["worker_token"]
+        )
+        persist = directive.get("persist") or {}
+        return persist.get("iteration")
 
     def wait_for_recoveries(self, count: int, timeout: float = 120) -> list[dict[str, Any]]:
         """The job's failure events once `count` of them are recovered (newest first)."""

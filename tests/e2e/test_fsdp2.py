@@ -33,10 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 WORKLOAD = REPO / "tests" / "e2e" / "workloads" / "train_fsdp2.py"
 MACHINES, PROCS = 4, 2
 WORLD = MACHINES * PROCS
-# Enough that the root's persist schedule completes a checkpoint before the group loss: on CI's loaded host
-# the first one was complete only at iteration 29 once (the strike then held every rank after the last
-# iteration), and a run that ends before one is complete cannot strike at all.
-ITERATIONS = 40
+ITERATIONS = 30
 PERSIST_EVERY = 5
 
 
@@ -71,6 +68,35 @@ def complete_checkpoints(cluster: LocalCluster) -> set[int]:
     """The iterations the persistent tier holds for every rank."""
     checkpoints = cluster.api("GET", f"/api/v1/jobs/{cluster.job['id']}/checkpoints")
     return {c["iteration"] for c in checkpoints if c["complete"]}
+
+
+def hold_past_a_persisted_checkpoint(cluster: LocalCluster, logs: Path) -> tuple[int, int]:
+    """Holds every rank past the iteration the root has them persist, and waits, held, until that
+    checkpoint is complete; returns the held iteration and the newest complete one up to it.
+
+    Waiting with the ranks running instead made the strike depend on the uploads' pace: on CI's loaded
+    host the first complete checkpoint once came at the job's last iteration. Held, the agents finish the
+    uploads of an iteration every rank has committed, whatever the pace. A target given up meanwhile (a
+    rank's copy overwritten before its upload) is followed by a newer one, past the held iteration: then
+    release and try the new one."""
+    for _ in range(3):
+        target = wait_until(cluster.persist_target, 120, "a persist target", 0.25)
+        wait_until(lambda t=target: newest_iteration(logs) >= t, 240, f"iteration {target}", 0.1)
+        reached = hold(logs)
+        try:
+            done = wait_until(
+                lambda r=reached: {i for i in complete_checkpoints(cluster) if i <= r} or None,
+                120,
+                f"a complete persisted checkpoint of an iteration up to {reached}",
+                0.25,
+            )
+        except TimeoutError:
+            if cluster.persist_target() == target:
+                raise  # still the target, and every rank holds it: its upload is stuck
+            release(logs)
+            continue
+        return reached, max(done)
+    raise AssertionError("three persist targets given up in turn")
 
 
 def ranks_of(*machines: int) -> set[str]:
@@ -139,9 +165,7 @@ def test_fsdp2_decoder_on_4x2_resumes_bit_exact_after_a_process_kill_a_machine_l
     # 3. Group {2, 3} is lost (machine 2's replacement and machine 3): no memory holds ranks 4..7, which
     # come back from the persistent tier at its newest complete iteration (the root chooses which multiples
     # of PERSIST_EVERY every rank persists: one is complete first).
-    wait_until(lambda: complete_checkpoints(cluster), 240, "a complete persisted checkpoint", 0.25)
-    reached = hold(logs)
-    persisted = max(complete_checkpoints(cluster))
+    reached, persisted = hold_past_a_persisted_checkpoint(cluster, logs)
     for machine in [cluster.root_machine(rank) for rank in (2, 3)]:
         cluster.kill_machine(machine)
     release(logs)

@@ -162,5 +162,23 @@ async def test_a_late_exit_names_the_failure_its_peers_opened_when_a_recovery_fa
     }
     assert (await job.post("/machines/1/exits", corrupt, 202)).json()["failure_id"] == aborted
     failure = await job.api(f"/failures/{aborted}")
-    assert "CheckpointCorruptError" in failure["cause"] and failure["rank"] == 1, failure
+    assert failure["rank"] == 1, failure
+    # It failed for its exception; the signal only ended its exit.
+    assert failure["cause"] == (
+        "training process rank 1 failed (was killed by SIGTERM while exiting): "
+        "CheckpointCorruptError: iteration 5 is corrupt"
+    ), failure["cause"]
     assert "cascade" not in (await job.api(f"/failures/{killed}"))["details"]
+
+
+async def test_a_hung_process_the_agent_killed_reads_as_the_kill_and_why(client: httpx.AsyncClient) -> None:
+    job = await running_job(client, 4)
+    report = {
+        **exit_report(job.instances[2], 2, -9),
+        "error": {"type": "Hung", "message": "Hung: rank 2 committed no checkpoint for 60 s"},
+    }
+    failure_id = (await job.post("/machines/2/exits", report, 202)).json()["failure_id"]
+    failure = await job.api(f"/failures/{failure_id}")
+    assert failure["cause"] == (
+        "training process rank 2 was killed by SIGKILL: Hung: rank 2 committed no checkpoint for 60 s"
+    ), failure["cause"]

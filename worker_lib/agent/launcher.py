@@ -39,6 +39,7 @@ from worker_lib.agent import die_with_parent
 from worker_lib.agent.stacks import STACKS_FILE_ENV, STACKS_SIGNAL
 from worker_lib.agent.stale import record_pid
 from worker_lib.agent.warm import READY_FD_ENV
+from worker_lib.api.worker import HANG_ERROR_TYPE
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +123,8 @@ def hang_error(reason: str, stacks: Path) -> dict[str, str]:
         dump = ""
     # faulthandler lists the most recent call first: the head is where the process is stuck.
     return {
-        "type": "Hung",
-        "message": f"Hung: {reason}"[:ERROR_MESSAGE_CHARS],
+        "type": HANG_ERROR_TYPE,
+        "message": f"{HANG_ERROR_TYPE}: {reason}"[:ERROR_MESSAGE_CHARS],
         "traceback": dump[:ERROR_TRACEBACK_CHARS] or "(no stacks: the process did not answer SIGUSR1)",
     }
 

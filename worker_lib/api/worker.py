@@ -229,6 +229,10 @@ class HeartbeatResponse(WireModel):
     )
 
 
+# The error type of a process the agent's hang watchdog killed: the agent's words, not the process's.
+HANG_ERROR_TYPE = "Hung"
+
+
 class ProcessError(BaseModel):
     """A training process's uncaught exception, from its torchelastic error file (TORCHELASTIC_ERROR_FILE)."""
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from worker_lib.api.worker import HANG_ERROR_TYPE
+
 # How long before a suspect's last heartbeat a peer's crash still counts as caused by it (the heartbeat is
 # periodic: the machine may have died up to one interval after it), as flows.failures.SYMPTOM_SLACK.
 PEER_SLACK = timedelta(seconds=2)
@@ -36,7 +38,9 @@ PEER_SLACK = timedelta(seconds=2)
 # transport errors (gloo: "Read error ...: Connection reset by peer", "Timed out waiting 5000ms for recv
 # operation to complete"; NCCL: "Watchdog caught collective operation timeout"), a store that went away,
 # and a process the agent's hang watchdog stopped (it stopped committing: most often stuck in a collective).
-_PEER_ERROR_TYPES = frozenset({"DistBackendError", "DistNetworkError", "DistStoreError", "DistError", "Hung"})
+_PEER_ERROR_TYPES = frozenset(
+    {"DistBackendError", "DistNetworkError", "DistStoreError", "DistError", HANG_ERROR_TYPE}
+)
 _PEER_ERROR_WORDS = re.compile(
     r"gloo|nccl|c10d|processgroup|collective|connection (?:reset|closed|refused|aborted)|broken pipe"
     r"|timed out waiting|socket timeout|store->get",

@@ -77,7 +77,7 @@ async def record_exit(
             details={"suspected_at": _iso(suspect.suspected_at), "silent": True},
         )
     now = utcnow()
-    what = f"training process rank {request.global_rank} {describe_exit(request.exit_code)}"
+    what = exit_cause(request.global_rank, request.exit_code, request.error)
     details: dict[str, Any] = {
         "exit_code": request.exit_code,
         "global_rank": request.global_rank,
@@ -86,9 +86,6 @@ async def record_exit(
         "machine_rank": rank,
     }
     if request.error is not None:
-        # The exception itself, not only its exit code: in the cause (the pages' and the CLI's one line,
-        # within the column's 500 characters) and whole in the details (the failure page's traceback).
-        what = f"{what}: {request.error.message}"[:500]
         details["error"] = error
     current: Sequence[FailureEvent] = await joinable_failures(session, job)
     if not current and request.generation is not None:
@@ -276,6 +273,21 @@ def _classified(event: FailureEvent) -> Any:
 
 def _iso(value: Any) -> str | None:
     return value.isoformat() if value is not None else None
+
+
+def exit_cause(global_rank: int, exit_code: int, error: schemas.ProcessError | None) -> str:
+    """A failed process's one line (the pages' and the CLI's cause, within the column's 500 characters).
+
+    The exception itself, not only the exit code, when the process left one (the whole traceback stays in
+    the details). A process that raised and was then killed while exiting (its agent stopped it for a
+    recovery that reached it first) failed for its exception, not for the signal: the exception leads. A
+    hang's report is the agent's own words for the kill it made, and stays after it."""
+    what = f"training process rank {global_rank} {describe_exit(exit_code)}"
+    if error is None:
+        return what
+    if exit_code < 0 and error.type != schemas.HANG_ERROR_TYPE:
+        what = f"training process rank {global_rank} failed ({describe_exit(exit_code)} while exiting)"
+    return f"{what}: {error.message}"[:500]
 
 
 def describe_exit(exit_code: int) -> str:

@@ -4,6 +4,7 @@ worker_lib.api.worker, which the agent's client returns; the service reads them 
 from __future__ import annotations
 
 from worker_lib.api.worker import (
+    HANG_ERROR_TYPE,
     CheckpointSummary,
     DirectiveOut,
     ExitAck,
@@ -25,6 +26,7 @@ from worker_lib.api.worker import (
 )
 
 __all__ = [
+    "HANG_ERROR_TYPE",
     "CheckpointSummary",
     "DirectiveOut",
     "ExitAck",
