@@ -23,10 +23,12 @@ import torch
 
 from worker_lib import Checkpointer
 from worker_lib.agent.dataplane import (
+    _RECV_BATCH,
     AuthenticationFailed,
     DataPlaneError,
     DataPlaneServer,
     PeerConnection,
+    _recv_into,
     _server_handshake,
     _signed_manifest,
     data_plane_key,
@@ -417,3 +419,51 @@ def test_background_checks_go_newest_first_and_stop_when_asked(sender: Holdings)
     )
     assert sender.local_copy_problem(0, 3) == "rank 0 no longer holds iteration 3 (digest None) locally"
     assert sender.check_unverified() == [], "nothing left to check"
+
+
+class _CountingSocket(socket.socket):
+    """A TCP socket that counts its recv_into calls (each one a wake-up of the receiving thread)."""
+
+    calls = 0
+
+    def recv_into(self, *args: object, **kwargs: object) -> int:  # type: ignore[override]
+        self.calls += 1
+        return super().recv_into(*args, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("batch, most_calls", [(0, None), (_RECV_BATCH, 12)])
+def test_a_stripe_trickling_in_wakes_the_receiver_once_per_batch_not_per_packet(
+    batch: int, most_calls: int | None
+) -> None:
+    # A link slower than memory delivers a stripe a few packets at a time. Without a batch the receiving
+    # thread woke for each (hundreds of passes of Python per stripe); with one, it wakes once per batch
+    # (SO_RCVLOWAT) and still takes a tail shorter than the batch without waiting for more.
+    payload = os.urandom(2 * _RECV_BATCH + 12345)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        sender = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+        receiver = _CountingSocket(fileno=accepted.detach())
+        receiver.settimeout(10)  # as the data plane's sockets: recv goes through poll()
+
+        def trickle() -> None:
+            sender.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for start in range(0, len(payload), 16 << 10):
+                sender.sendall(payload[start : start + (16 << 10)])
+                time.sleep(0.0005)
+
+        thread = threading.Thread(target=trickle)
+        thread.start()
+        received = bytearray(len(payload))
+        try:
+            _recv_into(receiver, memoryview(received), batch=batch)
+        finally:
+            thread.join()
+            sender.close()
+        assert bytes(received) == payload
+        # The batch is undone: a small control message after the data still wakes the receiver.
+        assert receiver.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+        receiver.close()
+    if most_calls is None:
+        assert receiver.calls > 12, "without a batch, the 16 KiB pieces arrive one wake-up at a time"
+    else:
+        assert receiver.calls <= most_calls, receiver.calls
