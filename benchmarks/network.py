@@ -13,6 +13,9 @@ both directions (tbf), on one bridge:
   (worker_lib.agent.dataplane: authenticated, per-stripe checksums verified by the receiver, committed)
   into machine 1's replica slot, from commit to verified replica: the goodput of one replica transfer.
 * replicate_vs_link: the ratio of the two (target >= 0.9).
+* replicate_sender_cpu_s_per_gb / replicate_receiver_cpu_s_per_gb: CPU seconds (user and system) per GB
+  replicated of the sending process (its transfers) and of the receiving one (checksums, copies into the
+  replica slot, and the kernel's TCP work its system calls do).
 
 With the 10 Gbit/s rate as well (the default, not --quick) the same figures carry a `_10` suffix; at that
 rate this host's CPU (the checksums, Python's copies) may be the bound rather than the link.
@@ -97,7 +100,7 @@ time.sleep(3600)
 """
 
 SENDER = """
-import json, sys, time
+import json, resource, sys, time
 from pathlib import Path
 import torch
 from worker_lib import Checkpointer
@@ -107,7 +110,7 @@ scratch, address, port, size, reps, token, job = sys.argv[1:8]
 size, reps = int(size), int(reps)
 sender = Holdings(Path(scratch))
 tensors = {f"t{i}": torch.randn(size // 4 // 16) for i in range(16)}
-best = 0.0
+best, sent, cpu = 0.0, 0, 0.0
 with (
     Checkpointer(sender.directory("local", 0), blocking=True) as checkpointer,
     PeerConnection(address, int(port), data_plane_key(token), job) as peer,
@@ -116,18 +119,30 @@ with (
         # A new commit every repetition: the peer would refuse a checkpoint it already holds.
         checkpointer.save(iteration, tensors)
         with sender.open_read(0) as (manifest, data):
-            start = time.perf_counter()
+            start, used = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             outcome = peer.send_put(0, manifest, data)
             assert outcome == "sent", f"the peer did not take the checkpoint: {outcome}"
             peer.finish_put()  # the peer verified and committed it
-            seconds = time.perf_counter() - start
+            seconds, now = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
         best = max(best, manifest.data_bytes * 8 / seconds / 1e9)
+        sent += manifest.data_bytes
+        cpu += now.ru_utime - used.ru_utime + now.ru_stime - used.ru_stime
 sender.close()
-print(json.dumps({"replicate_gbps": best, "checkpoint_bytes": manifest.data_bytes}), flush=True)
+figures = {"replicate_gbps": best, "checkpoint_bytes": manifest.data_bytes, "sent": sent, "cpu_s": cpu}
+print(json.dumps(figures), flush=True)
 """
 
 
-def replicate_gbps(emu: netemu.NetEmu, scratch: Path, size: int, reps: int) -> tuple[float, int]:
+def process_cpu_s(pid: int) -> float:
+    """User and system CPU seconds of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def replicate_gbps(emu: netemu.NetEmu, scratch: Path, size: int, reps: int) -> dict[str, float]:
+    """The best goodput of `reps` replica transfers of `size` bytes, and the CPU seconds per GB replicated
+    of the sending process (its transfers only) and of the receiving one (all of it while the sender ran:
+    it does nothing else)."""
     sender, receiver = emu.machines[0], emu.machines[1]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     peer = emu.popen(
@@ -142,6 +157,7 @@ def replicate_gbps(emu: netemu.NetEmu, scratch: Path, size: int, reps: int) -> t
         assert peer.stdout is not None
         port = peer.stdout.readline().strip()
         args = [str(scratch / "sender"), receiver.address, port, str(size), str(reps), TOKEN, JOB]
+        receiver_cpu = process_cpu_s(peer.pid)
         result = emu.run(
             sender,
             [sys.executable, "-c", SENDER, *args],
@@ -153,8 +169,15 @@ def replicate_gbps(emu: netemu.NetEmu, scratch: Path, size: int, reps: int) -> t
         )
         if result.returncode != 0:
             raise RuntimeError(f"the sender failed: {result.stderr[-3000:]}")
+        receiver_cpu = process_cpu_s(peer.pid) - receiver_cpu
         figures = json.loads(result.stdout.strip().splitlines()[-1])
-        return float(figures["replicate_gbps"]), int(figures["checkpoint_bytes"])
+        gigabytes = figures["sent"] / 1e9
+        return {
+            "replicate_gbps": float(figures["replicate_gbps"]),
+            "checkpoint_bytes": int(figures["checkpoint_bytes"]),
+            "replicate_sender_cpu_s_per_gb": round(figures["cpu_s"] / gigabytes, 3),
+            "replicate_receiver_cpu_s_per_gb": round(receiver_cpu / gigabytes, 3),
+        }
     finally:
         peer.kill()
         peer.wait()
@@ -167,12 +190,11 @@ def measure(rate_gbit: float, size: int, reps: int) -> dict[str, float | int]:
     ):
         a, b = emu.machines
         link = max(netemu.measure_gbps(emu, a, b, megabytes=size // MiB) for _ in range(reps))
-        replicate, data_bytes = replicate_gbps(emu, Path(scratch), size, reps)
+        replica = replicate_gbps(emu, Path(scratch), size, reps)
     return {
         "link_gbps": link,
-        "replicate_gbps": replicate,
-        "replicate_vs_link": replicate / link,
-        "checkpoint_bytes": data_bytes,
+        **replica,
+        "replicate_vs_link": replica["replicate_gbps"] / link,
     }
 
 
