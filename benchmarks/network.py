@@ -56,6 +56,11 @@ interleaved where the replication interval is measured and machines are lost at 
   iterations makes it smaller than one iteration's idle fraction); replication_interval_profile_bound: the
   bound with that idle fraction, mu (0.8) of it, and the tail's iteration time: what the interleaved
   sender can achieve by design before any alignment wait.
+* send_overlap_own_ms / send_overlap_any_ms / comm_start_spread_ms: per agent and interleaved iteration, how
+  long its send windows overlapped its own rank's communication and any rank's (from the earliest first
+  collective to the latest end), and how far apart the ranks' first collectives started (median): an agent
+  schedules by its own rank's timing; the spread, on this host the ranks' optimizer steps and saves
+  finishing tens of ms apart on shared cores, is what it cannot see (see send_overlaps).
 * machine_losses / peer_restores: at random instants of the tail a machine is declared lost and its rank's
   checkpoint of the job's aligned iteration is fetched from its peer's memory over the data plane (verified,
   and bit-exact against the lost machine's own copy) while every survivor still holds that iteration
@@ -76,10 +81,12 @@ import argparse
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -108,6 +115,9 @@ from worker_lib.agent.dataplane import PeerConnection, data_plane_key
 from worker_lib.agent.holdings import Holdings
 scratch, address, port, size, reps, token, job = sys.argv[1:8]
 size, reps = int(size), int(reps)
+# Transfers before the measured ones: both of the receiver's slots for the rank are mapped and touched
+# (the first write into fresh shared memory faults every page in, many times slower than the copy).
+WARMUP = 2
 sender = Holdings(Path(scratch))
 tensors = {f"t{i}": torch.randn(size // 4 // 16) for i in range(16)}
 best, sent, cpu = 0.0, 0, 0.0
@@ -115,7 +125,11 @@ with (
     Checkpointer(sender.directory("local", 0), blocking=True) as checkpointer,
     PeerConnection(address, int(port), data_plane_key(token), job) as peer,
 ):
-    for iteration in range(reps):
+    for iteration in range(WARMUP + reps):
+        if iteration == WARMUP:  # the measured ones: the driver reads the receiver's CPU, then says go
+            best, sent, cpu = 0.0, 0, 0.0
+            print("warm", flush=True)
+            sys.stdin.readline()
         # A new commit every repetition: the peer would refuse a checkpoint it already holds.
         checkpointer.save(iteration, tensors)
         with sender.open_read(0) as (manifest, data):
@@ -140,9 +154,10 @@ def process_cpu_s(pid: int) -> float:
 
 
 def replicate_gbps(emu: netemu.NetEmu, scratch: Path, size: int, reps: int) -> dict[str, float]:
-    """The best goodput of `reps` replica transfers of `size` bytes, and the CPU seconds per GB replicated
-    of the sending process (its transfers only) and of the receiving one (all of it while the sender ran:
-    it does nothing else)."""
+    """The best goodput of `reps` replica transfers of `size` bytes (after two that warm the receiver's
+    slots up), and the CPU seconds per GB replicated of the sending process (its transfers only) and of
+    the receiving one (all of it during those transfers and the sender's saves between them: it does
+    nothing else)."""
     sender, receiver = emu.machines[0], emu.machines[1]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     peer = emu.popen(
@@ -157,20 +172,27 @@ def replicate_gbps(emu: netemu.NetEmu, scratch: Path, size: int, reps: int) -> d
         assert peer.stdout is not None
         port = peer.stdout.readline().strip()
         args = [str(scratch / "sender"), receiver.address, port, str(size), str(reps), TOKEN, JOB]
-        receiver_cpu = process_cpu_s(peer.pid)
-        result = emu.run(
+        process = emu.popen(
             sender,
             [sys.executable, "-c", SENDER, *args],
-            capture_output=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
             cwd=REPO,
             env=env,
-            timeout=600,
         )
-        if result.returncode != 0:
-            raise RuntimeError(f"the sender failed: {result.stderr[-3000:]}")
+        assert process.stdin is not None and process.stdout is not None
+        warm = process.stdout.readline()
+        receiver_cpu = process_cpu_s(peer.pid)
+        if warm.strip() == "warm":
+            process.stdin.write("go\n")
+            process.stdin.flush()
+        stdout, stderr = process.communicate(timeout=600)
+        if process.returncode != 0:
+            raise RuntimeError(f"the sender failed: {stderr[-3000:]}")
         receiver_cpu = process_cpu_s(peer.pid) - receiver_cpu
-        figures = json.loads(result.stdout.strip().splitlines()[-1])
+        figures = json.loads(stdout.strip().splitlines()[-1])
         gigabytes = figures["sent"] / 1e9
         return {
             "replicate_gbps": float(figures["replicate_gbps"]),
@@ -201,6 +223,54 @@ def measure(rate_gbit: float, size: int, reps: int) -> dict[str, float | int]:
 SETTLE = 2  # iterations of each block left out: the previous policy's last piece may still be draining
 
 
+def comm_periods(train: dict[str, Any]) -> dict[int, tuple[float, float]]:
+    """Each iteration's communication, from its first collective's start to its last one's end (the
+    training process's monotonic clock, which every namespace shares)."""
+    starts, spans = train["starts"], train["spans"]
+    periods = {}
+    for index in range(len(starts) - 1):
+        inside = [span for span in spans if starts[index] <= span[0] < starts[index + 1]]
+        if inside:
+            periods[index] = (min(s for s, _ in inside), max(e for _, e in inside))
+    return periods
+
+
+def send_overlaps(out: dict[str, Any]) -> dict[str, float]:
+    """How well the interleaved senders kept off training's wire, over the interleaved blocks: per agent
+    and iteration, the milliseconds its send windows overlapped its own rank's communication
+    (`send_overlap_own_ms`) and the communication of any rank, from the earliest start to the latest end
+    (`send_overlap_any_ms`); and the median spread of the ranks' first-collective starts
+    (`comm_start_spread_ms`). Each agent schedules by its own rank's timing only, so the spread is what it
+    cannot see. Empty with one machine."""
+    trains = out["train"]
+    if len(trains) < 2:
+        return {}
+    phases = {iteration: phase for iteration, phase, _ in trains[0]["times"]}
+    periods = [comm_periods(train) for train in trains]
+    shared = [
+        i for i in sorted(periods[0]) if phases.get(i) == "interleaved" and all(i in p for p in periods)
+    ]
+    if not shared:
+        return {}
+
+    def overlap(windows: list[list[float]], begin: float, end: float) -> float:
+        return sum(max(0.0, min(w[1], end) - max(w[0], begin)) for w in windows)
+
+    own, any_rank, spread = [], [], []
+    for i in shared:
+        begins = [p[i][0] for p in periods]
+        spread.append(max(begins) - min(begins))
+        first, last = min(begins), max(p[i][1] for p in periods)
+        for agent, rank_periods in zip(out["agents"], periods, strict=True):
+            own.append(overlap(agent["windows"], *rank_periods[i]))
+            any_rank.append(overlap(agent["windows"], first, last))
+    return {
+        "send_overlap_own_ms": round(1000 * statistics.fmean(own), 2),
+        "send_overlap_any_ms": round(1000 * statistics.fmean(any_rank), 2),
+        "comm_start_spread_ms": round(1000 * statistics.median(spread), 1),
+    }
+
+
 def interleaving(
     quick: bool,
     raw: str | None = None,
@@ -214,7 +284,6 @@ def interleaving(
 ) -> dict[str, object]:
     import math
     import random
-    import statistics
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     import netmachine
@@ -300,6 +369,7 @@ def interleaving(
             # The extra CPU as a share of the none iteration's whole capacity (every core for its length).
             capacity = float(figures["iteration_s_none"]) * (os.cpu_count() or 1)  # type: ignore[arg-type]
             figures[f"replication_cpu_pct_of_capacity_{phase}"] = round(100 * extra / capacity, 2)
+    figures.update(send_overlaps(out))
     # The idle time training leaves, from the none blocks: each iteration's length less its busy spans.
     train = out["train"][0]
     starts, spans = train["starts"], train["spans"]

@@ -102,6 +102,9 @@ def test_network_benchmark_runs() -> None:
     }
     assert interleaving | {"machine_losses", "peer_restores"} <= set(figures)
     assert 0 < figures["host_busy_pct_none"] <= 100
+    # Each rank's communication lies inside the span from the earliest rank's start to the latest end.
+    assert 0 <= figures["send_overlap_own_ms"] <= figures["send_overlap_any_ms"]
+    assert figures["comm_start_spread_ms"] >= 0
     assert figures["machine_losses"] >= 1
     from worker_lib.agent.priority import REPLICATION_NICE
 
