@@ -206,20 +206,16 @@ def next_grant(
     communicating through a timed model) nothing is known to protect: the chunk is sent whole.
     `quiet_for`: seconds since the latest iteration's collectives all ended (as many as the profile's
     `collectives`; None while some are still to come): the idle span then lasts until the profile's `gap`
-    after that end, whatever the phase says. A collective ends at about the same instant on every rank,
-    while each rank's iteration starts when its own optimizer step and save are done, tens of milliseconds
-    apart on a loaded host: the phase says when this rank's next collective starts, but an earlier rank's
-    puts the wire to use before that (a ring's traffic into the machine this one replicates to)."""
+    after that end, when this is longer than what the phase alone says (a collective that ended early)."""
     if wanted <= 0:
         return Grant(0)
     if profile is None:
         return Grant(min(wanted, chunk_max))
     if in_flight > 0:
         return Grant(0, poll_s)  # training is on the wire: whatever the profile says
+    left = idle_left(profile, phase)
     if quiet_for is not None and profile.gap > 0:
-        left = max(0.0, profile.gap - quiet_for)
-    else:
-        left = idle_left(profile, phase)
+        left = max(left, profile.gap - quiet_for)
     size = chunk_size(left, bandwidth, mu=mu, alpha=alpha, chunk_max=chunk_max, chunk_min=chunk_min)
     if size > 0:
         return Grant(min(size, wanted))
