@@ -91,7 +91,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests import netemu  # noqa: E402
+from tests import harness, netemu  # noqa: E402
 
 MiB = 1 << 20
 JOB, TOKEN = "bench", "castor-job.bench.secret"
@@ -147,12 +147,6 @@ print(json.dumps(figures), flush=True)
 """
 
 
-def process_cpu_s(pid: int) -> float:
-    """User and system CPU seconds of a process so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def replicate_gbps(emu: netemu.NetEmu, scratch: Path, size: int, reps: int) -> dict[str, float]:
     """The best goodput of `reps` replica transfers of `size` bytes (after two that warm the receiver's
     slots up), and the CPU seconds per GB replicated of the sending process (its transfers only) and of
@@ -184,14 +178,14 @@ def replicate_gbps(emu: netemu.NetEmu, scratch: Path, size: int, reps: int) -> d
         )
         assert process.stdin is not None and process.stdout is not None
         warm = process.stdout.readline()
-        receiver_cpu = process_cpu_s(peer.pid)
+        receiver_cpu = harness.cpu_seconds(peer.pid)
         if warm.strip() == "warm":
             process.stdin.write("go\n")
             process.stdin.flush()
         stdout, stderr = process.communicate(timeout=600)
         if process.returncode != 0:
             raise RuntimeError(f"the sender failed: {stderr[-3000:]}")
-        receiver_cpu = process_cpu_s(peer.pid) - receiver_cpu
+        receiver_cpu = harness.cpu_seconds(peer.pid) - receiver_cpu
         figures = json.loads(stdout.strip().splitlines()[-1])
         gigabytes = figures["sent"] / 1e9
         return {

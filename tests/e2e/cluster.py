@@ -157,13 +157,14 @@ class LocalCluster:
     def job_state(self) -> dict[str, Any]:
         return dict(self.api("GET", f"/api/v1/jobs/{self.job['id']}"))
 
+    def directive(self) -> dict[str, Any]:
+        """The job's directive as its agents read it (with the job's worker token)."""
+        path = f"/api/v1/worker/jobs/{self.job['id']}/directive"
+        return dict(self.api("GET", path, token=self.job["worker_token"]))
+
     def persist_target(self) -> int | None:
-        """The iteration the root has told every rank to persist next, as its agents read it."""
-        directive = self.api(
-            "GET", f"/api/v1/worker/jobs/{self.job['id']}/directive", token=self.job["worker_token"]
-        )
-        persist = directive.get("persist") or {}
-        return persist.get("iteration")
+        """The iteration the root has told every rank to persist next."""
+        return (self.directive().get("persist") or {}).get("iteration")
 
     def wait_for_recoveries(self, count: int, timeout: float = 120) -> list[dict[str, Any]]:
         """The job's failure events once `count` of them are recovered (newest first)."""

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.e2e.cluster import LocalCluster, read_events, wait_until
@@ -92,10 +91,7 @@ def test_loss_of_a_whole_group_restores_its_ranks_from_the_persistent_tier(
     # Every rank persisted the iterations the root announced: at most the target in progress is partial
     # (per-rank multiples would leave a partial one wherever an upload lagged), and agents read the next.
     checkpoints = cluster.api("GET", url)
-    worker = {"Authorization": f"Bearer {cluster.job['worker_token']}"}
-    directive = httpx.get(
-        f"{cluster.roots[0].url}/api/v1/worker/jobs/{cluster.job['id']}/directive", headers=worker, timeout=30
-    ).json()
+    directive = cluster.directive()
     partial = [c["iteration"] for c in checkpoints if not c["complete"]]
     complete = max(c["iteration"] for c in checkpoints if c["complete"])
     target = directive["persist"]["iteration"]
@@ -158,8 +154,9 @@ def test_corrupted_memory_checkpoint_falls_back_to_the_next_tier(
         # of it and failed, and the next plan read the rank from the peer. That next recovery is opened by
         # whichever failure reaches the root first: rank 1's exit, or rank 0's collective breaking off when
         # rank 1 left (a gloo abort); either way rank 1's exit, which says nothing of its peers, is the
-        # recorded cause (flows.failures.join_exit), and its process said why in its output. (Its exit may be
-        # reported as a kill: its agent stopped it for the next recovery while it was still exiting.)
+        # recorded cause (flows.failures.join_exit), and its process said why in its output. (Its agent
+        # may have stopped it for the next recovery while it was still exiting: "failed (was killed by
+        # SIGTERM while exiting): CheckpointCorruptError ...", flows.failures.exit_cause.)
         assert len(cluster.failures()) >= 2, "the restore's failure opened a recovery of its own"
         causes = [e["cause"] for e in cluster.failures()]
         assert any("rank 1 " in c and "CheckpointCorruptError" in c for c in causes), causes
