@@ -178,6 +178,11 @@ def test_a_stranger_dripping_its_handshake_is_dropped_at_the_deadline(shm: Path)
                     if stranger.recv(1) == b"":
                         dropped = True
                         break
+                except ConnectionResetError:
+                    # Closed with a dripped byte still unread in its buffer, the server's kernel answers with
+                    # a reset instead of an end of stream: dropped all the same.
+                    dropped = True
+                    break
                 except TimeoutError:
                     pass
             assert dropped, "each byte restarted the timeout: the stranger kept the connection"
