@@ -125,10 +125,11 @@ def test_read_error_file_takes_the_traceback_tail_and_plain_messages(tmp_path: P
 
 def ended(pid: int) -> bool:
     """Whether process `pid` has exited: a zombie, or reaped already (asyncio's child watcher reaps in a
-    thread of its own, and hands the exit to the event loop)."""
+    thread of its own, and hands the exit to the event loop). A process reaped between the open and the read
+    of its stat file fails the read with ESRCH (ProcessLookupError), not ENOENT: both are OSErrors."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except OSError:
         return True
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
