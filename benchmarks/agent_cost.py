@@ -37,15 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of one process (its threads included, its children not)."""
-    text = Path(f"/proc/{pid}/stat").read_text()
-    fields = text[text.rindex(")") + 2 :].split()  # fields from the 3rd (state) on
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime (14th), stime (15th)
-
+from tests.harness import cpu_seconds  # noqa: E402
 
 # -- the training process (--worker) -----------------------------------------------------------------------
 

@@ -93,6 +93,7 @@ def test_network_benchmark_runs() -> None:
     figures = run_benchmark("network.py")
     assert {"link_gbps", "replicate_gbps", "replicate_vs_link"} <= set(figures)
     assert figures["replicate_sender_cpu_s_per_gb"] > 0 and figures["replicate_receiver_cpu_s_per_gb"] > 0
+    assert figures["replicate_host_cpu_s_per_gb"] > 0
     interleaving = {"iteration_s_none", "iteration_s_eager", "iteration_s_interleaved", "slowdown_eager_pct"}
     interleaving |= {"slowdown_interleaved_pct", "replication_interval", "replication_interval_bound"}
     interleaving |= {

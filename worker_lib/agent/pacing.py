@@ -152,9 +152,12 @@ class Pacer:
                     self._granted += size
                     self.windows.append((now + ahead, now + ahead + size / rate, size))
                 return size
-            if now + decided.wait_s > deadline:
+            if now >= deadline:
                 return 0
-            time.sleep(min(max(decided.wait_s, POLL_S), 0.05))
+            # Sleep out the patience even when the next span opens later than that: returning at once
+            # made the sender ask again at once, a busy loop for the whole wait (a core at replication's
+            # priority, and the agent's GIL, while training's collectives ran).
+            time.sleep(min(max(decided.wait_s, POLL_S), 0.05, deadline - now))
 
     def finished(self) -> None:
         """The calling sender's put is over (sent, given up or failed): the wire is free for another."""

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from worker_lib.agent import pacing
 from worker_lib.agent.pacing import Pacer, replication_pacer
 from worker_lib.api.worker import RegisterResponse
 from worker_lib.comm_timing import CommBoard, CommTimer
@@ -272,6 +273,33 @@ def test_the_interleaved_pacer_grants_nothing_while_training_communicates(tmp_pa
     thread.start()
     assert done.wait(5)
     assert result == [0]
+    pacer.finished()
+    pacer.close()
+    board.close()
+
+
+def test_a_grant_that_must_wait_past_its_patience_sleeps_it_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The next idle span opens later than a grant waits (WAIT_MAX_S): the grant still sleeps its patience
+    # before it answers 0, or the sender (which asks again at once) spins for the whole wait.
+    path = tmp_path / "comm-timing"
+    board = CommBoard(path, create=True)
+    clock = FakeClock()
+    board.publish(CommProfile(1.0, ((0.1, 0.9),)), clock.now)
+    pacer = Pacer("interleaved", boards=lambda: [path], clock=clock)
+    pacer.bandwidth = 100e6
+    board.iteration_started(clock.now - 0.2, 10)  # in the busy span, nothing on the wire: 0.7 s to wait
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock.now += seconds
+
+    monkeypatch.setattr(pacing.time, "sleep", sleep)
+    assert pacer.grant(MB, lambda: 0) == 0
+    assert sum(slept) == pytest.approx(pacing.WAIT_MAX_S)
+    assert all(s <= 0.05 for s in slept)  # it looks again at least every 50 ms
     pacer.finished()
     pacer.close()
     board.close()
