@@ -42,7 +42,7 @@ Policy = Literal["interleaved", "eager"]
 POLICIES = ("interleaved", "eager")
 DEFAULT_BANDWIDTH = 125e6  # bytes/s (1 Gbit/s) until the first chunk measured the link
 DRAINED = 4096  # bytes still unacknowledged that count as drained (the last segment's ACK in flight)
-POLL_S = 0.005  # while training communicates, look again this often
+POLL_S = 0.005  # while an early end of training's collectives could open an idle span, look this often
 WAIT_MAX_S = 0.1  # a grant waits at most this long before letting the sender check for a given-up round
 
 
@@ -154,10 +154,16 @@ class Pacer:
                 return size
             if now >= deadline:
                 return 0
-            # Sleep out the patience even when the next span opens later than that: returning at once
-            # made the sender ask again at once, a busy loop for the whole wait (a core at replication's
-            # priority, and the agent's GIL, while training's collectives ran).
-            time.sleep(min(max(decided.wait_s, POLL_S), 0.05, deadline - now))
+            # Wake when the next span opens, or sooner: while the iteration's collectives are not all done,
+            # one that ends early opens the gap after it (quiet_for), so look again every POLL_S (every
+            # next_grant's poll_s while one is in flight). And sleep out the patience even when that span
+            # opens later: returning 0 at once made the sender ask again at once, a busy loop for the
+            # whole wait (a core at replication's priority, and the agent's GIL, while training's
+            # collectives ran).
+            settled = (bool(quiet) and min(quiet) > 0) or not any(
+                s.profile.gap > 0 for s in timed if s.profile
+            )
+            time.sleep(min(max(decided.wait_s, 0.001), 0.05 if settled else POLL_S, deadline - now))
 
     def finished(self) -> None:
         """The calling sender's put is over (sent, given up or failed): the wire is free for another."""

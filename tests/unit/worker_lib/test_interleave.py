@@ -278,15 +278,17 @@ def test_the_interleaved_pacer_grants_nothing_while_training_communicates(tmp_pa
     board.close()
 
 
+@pytest.mark.parametrize("gap", [0.0, 0.05])
 def test_a_grant_that_must_wait_past_its_patience_sleeps_it_out(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gap: float
 ) -> None:
     # The next idle span opens later than a grant waits (WAIT_MAX_S): the grant still sleeps its patience
-    # before it answers 0, or the sender (which asks again at once) spins for the whole wait.
+    # before it answers 0, or the sender (which asks again at once) spins for the whole wait. With a gap in
+    # the profile, a collective ending early would open it: then it looks again every POLL_S.
     path = tmp_path / "comm-timing"
     board = CommBoard(path, create=True)
     clock = FakeClock()
-    board.publish(CommProfile(1.0, ((0.1, 0.9),)), clock.now)
+    board.publish(CommProfile(1.0, ((0.1, 0.9),), collectives=1, gap=gap), clock.now)
     pacer = Pacer("interleaved", boards=lambda: [path], clock=clock)
     pacer.bandwidth = 100e6
     board.iteration_started(clock.now - 0.2, 10)  # in the busy span, nothing on the wire: 0.7 s to wait
@@ -299,7 +301,7 @@ def test_a_grant_that_must_wait_past_its_patience_sleeps_it_out(
     monkeypatch.setattr(pacing.time, "sleep", sleep)
     assert pacer.grant(MB, lambda: 0) == 0
     assert sum(slept) == pytest.approx(pacing.WAIT_MAX_S)
-    assert all(s <= 0.05 for s in slept)  # it looks again at least every 50 ms
+    assert max(slept) == pytest.approx(pacing.POLL_S if gap else 0.05)
     pacer.finished()
     pacer.close()
     board.close()
