@@ -138,13 +138,14 @@ class Pacer:
             # Every local rank's iteration communicated all it does (the wire quiet since the latest end):
             # the gap after that end is idle, even where the phase says a late collective would still run.
             quiet = [s.quiet_since for s in timed]
+            all_quiet = bool(quiet) and min(quiet) > 0
             decided: Grant = next_grant(
                 timed[0].profile if timed else None,
                 now + ahead - start,
                 sum(s.in_flight for s in states),
                 wanted,
                 rate,
-                quiet_for=now + ahead - max(quiet) if quiet and min(quiet) > 0 else None,
+                quiet_for=now + ahead - max(quiet) if all_quiet else None,
             )
             if decided.size > 0:
                 size = self._capped(decided.size, deadline)
@@ -160,9 +161,7 @@ class Pacer:
             # opens later: returning 0 at once made the sender ask again at once, a busy loop for the
             # whole wait (a core at replication's priority, and the agent's GIL, while training's
             # collectives ran).
-            settled = (bool(quiet) and min(quiet) > 0) or not any(
-                s.profile.gap > 0 for s in timed if s.profile
-            )
+            settled = all_quiet or not any(s.profile.gap > 0 for s in timed if s.profile)
             time.sleep(min(max(decided.wait_s, 0.001), 0.05 if settled else POLL_S, deadline - now))
 
     def finished(self) -> None:
