@@ -43,13 +43,17 @@ POLL_S = 0.025
 PHASES = ("none", "eager", "interleaved")
 
 
-def phase_of(iteration: int, warmup: int, block: int, phases: tuple[str, ...], cycles: int) -> str:
-    """warmup, then `cycles` rounds of the phases in blocks (A, B, C, A, B, C, ...), then "tail"."""
+def phase_of(
+    iteration: int, warmup: int, block: int, phases: tuple[str, ...], cycles: int, steady: int | None = None
+) -> str:
+    """warmup, then `cycles` rounds of the phases in blocks (A, B, C, A, B, C, ...), then "tail" (interleaved,
+    `steady` iterations: the replication interval's), then "losses" (interleaved, machines lost)."""
     if iteration < warmup:
         return "warmup"
-    if (iteration - warmup) // block >= cycles * len(phases):
-        return "tail"
-    return phases[((iteration - warmup) // block) % len(phases)]
+    past = iteration - warmup - block * cycles * len(phases)
+    if past < 0:
+        return phases[((iteration - warmup) // block) % len(phases)]
+    return "tail" if steady is None or past < steady else "losses"
 
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -92,7 +96,7 @@ def train(args: argparse.Namespace) -> None:
     x = torch.randn(8, width)
     with Checkpointer(directory, slots=4, threads=1) as checkpointer:
         for iteration in range(args.iterations):
-            phase = phase_of(iteration, args.warmup, args.block, phases, args.cycles)
+            phase = phase_of(iteration, args.warmup, args.block, phases, args.cycles, args.steady)
             phase_file.write_text(phase)
             start, cpu_before = time.monotonic(), host_cpu_jiffies()
             loss = ddp(x).square().mean()  # the forward pre-hook marks the iteration's start
@@ -223,6 +227,7 @@ def main() -> None:
     t.add_argument("--block", type=int, default=20)
     t.add_argument("--phases", default=",".join(PHASES))
     t.add_argument("--cycles", type=int, default=1)
+    t.add_argument("--steady", type=int, default=None, help="tail iterations before the losses phase")
     t.add_argument("--profile-window", type=int, default=8)
     t.add_argument("--width", type=int, default=1448)  # two layers: 4.2 M parameters, 16 MiB of gradients
     t.add_argument("--bucket-mb", type=float, default=4.0)
@@ -268,12 +273,14 @@ def drive(
     seed: int = 0,
     timeout_s: float = 900.0,
 ) -> dict[str, Any]:
-    """Run one training process and one agent per machine of `emu` (netemu.NetEmu; machine i's group peer
-    is i ^ 1), play the root's part in aligning rounds, and lose `losses` machines at random instants of
-    the "tail" phase: each loss is restored from its peer's memory when the survivors all hold the job's
-    aligned iteration locally and the peer's replica of the lost rank at it comes over the data plane,
-    verified, with the lost machine's own digest (bit-exact). The machine is not killed: the restore path
-    is what is exercised. Returns the processes' JSON and the losses' outcomes."""
+    """Run one training process and one agent per machine of `emu` (netemu.NetEmu; machine i's group peer is
+    i ^ 1), play the root's part in aligning rounds, and lose `losses` machines at random instants of the
+    "losses" phase (train --steady; not in the "tail" before it, where the replication interval is measured: a
+    loss's fetch takes the holder's uplink and cores from its replication while training goes on, which a real
+    loss, training stopped for the recovery, never does): each loss is restored from its peer's memory when
+    the survivors all hold the job's aligned iteration locally and the peer's replica of the lost rank at it
+    comes over the data plane, verified, with the lost machine's own digest (bit-exact). The machine is not
+    killed: the restore path is what is exercised. Returns the processes' JSON and the losses' outcomes."""
     import random
     import subprocess
 
@@ -379,8 +386,8 @@ def drive(
                         temporary.write_text(body)
                         os.replace(temporary, root / "alignment.json")
             phase_file = roots[0] / "phase"
-            tail = phase_file.exists() and phase_file.read_text() == "tail"
-            if tail and len(outcomes) < losses and (loss is None or not loss.is_alive()):
+            losing = phase_file.exists() and phase_file.read_text() == "losses"
+            if losing and len(outcomes) < losses and (loss is None or not loss.is_alive()):
                 now = time.monotonic()
                 if next_loss is None:
                     next_loss = now + rng.uniform(*loss_every_s)

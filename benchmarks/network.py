@@ -29,7 +29,8 @@ emulated by a sleep (an accelerator's time; 2 shared cores cannot compute for fo
 checkpoint of 80 MiB per rank (model, momentum and 48 MiB of payload standing for a larger optimizer
 state) saved every iteration. One training run plays the policies in blocks, none, eager, interleaved,
 none, eager, ... (paired: each cycle's blocks ran back to back under the same load), then a "tail" under
-interleaved where the replication interval is measured and machines are lost at random instants.
+interleaved where the replication interval is measured, then a "losses" phase, also interleaved, where
+machines are lost at random instants.
 
 * iteration_s_<policy>: median iteration time of the policy's blocks of 6 iterations (the first 2 of a
   block left out: a piece sent under the previous policy may still be draining); slowdown_<policy>_pct:
@@ -44,7 +45,10 @@ interleaved where the replication interval is measured and machines are lost at 
 * replication_nice: how many steps below training's CPU priority the agents' replication threads ran
   (`--replication-nice`; the agent's default unless given: worker_lib/agent/priority.py).
 * replication_interval: median iterations between fully replicated checkpoints in the tail (rounds aligned
-  across machines through the driver, which plays the root's part); replication_interval_bound:
+  across machines through the driver, which plays the root's part); replication_interval_losses: the same
+  in the losses phase, where each loss's fetch takes the holder's uplink and the host's cores from the
+  rounds while training goes on (a real loss stops training for the recovery, and the replication with
+  it), so the slowest machine, whom every aligned round waits for, is slower; replication_interval_bound:
   checkpoint bytes / (idle fraction x link bandwidth x iteration time), rounded up, from the none blocks'
   measured idle fraction and iteration time and this run's link_gbps; checkpoint_vs_idle_capacity: the
   checkpoint over one iteration's idle capacity (3 to 10 by design).
@@ -63,15 +67,15 @@ interleaved where the replication interval is measured and machines are lost at 
   collective to the latest end), and how far apart the ranks' first collectives started (median): an agent
   schedules by its own rank's timing; the spread, on this host the ranks' optimizer steps and saves
   finishing tens of ms apart on shared cores, is what it cannot see (see send_overlaps).
-* machine_losses / peer_restores: at random instants of the tail a machine is declared lost and its rank's
-  checkpoint of the job's aligned iteration is fetched from its peer's memory over the data plane (verified,
-  and bit-exact against the lost machine's own copy) while every survivor still holds that iteration
-  locally. The machine is not killed (the recovery of a killed machine on this cluster is
-  tests/e2e/test_netemu_recovery.py's): what is counted is that a common iteration was in memory and came
-  back from the peer. A loss that failed records its error, the holder's replicas of the lost rank after it
+* machine_losses / peer_restores: at random instants of the losses phase a machine is declared lost and its
+  rank's checkpoint of the job's aligned iteration is fetched from its peer's memory over the data plane
+  (verified, and bit-exact against the lost machine's own copy) while every survivor still holds that
+  iteration locally. The machine is not killed (the recovery of a killed machine on this cluster is
+  tests/e2e/test_netemu_recovery.py's): what is counted is that a common iteration was in memory and came back
+  from the peer. A loss that failed records its error, the holder's replicas of the lost rank after it
   (`peer_replicas_after` in --raw) and what the holder's agent logged meanwhile (`holder_log`).
 
-    sudo .venv/bin/python benchmarks/network.py --interleave-only --cycles 1 --tail 80 --losses 16 --logs DIR
+    sudo .venv/bin/python benchmarks/network.py --interleave-only --cycles 1 --tail 40 --losses 16 --logs DIR
 
 runs only the interleaving part, sized by its flags, and keeps the agents' logs (the rounds' steps at DEBUG)
 and JSON in DIR.
@@ -287,6 +291,7 @@ def interleaving(
     cycles: int | None = None,
     tail: int | None = None,
     losses: int | None = None,
+    loss_tail: int | None = None,
     machines: int | None = None,
     logs: str | None = None,
     replication_nice: int | None = None,
@@ -303,17 +308,22 @@ def interleaving(
     nice = REPLICATION_NICE if replication_nice is None else replication_nice  # what a user's agent runs at
 
     # Short blocks, many cycles: this host's load drifts over minutes, and a pair of blocks seconds apart
-    # sees about the same load. A policy switch takes effect at the sender's next piece (2 MiB).
-    block, default_cycles, default_tail, default_losses = (6, 1, 14, 2) if quick else (6, 10, 70, 12)
+    # sees about the same load. A policy switch takes effect at the sender's next piece (2 MiB). One cycle's
+    # interleaved slowdown spreads over -5 to +13 % here: 20 cycles make the median a few points steadier
+    # than 10 (whose runs ranged +1.1 to +3.6 % around +2.2).
+    # The tail measures the replication interval with no machine lost; the losses phase after it loses
+    # machines (about one per 2.7 s at 1 Gbit/s: a fetch of 80 MiB, then a pause of 0.5-2 s).
+    block, default_cycles, default_tail, default_losses = (6, 1, 8, 2) if quick else (6, 20, 60, 12)
     cycles = default_cycles if cycles is None else cycles
     tail = default_tail if tail is None else tail
     losses = default_losses if losses is None else losses
+    loss_tail = loss_tail if loss_tail is not None else (14 if quick else 80)
     if machines is None:
         machines = 2 if quick else 4  # --quick checks that it runs: half the processes to start
     warmup = 12
-    iterations = warmup + block * cycles * 3 + tail
+    iterations = warmup + block * cycles * 3 + tail + loss_tail
     train_args = ["--iterations", str(iterations), "--warmup", str(warmup), "--block", str(block)]
-    train_args += ["--cycles", str(cycles)]
+    train_args += ["--cycles", str(cycles), "--steady", str(tail)]
     with (
         netemu.cluster(machines, rate_gbit=1.0) as emu,
         tempfile.TemporaryDirectory(prefix="castor-bench-interleave-", dir="/dev/shm") as scratch,
@@ -394,13 +404,18 @@ def interleaving(
     checkpoint_bytes = max(int(a["checkpoint_bytes"] or 0) for a in out["agents"])
     bandwidth = link * 1e9 / 8
     iteration_s = float(figures["iteration_s_none"])  # type: ignore[arg-type]
-    intervals = []
+    intervals, intervals_losing = [], []
     for agent in out["agents"]:
         rounds = agent["rounds"]
         for previous, current in itertools.pairwise(rounds):
             if previous[3] == current[3] == "tail" and current[2]:
                 intervals.append(current[2])
+            elif previous[3] == current[3] == "losses" and current[2]:
+                intervals_losing.append(current[2])
     figures["replication_interval"] = statistics.median(intervals) if intervals else None
+    # The same while machines are lost: each loss's fetch shares the holder's uplink and the host's cores with
+    # the rounds, which a real loss (training stopped for the recovery) does not.
+    figures["replication_interval_losses"] = statistics.median(intervals_losing) if intervals_losing else None
     # Where an interval's time goes: the rounds' transfers (start to the last verified replica) and the
     # wait between one round's end and the next one's start (every machine done, a proposal, its lead).
     transfers, periods = [], []
@@ -470,9 +485,18 @@ def main() -> None:
     parser.add_argument(
         "--interleave-only", action="store_true", help="skip the link and replica-transfer measurements"
     )
-    parser.add_argument("--cycles", type=int, help="cycles of none/eager/interleaved blocks (10; --quick 1)")
-    parser.add_argument("--tail", type=int, help="iterations of the tail under interleaved (70; --quick 14)")
-    parser.add_argument("--losses", type=int, help="machine losses in the tail (12; --quick 2)")
+    parser.add_argument("--cycles", type=int, help="cycles of none/eager/interleaved blocks (20; --quick 1)")
+    parser.add_argument(
+        "--tail",
+        type=int,
+        help="iterations under interleaved, no machine lost, after the blocks (60; --quick 8)",
+    )
+    parser.add_argument(
+        "--loss-tail",
+        type=int,
+        help="iterations under interleaved after the tail, machines lost (80; --quick 14)",
+    )
+    parser.add_argument("--losses", type=int, help="machine losses in them (12; --quick 2)")
     parser.add_argument("--machines", type=int, help="machines of the interleaving run (4; --quick 2)")
     parser.add_argument("--logs", help="copy the agents' logs and JSON into this directory")
     parser.add_argument(
@@ -500,6 +524,7 @@ def main() -> None:
             cycles=args.cycles,
             tail=args.tail,
             losses=args.losses,
+            loss_tail=args.loss_tail,
             machines=args.machines,
             logs=args.logs,
             replication_nice=args.replication_nice,

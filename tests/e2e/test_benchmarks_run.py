@@ -96,6 +96,7 @@ def test_network_benchmark_runs() -> None:
     assert figures["replicate_host_cpu_s_per_gb"] > 0
     interleaving = {"iteration_s_none", "iteration_s_eager", "iteration_s_interleaved", "slowdown_eager_pct"}
     interleaving |= {"slowdown_interleaved_pct", "replication_interval", "replication_interval_bound"}
+    interleaving |= {"replication_interval_losses"}
     interleaving |= {
         "host_cpu_s_none",
         "host_busy_pct_interleaved",
