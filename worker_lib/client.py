@@ -44,6 +44,7 @@ from worker_lib.api.worker import (
     ProgressReport,
     RegisterRequest,
     RegisterResponse,
+    ReplicationAlignment,
 )
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,26 @@ class RootClient:
         # A heartbeat is worth nothing once the next one is due: retry briefly only.
         return await self.call(
             HeartbeatResponse, "POST", self._worker(f"/machines/{rank}/heartbeat"), json=body, retry_for_s=2.0
+        )
+
+    async def replication_alignment(
+        self, heard: ReplicationAlignment | None, wait_s: float = 5.0
+    ) -> ReplicationAlignment | None:
+        """The job's replication alignment once it differs from `heard` (long poll); None: no machine
+        replicates, or the job does not align."""
+        params: dict[str, Any] = {"wait": wait_s}
+        if heard is not None:
+            params.update(
+                aligned_iteration=-1 if heard.aligned_iteration is None else heard.aligned_iteration,
+                target=-1 if heard.target is None else heard.target,
+                go=str(heard.go).lower(),
+            )
+        return await self.call(
+            ReplicationAlignment | None,  # type: ignore[arg-type]
+            "GET",
+            self._worker("/replication-alignment"),
+            params=params,
+            timeout_s=wait_s + 10,
         )
 
     async def report_exit(

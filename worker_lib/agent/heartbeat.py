@@ -9,6 +9,7 @@ rewritten once a summary period (the root's, or SUMMARY_PERIOD_S), on a clock of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -39,7 +40,9 @@ async def rest_heartbeats(
     interval_s: float,
     summary: Summary,
     on_response: Callable[[HeartbeatResponse], None] = lambda response: None,
+    wake: asyncio.Event | None = None,
 ) -> None:
+    """Heartbeat every `interval_s`, and at once whenever `wake` is set."""
     while True:
         try:
             on_response(await client.heartbeat(rank, instance_id, summary()))
@@ -49,7 +52,12 @@ async def rest_heartbeats(
             log.warning("heartbeat refused: %s", exc)
         except RootUnavailable as exc:
             log.info("heartbeat not delivered: %s", exc)
-        await asyncio.sleep(interval_s)
+        if wake is None:
+            await asyncio.sleep(interval_s)
+            continue
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), interval_s)
+        wake.clear()
 
 
 # The summary rides on the key, but liveness is the lease's keepalive alone: the key is put when a lease is

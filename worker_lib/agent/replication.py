@@ -98,6 +98,11 @@ LEAD_MAX = 1 << 12
 # A proposal goes up with this machine's next heartbeat and reaches each other machine with its next one: two
 # heartbeat periods at worst, and half a period more for jitter.
 AGREE_PERIODS = 2.5
+# With the alignment pushed (the agent heartbeats when its part changes and long-polls the root's answers), a
+# proposal reaches every machine in about the time it took to come back to this one, named in an answer:
+# twice the longest of the last few such trips, PUSHED_TRAVEL_S until one is measured.
+TRAVEL_MARGIN = 2.0
+PUSHED_TRAVEL_S = 0.1
 PACE_WINDOW = 32  # commits (of one local rank) and answers from the root the paces are measured over
 # Training has stopped (every rank waits: a pause, a stalled collective, the end) when no local rank committed
 # for this long: at least STALL_MIN_S, two heartbeat periods and STALL_ITERATIONS of the observed iterations.
@@ -294,6 +299,13 @@ class Replicator:
         self._last_commit_at: float | None = None
         self._newest_common: int | None = None  # the newest iteration every local rank committed, last step
         self._generation = 1  # of the newest local commits: proposals are of this history
+        # Called (from the coordinator's thread) when this machine's part of the alignment changed: the
+        # agent then heartbeats at once rather than a heartbeat period later.
+        self.on_alignment_change: Callable[[], None] | None = None
+        self.answers_pushed = False  # the agent long-polls the alignment (see _travel_s)
+        self._proposed: tuple[int, float] | None = None  # (iteration, time.monotonic()) of the last proposal
+        self._travels: deque[float] = deque(maxlen=PACE_WINDOW // 4)  # its trips to an answer naming it
+        self._alignment_told: dict[str, Any] | None = None
         self._coordinator = threading.Thread(target=self._coordinate, name="castor-replication", daemon=True)
         count = default_streams() if streams is None else max(1, streams)
         self._senders = [_Sender(self, machine, s) for machine in self.targets for s in range(count)]
@@ -348,7 +360,11 @@ class Replicator:
         with self.condition:
             self._aligning = True
             self._job_aligned = aligned
-            self._answer_times.append(time.monotonic())
+            now = time.monotonic()
+            self._answer_times.append(now)
+            if self._proposed is not None and target is not None and target >= self._proposed[0]:
+                self._travels.append(now - self._proposed[1])  # this machine's proposal reached the root
+                self._proposed = None
             # The job caught up (a newer aligned iteration), or no longer has one (a machine joined with
             # nothing replicated): the older aligned iteration can go, except while a recovery collects.
             if self._floor and not self._paused:
@@ -513,6 +529,11 @@ class Replicator:
             self._round = self._start() if free else self._start_aligned()
             if self._round is not None:
                 self.condition.notify_all()
+        if self.on_alignment_change is not None and self.targets:
+            told = self._alignment_summary()
+            if told != self._alignment_told:
+                self._alignment_told = told
+                self.on_alignment_change()
 
     # -- alignment across machines -----------------------------------------------------------------------
 
@@ -533,14 +554,24 @@ class Replicator:
             return None
         return (self._answer_times[-1] - self._answer_times[0]) / (len(self._answer_times) - 1)
 
+    def _travel_s(self) -> float | None:
+        """How long a proposal takes to reach every machine: AGREE_PERIODS heartbeat periods; with the
+        alignment pushed (answers_pushed: the agent heartbeats at once and long-polls the root's answer),
+        TRAVEL_MARGIN times the longest of the last proposals' trips to an answer naming them (PUSHED_TRAVEL_S
+        until one is measured)."""
+        if self.answers_pushed:
+            return TRAVEL_MARGIN * max(self._travels) if self._travels else PUSHED_TRAVEL_S
+        period_s = self._answer_period_s()
+        return None if period_s is None else AGREE_PERIODS * period_s
+
     def _needed_lead(self) -> int:
-        """The iterations committed while a proposal reaches every machine: AGREE_PERIODS heartbeat periods at
-        the observed commit rate, rounded up; 0 when that is at most NOW_TRAVEL of an iteration (and every
-        local store has LEAD_NOW_SLOTS slots); LEAD until both paces are known."""
-        iteration_s, period_s = self._iteration_s(), self._answer_period_s()
-        if iteration_s is None or period_s is None:
+        """The iterations committed while a proposal reaches every machine (_travel_s) at the observed commit
+        rate, rounded up; 0 when that is at most NOW_TRAVEL of an iteration (and every local store has
+        LEAD_NOW_SLOTS slots); LEAD until both paces are known."""
+        iteration_s, travel_s = self._iteration_s(), self._travel_s()
+        if iteration_s is None or travel_s is None:
             return LEAD
-        travel = AGREE_PERIODS * period_s / iteration_s
+        travel = travel_s / iteration_s
         if travel <= NOW_TRAVEL and all(
             self.holdings.local_store(rank).slots >= LEAD_NOW_SLOTS for rank in self._local_ranks()
         ):
@@ -646,6 +677,7 @@ class Replicator:
             if not stalled:
                 lead = max(self._lead, self._needed_lead())
                 self._next = held + lead
+                self._proposed = (self._next, time.monotonic())
                 log.debug("proposing iteration %d (newest common %d, lead %d)", self._next, held, lead)
                 for rank in ranks if lead == 0 else ():  # committed already: pinned at once
                     if self._next is not None and self._next_state == "" and rank not in self._next_pins:

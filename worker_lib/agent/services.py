@@ -25,8 +25,8 @@ from worker_lib.agent.pacing import replication_pacer
 from worker_lib.agent.priority import REPLICATION_NICE
 from worker_lib.agent.replication import Replicator, aligned_rounds
 from worker_lib.api.shared import Peer, RankPlacement
-from worker_lib.api.worker import DirectiveOut, HeartbeatResponse, RegisterResponse
-from worker_lib.client import RootClient, RootRejected, RootUnavailable
+from worker_lib.api.worker import DirectiveOut, HeartbeatResponse, RegisterResponse, ReplicationAlignment
+from worker_lib.client import RootClient, RootRejected, RootUnavailable, UnexpectedAnswer
 from worker_lib.errors import CheckpointNotFoundError
 from worker_lib.persistent import ObjectStore, object_store, shard_key
 from worker_lib.store.manifest import Manifest
@@ -39,6 +39,10 @@ NOTIFY_SOCKET = "agent.sock"
 # for its wait plus PEERS_REFRESH_S (the agent is busy acting on a directive), then every PEERS_REFRESH_S.
 PEERS_REFRESH_S = 10.0
 PEERS_REFRESH_MISSING_S = 1.0
+# Aligned rounds: the alignment long poll's wait (the root answers as soon as the job's alignment changes),
+# and the pause after a poll that failed (the heartbeats' answers still carry the alignment meanwhile).
+ALIGNMENT_WAIT_S = 5.0
+ALIGNMENT_RETRY_S = 1.0
 
 
 @dataclass
@@ -79,6 +83,7 @@ class MachineServices:
         self.extra_summary: Callable[[], dict[str, Any]] = dict
         self.uploads = Uploads(self)
         self._notices: asyncio.DatagramTransport | None = None
+        self._alignment_polled = False  # the replication alignment comes from its long poll (aligned rounds)
 
     @property
     def job_id(self) -> str:
@@ -341,6 +346,7 @@ class MachineServices:
         and keep the peers' addresses current: a peer registers late, or is replaced."""
         config = self.registered.heartbeat
         peers = asyncio.create_task(self._refresh_peers())
+        following: asyncio.Task[None] | None = None
         try:
             if config.mode == "etcd":
                 if config.etcd_key is None:
@@ -354,6 +360,9 @@ class MachineServices:
                     summary_period_s=config.summary_period_s,
                 )
             else:
+                wake = asyncio.Event()
+                if self.replicator is not None and aligned_rounds():
+                    following = asyncio.create_task(self._follow_alignment(self.replicator, wake))
                 await rest_heartbeats(
                     self.client,
                     self.machine_rank,
@@ -361,15 +370,52 @@ class MachineServices:
                     config.interval_s,
                     self.summary,
                     self._heartbeat_answered,
+                    wake,
                 )
         finally:
             peers.cancel()
+            if following is not None:
+                following.cancel()
+
+    async def _follow_alignment(self, replicator: Replicator, wake: asyncio.Event) -> None:
+        """Aligned rounds: heartbeat at once when this machine's part of the alignment changed (a round
+        done, a proposal, a pin), and long-poll the job's alignment, so that each step of a round is heard
+        the moment a machine makes it rather than a heartbeat period later (services.root.flows.alignment)."""
+        loop = asyncio.get_running_loop()
+
+        def changed() -> None:  # on the replicator's coordinator thread
+            with contextlib.suppress(RuntimeError):  # the loop closed: the agent is exiting
+                loop.call_soon_threadsafe(wake.set)
+
+        replicator.on_alignment_change = changed
+        heard: ReplicationAlignment | None = None
+        try:
+            while True:
+                try:
+                    said = await self.client.replication_alignment(heard, wait_s=ALIGNMENT_WAIT_S)
+                except RootRejected as exc:  # a root without the route: the heartbeats' answers carry it
+                    log.info("replication alignment not polled (%s): heard with each heartbeat", exc)
+                    return
+                except (RootUnavailable, UnexpectedAnswer) as exc:
+                    log.info("replication alignment poll failed: %s", exc)
+                    self._alignment_polled = replicator.answers_pushed = False
+                    await asyncio.sleep(ALIGNMENT_RETRY_S)
+                    continue
+                self._alignment_polled = replicator.answers_pushed = True
+                if said is not None:
+                    replicator.align(said.aligned_iteration, said.target, said.go)
+                heard = said
+        finally:
+            self._alignment_polled = replicator.answers_pushed = False
 
     def _heartbeat_answered(self, response: HeartbeatResponse) -> None:
         """The root's alignment of replication rounds across machines (REST heartbeats only)."""
         self.uploads.announce(response.persist)
         alignment = response.replication
-        if self.replicator is not None and alignment is not None and aligned_rounds():
+        # While the alignment is polled, its answers alone count: a heartbeat's was computed before its
+        # commit and may arrive after a newer one the poll brought.
+        polled = self._alignment_polled
+        if self.replicator is not None and alignment is not None and aligned_rounds() and not polled:
             self.replicator.align(alignment.aligned_iteration, alignment.target, alignment.go)
 
     def directive_answered(self, directive: DirectiveOut, long_poll: bool = True) -> None:

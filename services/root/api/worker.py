@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, Path, Query, Response, status
@@ -15,7 +16,7 @@ from services.root.api.deps import (
 )
 from services.root.db import repository as repo
 from services.root.errors import NotFound, error_responses
-from services.root.flows import directives, failures, persistence, recovery
+from services.root.flows import alignment, directives, failures, persistence, recovery
 from services.root.flows import machines as machine_flows
 from services.root.persistent_store import delete_persisted
 
@@ -48,7 +49,38 @@ async def heartbeat(
     state: StateDep,
 ) -> schemas.HeartbeatResponse:
     """Liveness plus a summary of the checkpoints this machine holds (REST heartbeat mode)."""
-    return await machine_flows.record_heartbeat(db, job, rank, body, state.settings)
+    answer = await machine_flows.record_heartbeat(db, job, rank, body, state.settings)
+    if answer.replication is not None and alignment.followed(job.id):
+        alignment.refresh_after_commit(db, job.id)  # the job's alignment polls hear of it once committed
+    return answer
+
+
+SeenQuery = Annotated[
+    int,
+    Query(
+        ge=-1, le=schemas.INT32_MAX, description="As this agent last heard it (-1: none, or not heard yet)."
+    ),
+]
+
+
+@router.get("/replication-alignment", response_model=schemas.ReplicationAlignment | None)
+async def get_replication_alignment(
+    job_id: AuthorizedJobIdDep,
+    state: StateDep,
+    aligned_iteration: SeenQuery = -1,
+    target: SeenQuery = -1,
+    go: Annotated[bool, Query(description="As this agent last heard it.")] = False,
+    wait: Annotated[
+        float,
+        Query(ge=0, le=30, description="Seconds to wait at most for an alignment other than the one heard."),
+    ] = 0,
+) -> schemas.ReplicationAlignment | None:
+    """The job's replication alignment (as a heartbeat answers it) once it differs from what the agent last
+    heard (long poll): agents that align their rounds hear each step the moment a machine's heartbeat makes
+    it, not a heartbeat period later (null: no machine replicates, or the job does not align)."""
+    seen = (None if aligned_iteration < 0 else aligned_iteration, None if target < 0 else target, go)
+    current = await alignment.wait_for_alignment(state.database.engine, job_id, seen, wait)
+    return None if current is None else schemas.ReplicationAlignment(**asdict(current))
 
 
 @router.post(

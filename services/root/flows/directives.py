@@ -28,6 +28,7 @@ from services.root.db.models import Job, JobState, Machine, MachineState, PlanSt
 from services.root.domain.directives import JobDirectiveIndex
 from services.root.domain.placement import Placement
 from services.root.errors import Invalid, NotFound
+from services.root.flows.waiting import Waiting, until_woken
 
 FINISHED_STATES = (JobState.COMPLETED, JobState.STOPPED, JobState.FAILED)
 # A read of a job's directive is answered from for this long at most, though no change was heard of: the
@@ -143,7 +144,7 @@ class Built:
 _built: dict[uuid.UUID, Built] = {}
 _reading: dict[uuid.UUID, asyncio.Future[Built]] = {}
 _changes: dict[uuid.UUID, int] = {}  # changes heard of per job: a read begun before the last one is stale
-_waiting: dict[uuid.UUID, set[asyncio.Future[None]]] = {}  # long polls waiting for a job's next change
+_waiting: Waiting = {}  # long polls waiting for a job's next change
 DIRECTIVES_CACHED = 256
 
 
@@ -242,15 +243,4 @@ async def wait_for_directive(
             return built.body(machine)
         if built.changes != _changes.get(job_id, 0):
             continue  # changed while this request was being answered: read afresh
-        waiter: asyncio.Future[None] = loop.create_future()
-        _waiting.setdefault(job_id, set()).add(waiter)
-        try:
-            await asyncio.wait_for(waiter, min(recheck_s(database), max(0.0, deadline - loop.time())))
-        except TimeoutError:
-            pass
-        finally:
-            waiters = _waiting.get(job_id)
-            if waiters is not None:
-                waiters.discard(waiter)
-                if not waiters:
-                    del _waiting[job_id]
+        await until_woken(_waiting, job_id, min(recheck_s(database), deadline - loop.time()))

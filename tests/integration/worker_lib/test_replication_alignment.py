@@ -13,6 +13,7 @@ committed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 import threading
@@ -28,7 +29,7 @@ import torch
 
 from services.root.domain.recovery import MemoryCopy, plan_recovery
 from services.root.domain.replication import ReplicationAlignment, replication_alignment
-from tests.integration.web.scenario import running_job
+from tests.integration.web.scenario import Scenario, running_job
 from worker_lib import Checkpointer
 from worker_lib.agent.dataplane import DataPlaneServer, PeerConnection, data_plane_key
 from worker_lib.agent.holdings import Holdings
@@ -226,31 +227,75 @@ def test_machines_at_different_paces_keep_one_iteration_for_every_rank_locally_a
             h.close()
 
 
+async def beat(job: Scenario, rank: int, kept: list[int], proposed: int | None, ready: bool) -> Any:
+    """Machine `rank`'s heartbeat with these alignment figures; the root's answer's alignment."""
+    summary = {
+        "local": {str(rank): 30},
+        "replication_kept": kept,
+        "replication_next": proposed,
+        "replication_ready": ready,
+        "replication_generation": 1,
+    }
+    body = {"instance_id": job.instances[rank], "summary": summary}
+    return (await job.post(f"/machines/{rank}/heartbeat", body, 200)).json()["replication"]
+
+
 async def test_the_heartbeat_answers_with_the_jobs_alignment(client: httpx.AsyncClient) -> None:
     """The root's side, through the heartbeat route: every live machine's last summary counts."""
     job = await running_job(client, machines=2)
-
-    async def beat(rank: int, kept: list[int], proposed: int | None, ready: bool) -> Any:
-        summary = {
-            "local": {str(rank): 30},
-            "replication_kept": kept,
-            "replication_next": proposed,
-            "replication_ready": ready,
-            "replication_generation": 1,
-        }
-        body = {"instance_id": job.instances[rank], "summary": summary}
-        return (await job.post(f"/machines/{rank}/heartbeat", body, 200)).json()["replication"]
-
     # Machine 1 has not reported replicating yet (a machine with no peer never does): machine 0 alone counts.
-    assert await beat(0, [10, 20], 24, True) == {"aligned_iteration": 20, "target": 24, "go": True}
-    assert await beat(1, [10], 26, False) == {"aligned_iteration": 10, "target": 26, "go": False}
-    assert await beat(0, [10, 20], 26, True) == {"aligned_iteration": 10, "target": 26, "go": False}
-    assert await beat(1, [10], 26, True) == {"aligned_iteration": 10, "target": 26, "go": True}
+    assert await beat(job, 0, [10, 20], 24, True) == {"aligned_iteration": 20, "target": 24, "go": True}
+    assert await beat(job, 1, [10], 26, False) == {"aligned_iteration": 10, "target": 26, "go": False}
+    assert await beat(job, 0, [10, 20], 26, True) == {"aligned_iteration": 10, "target": 26, "go": False}
+    assert await beat(job, 1, [10], 26, True) == {"aligned_iteration": 10, "target": 26, "go": True}
     await job.post(
         "/machines/0/heartbeat",
         {"instance_id": job.instances[0], "summary": {"replication_kept": ["x"]}},
         422,
     )
+
+
+async def test_an_alignment_poll_is_answered_when_a_heartbeat_changes_the_alignment(
+    client: httpx.AsyncClient,
+) -> None:
+    """The long poll agents that align their rounds follow (services.root.flows.alignment): answered at once
+    when the alignment differs from what the agent heard, held while it is the same, and answered when a
+    machine's heartbeat changes it (not after the wait asked for)."""
+    job = await running_job(client, machines=2)
+
+    async def poll(heard: dict[str, Any], wait: float) -> Any:
+        response = await client.get(
+            f"/api/v1/worker/jobs/{job.id}/replication-alignment",
+            params={**heard, "wait": wait},
+            headers=job.worker,
+        )
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    # No machine replicates yet: null, at once whatever was heard.
+    assert await poll({}, 0) is None
+    await beat(job, 0, [10, 20], 24, True)
+    await beat(job, 1, [10], 24, False)
+    current = {"aligned_iteration": 10, "target": 24, "go": False}
+    # What the agent heard differs from the job's: the newest read at once (which may still be the one after
+    # machine 0's heartbeat, its read after machine 1's in flight), and then the next, as an agent asks.
+    heard: dict[str, Any] = {}
+    for _ in range(3):
+        answer = await asyncio.wait_for(poll(heard, 30), 10)
+        if answer == current:
+            break
+        heard = {**answer, "go": str(answer["go"]).lower()}
+    assert answer == current
+    # The same as heard: held until a heartbeat changes it (machine 1 pinned the target: go).
+    held = asyncio.create_task(poll({**current, "go": "false"}, 30))
+    await asyncio.sleep(0.6)  # longer than the poll's recheck of the database (RECHECK_S)
+    assert not held.done(), held.result()
+    await beat(job, 1, [10], 24, True)
+    assert await asyncio.wait_for(held, 10) == {**current, "go": True}
+    response = await client.get(
+        f"/api/v1/worker/jobs/{job.id}/replication-alignment", params={"target": -2}, headers=job.worker
+    )
+    assert response.status_code == 422 and "target" in response.text
 
 
 # -- aligned rounds whatever the iteration time (issue 11, item 2) -----------------------------------------
@@ -419,3 +464,20 @@ def test_training_that_stops_still_gets_its_last_iteration_aligned_and_replicate
     # Every rank's stopped iteration is on its holder, whichever machine is lost.
     for lost in range(MACHINES):
         assert stopped in common_after_losing(lost, ring.holdings)
+
+
+def test_a_machine_says_at_once_when_its_part_of_the_alignment_changed(ring: Ring) -> None:
+    """Replicator.on_alignment_change (the agent then heartbeats at once, not a heartbeat period later):
+    called when what the machine tells the root for the alignment changed, not on every coordinator step."""
+    told = [threading.Semaphore(0) for _ in range(MACHINES)]
+    for machine, replicator in enumerate(ring.replicators):
+        replicator.on_alignment_change = told[machine].release
+        with replicator.condition:
+            replicator.condition.notify_all()  # a coordinator step: the first state is told
+    for machine in range(MACHINES):
+        assert told[machine].acquire(timeout=5), f"machine {machine} told nothing"
+    time.sleep(0.5)  # coordinator steps (every 0.2 s) with nothing changed: nothing told
+    assert not any(t.acquire(blocking=False) for t in told)
+    ring.commit()  # the machines' newest commit moves (no root answer yet: nothing proposed)
+    ring.heartbeat(0)  # machine 0 hears of itself: proposes, pins at once (lead 0 once paced) or adopts
+    assert told[0].acquire(timeout=5), "machine 0's proposal was not told"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import multiprocessing
 from multiprocessing.context import ForkServerContext
@@ -76,3 +77,11 @@ def write_raw(store: SlotStore, iteration: int, payload: bytes, engine: CopyEngi
     )
     writer.commit(manifest)
     return manifest
+
+
+async def until(condition: Any, timeout_s: float = 5.0) -> None:
+    """Wait (on the running loop) until `condition()` holds; fail after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.unit.worker_lib.helpers import until
 from worker_lib.agent import services as services_module
 from worker_lib.agent.services import MachineIdentity, MachineServices
 from worker_lib.api.worker import DirectiveOut
@@ -67,13 +68,6 @@ def machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[MachineSer
         rank=0, machines=2, directive_wait_s=WAIT_S, placement=placement
     )
     return services, root
-
-
-async def until(condition: Any, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_peer_without_an_address_is_asked_for_until_it_has_one(

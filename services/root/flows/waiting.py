@@ -1,0 +1,25 @@
+"""Long polls parked until a job's next change (the directive, the replication alignment): one future per
+waiting request in a per-job set, resolved by whoever announces the change."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+Waiting = dict[uuid.UUID, set[asyncio.Future[None]]]
+
+
+async def until_woken(waiting: Waiting, job_id: uuid.UUID, timeout_s: float) -> None:
+    """Wait until a future of `waiting[job_id]` is resolved (a change announced) or `timeout_s` passed."""
+    waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    waiting.setdefault(job_id, set()).add(waiter)
+    try:
+        await asyncio.wait_for(waiter, max(0.0, timeout_s))
+    except TimeoutError:
+        pass
+    finally:
+        waiters = waiting.get(job_id)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del waiting[job_id]

@@ -1,0 +1,139 @@
+"""An agent that aligns its replication rounds (CASTOR_REPLICATION_ALIGN=1) hears the job's alignment from a
+long poll as it changes and heartbeats at once when its own part changed (worker_lib.agent.services,
+services.root.flows.alignment), rather than a heartbeat period later each way: an aligned round's steps (the
+last machine done, the proposal, the pins, the go) each waited for a heartbeat before."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.unit.worker_lib.helpers import until
+from worker_lib.agent import services as services_module
+from worker_lib.agent.replication import ALIGN_ENV
+from worker_lib.agent.services import MachineIdentity, MachineServices
+from worker_lib.api.worker import HeartbeatResponse, ReplicationAlignment
+from worker_lib.client import RootRejected
+
+INTERVAL_S = (
+    30.0  # the heartbeat period: far longer than the test, so every heartbeat after the first is eager
+)
+
+
+class Root:
+    """The heartbeat and the alignment poll as the agent calls them."""
+
+    job_id = "job"
+
+    def __init__(self) -> None:
+        self.heartbeats = 0
+        self.answers: asyncio.Queue[ReplicationAlignment | Exception | None] = asyncio.Queue()
+        self.heard: list[ReplicationAlignment | None] = []
+
+    async def heartbeat(self, rank: int, instance_id: str, summary: Any) -> HeartbeatResponse:
+        self.heartbeats += 1
+        return HeartbeatResponse(state="healthy", job_state="running", plan_generation=1, peers=[])
+
+    async def replication_alignment(
+        self, heard: ReplicationAlignment | None, wait_s: float = 5.0
+    ) -> ReplicationAlignment | None:
+        self.heard.append(heard)
+        answer = await self.answers.get()
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def directive(self, after: int, wait_s: float = 10.0, machine: int | None = None) -> Any:
+        raise AssertionError("the peers are known: no directive fetch")
+
+
+class Replicator:
+    """What the agent calls on its replicator for the alignment."""
+
+    def __init__(self) -> None:
+        self.aligned: list[tuple[int | None, int | None, bool]] = []
+        self.on_alignment_change: Any = None
+
+    def align(self, aligned: int | None, target: int | None, go: bool) -> None:
+        self.aligned.append((aligned, target, go))
+
+
+@pytest.fixture
+def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[MachineServices, Root, Replicator]:
+    monkeypatch.setenv(ALIGN_ENV, "1")
+    monkeypatch.setattr(services_module, "ALIGNMENT_RETRY_S", 0.01)
+    root = Root()
+    client: Any = root
+    services = MachineServices(client, "castor-job.x.secret", MachineIdentity("i-0"), tmp_path / "shm")
+    placement = SimpleNamespace(ranks=[SimpleNamespace(sends_to=[1]), SimpleNamespace(sends_to=[0])])
+    services.registration = SimpleNamespace(  # type: ignore[assignment]
+        rank=0,
+        machines=2,
+        directive_wait_s=10.0,
+        placement=placement,
+        heartbeat=SimpleNamespace(mode="rest", interval_s=INTERVAL_S, timeout_s=90.0),
+    )
+    services.addresses = {1: ("10.0.0.2", 7000)}
+    services.long_poll_answered_at = float("inf")  # the directive long poll keeps the peers current
+    replicator = Replicator()
+    services.replicator = replicator  # type: ignore[assignment]
+    services.summary = lambda: {}  # type: ignore[method-assign]
+    return services, root, replicator
+
+
+async def test_each_alignment_heard_is_acted_on_and_asked_past(
+    agent: tuple[MachineServices, Root, Replicator],
+) -> None:
+    services, root, replicator = agent
+    task = asyncio.create_task(services.heartbeats())
+    try:
+        await until(lambda: len(root.heard) == 1)
+        assert root.heard[0] is None  # nothing heard yet
+        first = ReplicationAlignment(aligned_iteration=10, target=14, go=False)
+        await root.answers.put(first)
+        await until(lambda: len(root.heard) == 2)
+        assert replicator.aligned == [(10, 14, False)]
+        assert root.heard[1] == first, "the next poll waits for something other than what was heard"
+        await root.answers.put(ReplicationAlignment(aligned_iteration=10, target=14, go=True))
+        await until(lambda: replicator.aligned[-1:] == [(10, 14, True)])
+        await root.answers.put(None)  # no machine replicates (any more): nothing to act on
+        await until(lambda: len(root.heard) == 4)
+        assert len(replicator.aligned) == 2 and root.heard[3] is None
+    finally:
+        task.cancel()
+
+
+async def test_a_change_of_its_own_part_is_heartbeated_at_once(
+    agent: tuple[MachineServices, Root, Replicator],
+) -> None:
+    services, root, replicator = agent
+    task = asyncio.create_task(services.heartbeats())
+    try:
+        await until(lambda: root.heartbeats == 1 and replicator.on_alignment_change is not None)
+        await asyncio.sleep(0.2)
+        assert root.heartbeats == 1  # the next one is due in INTERVAL_S
+        # The replicator's coordinator thread says its part changed (a round done, a proposal, a pin).
+        threading.Thread(target=replicator.on_alignment_change).start()
+        await until(lambda: root.heartbeats == 2)
+    finally:
+        task.cancel()
+
+
+async def test_a_root_without_the_poll_leaves_the_alignment_to_the_heartbeats(
+    agent: tuple[MachineServices, Root, Replicator],
+) -> None:
+    services, root, _ = agent
+    task = asyncio.create_task(services.heartbeats())
+    try:
+        await until(lambda: len(root.heard) == 1)
+        await root.answers.put(RootRejected(404, "not_found", "no such route"))
+        await asyncio.sleep(0.2)
+        assert len(root.heard) == 1, "not asked again"
+        assert not task.done()  # the heartbeats go on
+    finally:
+        task.cancel()
