@@ -113,6 +113,16 @@ def test_network_benchmark_runs() -> None:
     assert figures["replication_nice"] == REPLICATION_NICE  # the agents' default, as a user's agent runs
 
 
+def test_alignment_benchmark_runs() -> None:
+    """benchmarks/alignment.py: the product's root and agents on the emulated cluster, rounds aligned."""
+    from tests import netemu
+
+    netemu.require()
+    figures = run_benchmark("alignment.py")
+    assert {"interval_aligned", "lag_aligned", "iteration_s_aligned"} <= set(figures)
+    assert figures["rounds_aligned"] >= 1, "an aligned round completed"
+
+
 def test_replication_priority_benchmark_runs() -> None:
     figures = run_benchmark("replication_priority.py")
     for nice in (0, 5, 10):
