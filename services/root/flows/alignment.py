@@ -50,6 +50,7 @@ _tickets = itertools.count()
 _waiting: Waiting = {}
 _followed: dict[uuid.UUID, float] = {}  # job -> loop time of its last poll
 _reading: set[uuid.UUID] = set()
+_read_locks: dict[uuid.UUID, asyncio.Lock] = {}  # a poll's own read of a job: one at a time
 _stale: set[uuid.UUID] = set()
 _tasks: set[asyncio.Task[None]] = set()
 _DUE = "castor_alignment_due"
@@ -140,11 +141,27 @@ async def wait_for_alignment(
         del _followed[next(iter(_followed))]
     deadline = loop.time() + wait_s
     while True:
-        latest = _latest.get(job_id)
-        if latest is None or loop.time() - latest[0] > RECHECK_S:
-            current = await read_alignment(engine, job_id)
-        else:
-            current = latest[2]
+        current = await _recent(engine, job_id)
         if seen_of(current) != seen or loop.time() >= deadline:
             return current
         await until_woken(_waiting, job_id, min(RECHECK_S, deadline - loop.time()))
+
+
+async def _recent(engine: AsyncEngine, job_id: uuid.UUID) -> ReplicationAlignment | None:
+    """The newest read if it is at most RECHECK_S old, else a new one: one at a time per job, shared by the
+    polls that found the newest too old together (they wait out their RECHECK_S together)."""
+
+    def fresh() -> tuple[float, int, ReplicationAlignment | None] | None:
+        latest = _latest.get(job_id)
+        return latest if latest is not None and loop.time() - latest[0] <= RECHECK_S else None
+
+    loop = asyncio.get_running_loop()
+    if (latest := fresh()) is not None:
+        return latest[2]
+    lock = _read_locks.setdefault(job_id, asyncio.Lock())
+    if len(_read_locks) > KEPT_JOBS:
+        del _read_locks[next(iter(_read_locks))]
+    async with lock:
+        if (latest := fresh()) is not None:  # read meanwhile by the poll that held the lock
+            return latest[2]
+        return await read_alignment(engine, job_id)
