@@ -99,9 +99,12 @@ LEAD_MAX = 1 << 12
 # heartbeat periods at worst, and half a period more for jitter.
 AGREE_PERIODS = 2.5
 # With the alignment pushed (the agent heartbeats when its part changes and long-polls the root's answers), a
-# proposal reaches every machine in about the time it took to come back to this one, named in an answer:
-# twice the longest of the last few such trips, PUSHED_TRAVEL_S until one is measured.
-TRAVEL_MARGIN = 2.0
+# proposal reaches every machine about when it comes back to this one named in an answer (the root answers
+# every poll at once): the longest of the last few such trips, PUSHED_TRAVEL_S until one is measured. No
+# margin on top: a machine that committed the agreed iteration just before it heard of it still pins it
+# from its slot (see LEAD), and a miss doubles the lead. Measured (benchmarks/alignment.py, 4 machines,
+# trips of 30-180 ms, 0.13-0.2 s iterations): twice the trip gave intervals of 9.5-10, once 7.5-8, no miss.
+TRAVEL_MARGIN = 1.0
 PUSHED_TRAVEL_S = 0.1
 PACE_WINDOW = 32  # commits (of one local rank) and answers from the root the paces are measured over
 # Training has stopped (every rank waits: a pause, a stalled collective, the end) when no local rank committed

@@ -40,11 +40,11 @@ def test_pushed_the_lead_follows_the_measured_trips(replicator: Replicator) -> N
     replicator.answers_pushed = True
     # Nothing measured yet: PUSHED_TRAVEL_S (0.1 s), rounded up to an iteration.
     assert replicator._needed_lead() == math.ceil(replication.PUSHED_TRAVEL_S / 0.125) == 1
-    # A proposal named in an answer 20 ms later: travel 40 ms, under half an iteration: the newest commit.
+    # A proposal named in an answer 20 ms later: under half an iteration: the newest commit.
     replicator._proposed = (10, time.monotonic() - 0.02)
     replicator.align(None, 12, False)
     assert replicator._proposed is None and len(replicator._travels) == 1
     assert replicator._needed_lead() == 0
     # A slow trip (the root busy): the longest of the last few counts.
-    replicator._travels.append(0.25)
-    assert replicator._needed_lead() == 4  # twice 0.25 s
+    replicator._travels.append(0.5)
+    assert replicator._needed_lead() == 4  # 0.5 s of 0.125 s iterations
