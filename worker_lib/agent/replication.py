@@ -104,7 +104,6 @@ AGREE_PERIODS = 2.5
 # margin on top: a machine that committed the agreed iteration just before it heard of it still pins it
 # from its slot (see LEAD), and a miss doubles the lead. Measured (benchmarks/alignment.py, 4 machines,
 # trips of 30-180 ms, 0.13-0.2 s iterations): twice the trip gave intervals of 9.5-10, once 7.5-8, no miss.
-TRAVEL_MARGIN = 1.0
 PUSHED_TRAVEL_S = 0.1
 PACE_WINDOW = 32  # commits (of one local rank) and answers from the root the paces are measured over
 # Training has stopped (every rank waits: a pause, a stalled collective, the end) when no local rank committed
@@ -560,10 +559,10 @@ class Replicator:
     def _travel_s(self) -> float | None:
         """How long a proposal takes to reach every machine: AGREE_PERIODS heartbeat periods; with the
         alignment pushed (answers_pushed: the agent heartbeats at once and long-polls the root's answer),
-        TRAVEL_MARGIN times the longest of the last proposals' trips to an answer naming them (PUSHED_TRAVEL_S
+        the longest of the last proposals' trips to an answer naming them (PUSHED_TRAVEL_S
         until one is measured)."""
         if self.answers_pushed:
-            return TRAVEL_MARGIN * max(self._travels) if self._travels else PUSHED_TRAVEL_S
+            return max(self._travels) if self._travels else PUSHED_TRAVEL_S
         period_s = self._answer_period_s()
         return None if period_s is None else AGREE_PERIODS * period_s
 

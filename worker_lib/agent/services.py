@@ -83,7 +83,6 @@ class MachineServices:
         self.extra_summary: Callable[[], dict[str, Any]] = dict
         self.uploads = Uploads(self)
         self._notices: asyncio.DatagramTransport | None = None
-        self._alignment_polled = False  # the replication alignment comes from its long poll (aligned rounds)
 
     @property
     def job_id(self) -> str:
@@ -398,15 +397,15 @@ class MachineServices:
                     return
                 except (RootUnavailable, UnexpectedAnswer) as exc:
                     log.info("replication alignment poll failed: %s", exc)
-                    self._alignment_polled = replicator.answers_pushed = False
+                    replicator.answers_pushed = False
                     await asyncio.sleep(ALIGNMENT_RETRY_S)
                     continue
-                self._alignment_polled = replicator.answers_pushed = True
+                replicator.answers_pushed = True
                 if said is not None:
                     replicator.align(said.aligned_iteration, said.target, said.go)
                 heard = said
         finally:
-            self._alignment_polled = replicator.answers_pushed = False
+            replicator.answers_pushed = False
 
     def _heartbeat_answered(self, response: HeartbeatResponse) -> None:
         """The root's alignment of replication rounds across machines (REST heartbeats only)."""
@@ -414,9 +413,14 @@ class MachineServices:
         alignment = response.replication
         # While the alignment is polled, its answers alone count: a heartbeat's was computed before its
         # commit and may arrive after a newer one the poll brought.
-        polled = self._alignment_polled
-        if self.replicator is not None and alignment is not None and aligned_rounds() and not polled:
-            self.replicator.align(alignment.aligned_iteration, alignment.target, alignment.go)
+        replicator = self.replicator
+        if (
+            replicator is not None
+            and alignment is not None
+            and aligned_rounds()
+            and not replicator.answers_pushed
+        ):
+            replicator.align(alignment.aligned_iteration, alignment.target, alignment.go)
 
     def directive_answered(self, directive: DirectiveOut, long_poll: bool = True) -> None:
         """Any answer of the root's directive, changed or not: the peers' addresses (a peer may have

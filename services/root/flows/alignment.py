@@ -30,7 +30,7 @@ from services.root.db import repository as repo
 from services.root.domain.replication import ReplicationAlignment, replication_alignment
 from services.root.errors import NotFound
 from services.root.flows.machines import COUNTERS_INLINE_MAX_MACHINES
-from services.root.flows.waiting import Waiting, until_woken
+from services.root.flows.waiting import Waiting, until_woken, wake
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +125,7 @@ def _publish(
         del _latest[next(iter(_latest))]
     _latest[job_id] = (asyncio.get_running_loop().time(), ticket, alignment)
     if previous is None or previous[2] != alignment:
-        for waiter in _waiting.get(job_id, ()):
-            if not waiter.done():
-                waiter.set_result(None)
+        wake(_waiting.get(job_id, set()))
     return alignment
 
 

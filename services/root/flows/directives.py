@@ -29,6 +29,7 @@ from services.root.domain.directives import JobDirectiveIndex
 from services.root.domain.placement import Placement
 from services.root.errors import Invalid, NotFound
 from services.root.flows.waiting import Waiting, until_woken
+from services.root.flows.waiting import wake as wake_all
 
 FINISHED_STATES = (JobState.COMPLETED, JobState.STOPPED, JobState.FAILED)
 # A read of a job's directive is answered from for this long at most, though no change was heard of: the
@@ -157,9 +158,8 @@ def _changed(job_id: uuid.UUID | None, wake: bool = True) -> None:
     for job in jobs:
         _built.pop(job, None)
         _changes[job] = _changes.get(job, 0) + 1
-        for waiter in _waiting.pop(job, ()) if wake else ():
-            if not waiter.done() and not waiter.get_loop().is_closed():
-                waiter.set_result(None)
+        if wake:
+            wake_all(_waiting.pop(job, set()))
     if len(_changes) > 4 * DIRECTIVES_CACHED:
         for job in [job for job in _changes if job not in _built and job not in _reading]:
             del _changes[job]  # forgotten: a read of one starts from 0 again, and none is in flight

@@ -23,3 +23,10 @@ async def until_woken(waiting: Waiting, job_id: uuid.UUID, timeout_s: float) -> 
             waiters.discard(waiter)
             if not waiters:
                 del waiting[job_id]
+
+
+def wake(waiters: set[asyncio.Future[None]]) -> None:
+    """Resolve the waiting requests' futures (those whose loop is still running)."""
+    for waiter in waiters:
+        if not waiter.done() and not waiter.get_loop().is_closed():
+            waiter.set_result(None)
