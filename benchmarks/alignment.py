@@ -1,6 +1,6 @@
 """Aligned replication rounds through the real root (issue 11): how far the job's fully replicated iteration
 trails training when every machine's rounds are aligned through the root's REST heartbeats
-(CASTOR_REPLICATION_ALIGN=1), against free rounds (each machine on its own).
+(the default), against free rounds (CASTOR_REPLICATION_ALIGN=0: each machine on its own).
 
     sudo .venv/bin/python benchmarks/alignment.py            # 4 machines, 0.1 Gbit/s, 160 iterations
     sudo .venv/bin/python benchmarks/alignment.py --quick    # 2 machines, 50 iterations, aligned only

@@ -40,6 +40,14 @@ STEP_TIMEOUT_S = 300.0
 SERVER_GRACE_S = int(RELEASE_GRACE_S) + 10
 # How long a fault waits past its iteration for every machine's warm spare (see _inject_at).
 WARM_WAIT_S = 5.0
+# The machine loss is shown restoring the lost rank from its peer's memory. The planner takes the newest
+# iteration complete in any tier, and the replicas trail training by a few iterations (while aligned rounds
+# agree on the next one), so a loss struck just after an iteration was persisted would restore from the
+# persistent tier instead: the demo strikes it in the middle of a persist period, once the job's replicas
+# reached the period's persisted iteration, PEER_MARGIN iterations or more before the next one (at most
+# PEER_WAIT_S past its iteration; then it strikes anyway).
+PEER_MARGIN = 3
+PEER_WAIT_S = 60.0
 # Ctrl-C stops the job (its machines get RELEASE_GRACE_S to exit), then the server: bounded steps, and past
 # this budget a watchdog prints every thread's stack and ends the process, so a Ctrl-C never hangs silently.
 STOP_JOB_TIMEOUT_S = RELEASE_GRACE_S + 15
@@ -144,6 +152,8 @@ class Demo:
 
     async def _inject_at(self, fault: Fault) -> None:
         target = int(self.iterations * fault.at_fraction)
+        if fault.kind == "machine":
+            target += PERSIST_EVERY // 2 - target % PERSIST_EVERY
 
         reached_at: list[float] = []  # when the job first reached the target
 
@@ -156,7 +166,10 @@ class Demo:
             reached_at[:] = reached_at or [time.monotonic()]
             # Warm spares make the recovery the demo shows a fast one; on a loaded host they may take longer
             # to import torch than the job has iterations left, so the fault goes in without them then.
-            warm_enough = await self._all_warm() or time.monotonic() - reached_at[0] > WARM_WAIT_S
+            waited_s = time.monotonic() - reached_at[0]
+            if fault.kind == "machine" and not replicas_past_persisted(job) and waited_s < PEER_WAIT_S:
+                return None
+            warm_enough = await self._all_warm() or waited_s > WARM_WAIT_S
             return job if warm_enough else None
 
         job = await self._poll(ready_or_over, bool, f"the job to reach iteration {target}")
@@ -240,6 +253,16 @@ class Demo:
 
     def _shm_dir(self, instance: str) -> Any:
         return self.settings.local_shm_base / uuid.UUID(self.job["id"]).hex / instance
+
+
+def replicas_past_persisted(job: dict[str, Any]) -> bool:
+    """Whether the job's replicas are as new as its newest persisted iteration, with PEER_MARGIN iterations
+    to go before the next (see PEER_MARGIN)."""
+    newest, replicated = job.get("newest_iteration"), job.get("replicated_iteration")
+    if not isinstance(newest, int) or not isinstance(replicated, int):
+        return False
+    offset = newest % PERSIST_EVERY
+    return replicated >= newest - offset and offset <= PERSIST_EVERY - PEER_MARGIN
 
 
 def resume_seconds(event: dict[str, Any]) -> float:

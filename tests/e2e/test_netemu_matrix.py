@@ -19,10 +19,9 @@ about as much as the transfer: the state cannot outgrow the iteration there (ben
 interval from its API (the agents' heartbeats: iterations between the last two fully replicated
 checkpoints) while training runs and asserts every value is at least 3.
 
-Replication runs free (each machine replicates its newest commit once its previous round is done), not
-aligned (CASTOR_REPLICATION_ALIGN=1): one aligned cycle takes about 25 of these short iterations here
-(docs/architecture.md), more than the stretch this test samples intervals over. So the machine loss
-strikes once the pause iteration is replicated everywhere, which free rounds reach while the ranks wait."""
+Replication runs aligned (the default): every machine replicates the iterations agreed through the root,
+and when training stops (every rank waiting after the pause iteration) the machines agree on that one. So
+the machine loss strikes once the pause iteration is replicated everywhere."""
 
 from __future__ import annotations
 
@@ -133,7 +132,7 @@ def test_fault_matrix_with_checkpoints_slower_than_an_iteration(
     check_consistent_restore(logs, WORLD, KILL, max_lost=1)
 
     # Replication while training runs: one checkpoint crosses the link in several iterations, and rounds
-    # keep completing (each replicates the newest commit once the previous round is done).
+    # keep completing (each replicates the next agreed iteration once the previous one is everywhere).
     intervals = intervals_while_training(cluster, logs, KILL, MACHINE - 2)
     assert intervals and min(intervals) >= 3, f"replication intervals seen: {intervals}"
 

@@ -3,8 +3,6 @@ checkpoint every iteration) on 4 local machines started by the root's local clou
 
 from __future__ import annotations
 
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ from tests.e2e.recovery_checks import (
     recovered_events,
     replicated_iteration,
     wait_for_iteration,
+    wait_for_pause,
 )
 from worker_lib.agent.agent import NO_BACKGROUND_CHECK_ENV
 from worker_lib.agent.holdings import Holdings
@@ -28,11 +27,15 @@ pytestmark = pytest.mark.slow
 
 ITERATIONS = 100_000  # the test ends the job, not the loop
 SLEEP = 0.2  # per iteration: a few iterations a second
+PAUSE = 8  # where a test that needs every rank at one known iteration has them wait (--pause-at)
 
 
-def start_job(cluster: LocalCluster, log_dir: Path, machines: int = 4, **fields: object) -> None:
+def start_job(
+    cluster: LocalCluster, log_dir: Path, machines: int = 4, pause_at: int | None = None, **fields: object
+) -> None:
+    pause = {} if pause_at is None else {"pause_at": pause_at}
     cluster.launch_job(
-        cluster.training_command(log_dir, iterations=ITERATIONS, sleep=SLEEP),
+        cluster.training_command(log_dir, iterations=ITERATIONS, sleep=SLEEP, **pause),
         machines=machines,
         replicas=2,
         **fields,
@@ -124,12 +127,17 @@ def test_corrupted_memory_checkpoint_falls_back_to_the_next_tier(
     if found_by == "restore":  # the agents (started by the root) inherit it: the plan names the copy
         monkeypatch.setenv(NO_BACKGROUND_CHECK_ENV, "1")
     cluster.start_root()
-    start_job(cluster, logs, machines=2)
-    kill_training_process(logs, rank=1, signum=signal.SIGSTOP)  # frozen: it commits nothing more
-    time.sleep(1.5)  # its newest checkpoint reaches the peer; rank 0 waits in the next all-reduce
+    start_job(cluster, logs, machines=2, pause_at=PAUSE)
+    # Both ranks wait after iteration PAUSE (they commit nothing more); training stopped, so the machines
+    # agree on that iteration (aligned rounds) and its replicas reach the peers.
+    wait_for_pause(logs, 2, PAUSE)
+    wait_until(
+        lambda: (replicated_iteration(cluster) or -1) >= PAUSE, 120, f"iteration {PAUSE} replicated", 0.1
+    )
     machine = cluster.root_machine(1)
     store = Holdings(machine.shm_dir).local_store(1)
     newest = store.committed()[0]
+    assert newest.iteration == PAUSE
     slot = next(p for p in machine.shm_dir.glob("local/rank-1/slot-*.json") if newest.digest in p.read_text())
     with open(slot.with_suffix(".bin"), "r+b") as data:  # one bit flips in the machine's memory
         data.seek(newest.tensors[0].offset)
@@ -137,6 +145,7 @@ def test_corrupted_memory_checkpoint_falls_back_to_the_next_tier(
         data.seek(newest.tensors[0].offset)
         data.write(bytes([byte[0] ^ 0x01]))
     kill_training_process(logs, rank=1)
+    (logs / f"go-{PAUSE}").touch()  # rank 0 (restarted by the recovery, or not yet) passes the pause
     reached = newest_iteration(logs)
 
     # The inventories report without reading a byte. The agent's background check finds the damage before

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from worker_lib.agent.agent import Agent, AgentConfig
 from worker_lib.agent.priority import NICE_ENV, NICE_MAX, REPLICATION_NICE, replication_nice
+from worker_lib.agent.replication import aligned_rounds
 from worker_lib.agent.watchdog import AUTO_FACTOR, AUTO_FLOOR_S, HangPolicy
 
 
@@ -152,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"castor agent: missing {', '.join(names[m] for m in missing)}")
     if not command:
         raise SystemExit("castor agent: give the training command after --, e.g. -- python train.py")
+    try:
+        aligned_rounds()  # read again by the heartbeats: a bad value stops the agent here, not there
+    except ValueError as exc:
+        raise SystemExit(f"castor agent: {exc}") from None
     config = AgentConfig(
         root_urls=args.root.split(","),
         job_id=args.job,

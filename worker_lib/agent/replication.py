@@ -20,7 +20,7 @@ whose order rotates every round, so no local rank is always served last. While a
 machines' inventories, `pause()` stops new rounds and keeps the pins, so the copies the planner picks from
 the inventory are still there when the plan is carried out.
 
-Across machines (`align()`, from the root's heartbeat responses, with CASTOR_REPLICATION_ALIGN=1): left alone,
+Across machines (`align()`, from the root's answers; CASTOR_REPLICATION_ALIGN=0 turns it off): left alone,
 each machine's rounds pick their own iterations, and after a machine loss the survivors may no longer hold
 locally the iteration the lost machine's replicas are of. Aligned rounds therefore replicate only iterations
 every machine agreed on, in two phases through the root (services/root/domain/replication.py): each machine
@@ -38,9 +38,10 @@ and is the older replica slot on the holders: a machine whose newest fully repli
 it starts no round until the others catch up. Pins at any moment: the aligned iteration and one more (this
 machine's newest fully replicated, the agreed one pinned ahead, or the round in flight), as without alignment:
 the four local slots per rank (CASTOR_LOCAL_SLOTS) and two replica slots per rank suffice. Without alignment
-from the root (etcd heartbeats, jobs past the inline-counter size), while flushing at the end of training, and
-until the job's first aligned iteration (between agreements; a free round is given up when an agreed iteration
-is pinned), rounds run free as described above.
+from the root (etcd heartbeats, jobs past the inline-counter size, a job with one machine that runs free
+rounds: told not to align, or with stores too small to pin, it says `replication_free` and the root aligns
+none of the job), while flushing at the end of training, and until the job's first aligned iteration (between
+agreements; a free round is given up when an agreed iteration is pinned), rounds run free as described above.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ PeerAddress = tuple[str, int]
 REFUSALS = ("too_large", "manifest_unauthenticated")  # codes of a receiver that will refuse again
 Version = tuple[int, int]  # (plan generation, iteration): after a rollback an iteration number recurs
 STREAMS_ENV = "CASTOR_REPLICATION_STREAMS"
-# Opt-in: aligned rounds lag free ones by a few heartbeat round trips, so with a frequent persistent tier a
-# newer persisted checkpoint can win a recovery that free rounds would have served from a peer (README).
+# On unless set to 0 (false, no, off): only aligned rounds guarantee a machine loss an iteration every rank
+# holds in memory; free rounds keep a newer replica per machine but may leave none in common (README).
 ALIGN_ENV = "CASTOR_REPLICATION_ALIGN"
 STREAMS = 2  # per peer: one TCP stream often cannot fill a fast link with a long round trip
 # A store of fewer slots cannot keep a pin and still let its training process rotate: nothing is pinned.
@@ -117,9 +118,18 @@ def version(manifest: Manifest) -> Version:
     return manifest_generation(manifest), manifest.iteration
 
 
+ALIGN_VALUES = {"": True, "1": True, "true": True, "yes": True, "on": True}
+ALIGN_VALUES |= {"0": False, "false": False, "no": False, "off": False}
+
+
 def aligned_rounds() -> bool:
-    """Whether the agent follows the root's alignment of rounds across machines: $CASTOR_REPLICATION_ALIGN."""
-    return os.environ.get(ALIGN_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether the agent follows the root's alignment of rounds across machines: unless
+    $CASTOR_REPLICATION_ALIGN turns it off (ValueError naming the variable for any other value)."""
+    value = os.environ.get(ALIGN_ENV, "")
+    aligned = ALIGN_VALUES.get(value.strip().lower())
+    if aligned is None:
+        raise ValueError(f"{ALIGN_ENV}={value!r}: give 1 (aligned rounds, the default) or 0 (free rounds)")
+    return aligned
 
 
 def default_streams() -> int:
@@ -284,6 +294,9 @@ class Replicator:
         self._given_up: Version | None = None  # the last round given up
         self._held: dict[tuple[int, int], Version] = {}  # (machine, rank) -> what the peer holds
         # Alignment across machines (see the module's docstring); None/empty until the root first says.
+        # `aligns`: whether this machine takes part (the agent's setting, REST heartbeats); one that does not,
+        # or whose stores are too small to pin, says so in its summary and the root aligns none of the job.
+        self.aligns = True
         self._aligning = False
         self._flushing = 0
         self._job_aligned: int | None = None  # the job's aligned iteration, as the root last said
@@ -394,6 +407,20 @@ class Replicator:
                 self._go = True
             self.condition.notify_all()
 
+    def unalign(self) -> None:
+        """The root says the job does not align (a machine runs free rounds, or none reports its part yet):
+        rounds run free from now on, as before the job's first aligned iteration."""
+        with self.condition:
+            if not self._aligning:
+                return
+            self._aligning = False
+            self._job_aligned = None
+            self._drop_next()  # a round already running completes as a free one
+            if self._floor and not self._paused:
+                self._release(self._floor)
+                self._floor = {}
+            self.condition.notify_all()
+
     def pause(self) -> None:
         """A recovery is collecting inventories: start no round and keep every pin until resume()."""
         with self.condition:
@@ -459,6 +486,8 @@ class Replicator:
         }
 
     def _alignment_summary(self) -> dict[str, Any]:
+        if not self._can_align():
+            return {"replication_free": True}
         with self.condition:
             kept = {p.manifest.iteration for p in (*self._floor.values(), *self._pinned.values())}
             if self._pinned_version is not None and not self._pinned:  # a store too small to pin
@@ -521,7 +550,7 @@ class Replicator:
                 self._next_state = ""
         elif current is not None and not current.left:
             self._complete(current)
-        aligned = self._aligning and not self._flushing
+        aligned = self._aligning and not self._flushing and self._can_align()
         if aligned and self.targets:
             self._align_step()
         if self._round is None and not self._paused and self.targets:
@@ -541,6 +570,13 @@ class Replicator:
 
     def _local_ranks(self) -> list[int]:
         return sorted(self._ranks | set(self.holdings.ranks("local")))
+
+    def _can_align(self) -> bool:
+        """Asked to align, and every local store can keep a pin while its training process rotates (the
+        embedded mode's two slots cannot: the agreed iteration pinned ahead would hold up the writer)."""
+        return self.aligns and all(
+            self.holdings.local_store(rank).slots >= PIN_MIN_SLOTS for rank in self._local_ranks()
+        )
 
     def _iteration_s(self) -> float | None:
         """Seconds per iteration: the median over the last PACE_WINDOW commits of one local rank (a pause

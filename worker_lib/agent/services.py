@@ -58,6 +58,15 @@ class MachineIdentity:
     replication_nice: int = REPLICATION_NICE  # replication's threads run below training (agent.priority)
 
 
+def follow(replicator: Replicator, alignment: ReplicationAlignment | None) -> None:
+    """Act on the root's alignment of the job; None: the job does not align (not yet, or a machine replicates
+    free rounds), so neither does this machine."""
+    if alignment is None:
+        replicator.unalign()
+    else:
+        replicator.align(alignment.aligned_iteration, alignment.target, alignment.go)
+
+
 class MachineServices:
     def __init__(self, client: RootClient, token: str, identity: MachineIdentity, shm_root: Path):
         self.client = client
@@ -70,6 +79,7 @@ class MachineServices:
         self.long_poll_answered_at: float | None = None  # monotonic: the directive long poll's last answer
         self.server: DataPlaneServer | None = None
         self.replicator: Replicator | None = None
+        self.aligns = False  # whether the replicator follows the root's alignment (read as heartbeats start)
         self.commits: dict[int, deque[float]] = {}  # rank -> commit times in the last minute
         self.committed = 0
         self.skipped = 0
@@ -360,7 +370,10 @@ class MachineServices:
                 )
             else:
                 wake = asyncio.Event()
-                if self.replicator is not None and aligned_rounds():
+                self.aligns = aligned_rounds()
+                if self.replicator is not None:
+                    self.replicator.aligns = self.aligns
+                if self.replicator is not None and self.aligns:
                     following = asyncio.create_task(self._follow_alignment(self.replicator, wake))
                 await rest_heartbeats(
                     self.client,
@@ -401,8 +414,7 @@ class MachineServices:
                     await asyncio.sleep(ALIGNMENT_RETRY_S)
                     continue
                 replicator.answers_pushed = True
-                if said is not None:
-                    replicator.align(said.aligned_iteration, said.target, said.go)
+                follow(replicator, said)
                 heard = said
         finally:
             replicator.answers_pushed = False
@@ -414,13 +426,8 @@ class MachineServices:
         # While the alignment is polled, its answers alone count: a heartbeat's was computed before its
         # commit and may arrive after a newer one the poll brought.
         replicator = self.replicator
-        if (
-            replicator is not None
-            and alignment is not None
-            and aligned_rounds()
-            and not replicator.answers_pushed
-        ):
-            replicator.align(alignment.aligned_iteration, alignment.target, alignment.go)
+        if replicator is not None and self.aligns and not replicator.answers_pushed:
+            follow(replicator, alignment)
 
     def directive_answered(self, directive: DirectiveOut, long_poll: bool = True) -> None:
         """Any answer of the root's directive, changed or not: the peers' addresses (a peer may have

@@ -177,6 +177,12 @@ class CheckpointSummary(BaseModel):
     replication_generation: Count | None = Field(
         None, description="Plan generation of the newest local commits (proposals of an older one are stale)."
     )
+    replication_free: bool = Field(
+        False,
+        description="This machine replicates its own newest iterations, not the job's agreed ones (its agent "
+        "was told CASTOR_REPLICATION_ALIGN=0, or its stores are too small to pin): then no machine of the "
+        "job aligns its rounds.",
+    )
     uploaded: Count = Field(0, description="Checkpoints uploaded to the persistent tier.")
     persist_missed: PersistMissed | None = Field(
         None,

@@ -89,6 +89,9 @@ def _iterations(value: Any) -> set[int] | None:
 def replication_alignment(summaries: Iterable[Mapping[str, Any]]) -> ReplicationAlignment | None:
     """From the machines' summaries (those that replicate report `replication_kept`); None when no machine
     does (an older agent, m = 1)."""
+    summaries = list(summaries)
+    if any(s.get("replication_free") is True for s in summaries):
+        return None  # a machine replicates its own iterations (told not to align, or cannot pin): none align
     replicating = [s for s in summaries if _iterations(s.get("replication_kept")) is not None]
     if not replicating:
         return None

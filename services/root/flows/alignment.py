@@ -11,8 +11,9 @@ After a heartbeat of a followed job commits, the job's alignment is read afresh 
 committed summary (one read per job at a time, again if a heartbeat committed meanwhile): a heartbeat's own
 answer is computed before its commit, beside others in flight, so two machines that became ready together
 each saw the other not ready yet. A job counts as followed for FOLLOWED_S after its last poll, so jobs whose
-agents do not align (the default) cost nothing more per heartbeat. Another replica's heartbeats are not
-heard here: a poll reads the summaries itself when the newest read is older than RECHECK_S.
+agents do not align (CASTOR_REPLICATION_ALIGN=0) cost nothing more per heartbeat. Another replica's
+heartbeats are not heard here: a poll reads the summaries itself when the newest read is older than
+RECHECK_S.
 """
 
 from __future__ import annotations

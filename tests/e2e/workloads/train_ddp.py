@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from e2e_workload import EventLog, state_digest  # a sibling module (see its docstring)
+from e2e_workload import EventLog, iterations_arg, pause_if_asked, state_digest  # a sibling module
 from torch.nn.parallel import DistributedDataParallel
 
 from worker_lib import Checkpointer, attach
@@ -42,6 +42,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--hang-file", type=Path, default=None, help="rank 1 hangs once after a commit once this file exists"
+    )
+    parser.add_argument(
+        "--pause-at",
+        type=iterations_arg,
+        default=set(),
+        help="every rank waits after these iterations' saves for --log-dir/go-<iteration>",
     )
     parser.add_argument(
         "--collective-timeout-s",
@@ -101,6 +107,7 @@ def main() -> None:
             )
             checkpointer.save(iteration, {"model": model, "optimizer": optimizer, "iteration": iteration})
             checkpointer.wait()
+            pause_if_asked(args.log_dir, iteration, args.pause_at, event, checkpointer)
             if args.sleep:
                 time.sleep(args.sleep)
             crash_marker = args.log_dir / "crashed"

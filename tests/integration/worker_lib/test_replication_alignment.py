@@ -34,6 +34,7 @@ from worker_lib import Checkpointer
 from worker_lib.agent.dataplane import DataPlaneServer, PeerConnection, data_plane_key
 from worker_lib.agent.holdings import Holdings
 from worker_lib.agent.replication import Replicator
+from worker_lib.agent.services import follow
 from worker_lib.store.slots import SlotStore
 
 JOB = "job-under-test"
@@ -481,3 +482,51 @@ def test_a_machine_says_at_once_when_its_part_of_the_alignment_changed(ring: Rin
     ring.commit()  # the machines' newest commit moves (no root answer yet: nothing proposed)
     ring.heartbeat(0)  # machine 0 hears of itself: proposes, pins at once (lead 0 once paced) or adopts
     assert told[0].acquire(timeout=5), "machine 0's proposal was not told"
+
+
+def test_a_machine_that_runs_free_rounds_turns_the_jobs_alignment_off_and_replication_goes_on(
+    ring: Ring,
+) -> None:
+    """One agent told CASTOR_REPLICATION_ALIGN=0 (or with stores too small to pin) in an aligned job: the
+    others would wait for its pin forever. It says so in its summary, the root answers no alignment, and
+    every machine runs free rounds, its aligned pins released, its replicas still completing."""
+    for _ in range(400):
+        ring.commit()
+        alignment = [ring.heartbeat(machine) for machine in range(MACHINES)][-1]
+        if alignment.aligned_iteration is not None and alignment.target is not None:
+            break
+    else:
+        pytest.fail("no aligned iteration with a target")
+    ring.replicators[2].aligns = False
+    ring.summaries[2] = ring.replicators[2].summary()  # its next heartbeat
+    assert ring.summaries[2]["replication_free"] is True
+    before = [r.stats.rounds for r in ring.replicators]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ring.commit()
+        time.sleep(0.02)
+        for machine, replicator in enumerate(ring.replicators):
+            ring.summaries[machine] = replicator.summary()
+            alignment = replication_alignment(ring.summaries.values())
+            assert alignment is None, "a machine replicates free rounds: the job does not align"
+            follow(replicator, alignment)
+        if all(r.stats.rounds >= b + 3 for r, b in zip(ring.replicators, before, strict=True)):
+            break
+    rounds = [r.stats.rounds - b for r, b in zip(ring.replicators, before, strict=True)]
+    assert min(rounds) >= 3, f"free rounds go on: {rounds} completed since"
+    for replicator in ring.replicators[:2]:
+        summary = replicator.summary()
+        assert summary["replication_next"] is None and len(summary["replication_kept"]) == 1, summary
+
+
+def test_stores_too_small_to_pin_report_free_rounds(shm: Path) -> None:
+    holdings = Holdings(shm / "machine")
+    holdings.prepare_local(ranks_of(0), 2)  # the embedded mode's two slots per rank
+    replicator = Replicator(holdings, KEY, JOB, [1], lambda _: None, streams=1)
+    try:
+        assert replicator.summary()["replication_free"] is True
+        holdings.prepare_local(ranks_of(0), 4)
+        assert "replication_free" not in replicator.summary()
+        assert replicator.summary()["replication_kept"] == []
+    finally:
+        holdings.close()

@@ -66,3 +66,11 @@ def test_after_a_rollback_only_the_newest_historys_proposals_count() -> None:
 def test_malformed_summaries_count_as_nothing() -> None:
     odd = {"replication_kept": ["x", -1, True, 7], "replication_next": "soon", "replication_ready": "yes"}
     assert replication_alignment([odd, machine([7], 9, True)]) == ReplicationAlignment(7, 9, False)
+
+
+def test_one_machine_that_replicates_free_rounds_means_no_machine_of_the_job_aligns() -> None:
+    # The others would wait for its pin forever: every machine runs free rounds instead.
+    ready = [machine([10], 14, ready=True), machine([10], 14, ready=True)]
+    assert replication_alignment(ready) == ReplicationAlignment(10, 14, True)
+    assert replication_alignment([*ready, {"replication_free": True, "replicated_iteration": 12}]) is None
+    assert replication_alignment([*ready, {"replication_free": False, **machine([10], 14, True)}]) is not None

@@ -1,7 +1,8 @@
-"""An agent that aligns its replication rounds (CASTOR_REPLICATION_ALIGN=1) hears the job's alignment from a
-long poll as it changes and heartbeats at once when its own part changed (worker_lib.agent.services,
-services.root.flows.alignment), rather than a heartbeat period later each way: an aligned round's steps (the
-last machine done, the proposal, the pins, the go) each waited for a heartbeat before."""
+"""An agent that aligns its replication rounds (the default; CASTOR_REPLICATION_ALIGN=0 turns it off) hears
+the job's alignment from a long poll as it changes and heartbeats at once when its own part changed
+(worker_lib.agent.services, services.root.flows.alignment), rather than a heartbeat period later each way: an
+aligned round's steps (the last machine done, the proposal, the pins, the go) each waited for a heartbeat
+before."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from typing import Any
 
 import pytest
 
+from services.cli import build_parser
 from tests.unit.worker_lib.helpers import until
 from worker_lib.agent import services as services_module
-from worker_lib.agent.replication import ALIGN_ENV
+from worker_lib.agent.cli import run
+from worker_lib.agent.replication import ALIGN_ENV, aligned_rounds
 from worker_lib.agent.services import MachineIdentity, MachineServices
 from worker_lib.api.worker import HeartbeatResponse, ReplicationAlignment
 from worker_lib.client import RootRejected
@@ -57,7 +60,13 @@ class Replicator:
 
     def __init__(self) -> None:
         self.aligned: list[tuple[int | None, int | None, bool]] = []
+        self.unaligned = 0
+        self.aligns = True
+        self.answers_pushed = False
         self.on_alignment_change: Any = None
+
+    def unalign(self) -> None:
+        self.unaligned += 1
 
     def align(self, aligned: int | None, target: int | None, go: bool) -> None:
         self.aligned.append((aligned, target, go))
@@ -65,7 +74,7 @@ class Replicator:
 
 @pytest.fixture
 def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[MachineServices, Root, Replicator]:
-    monkeypatch.setenv(ALIGN_ENV, "1")
+    monkeypatch.delenv(ALIGN_ENV, raising=False)  # aligned rounds are the default
     monkeypatch.setattr(services_module, "ALIGNMENT_RETRY_S", 0.01)
     root = Root()
     client: Any = root
@@ -101,9 +110,12 @@ async def test_each_alignment_heard_is_acted_on_and_asked_past(
         assert root.heard[1] == first, "the next poll waits for something other than what was heard"
         await root.answers.put(ReplicationAlignment(aligned_iteration=10, target=14, go=True))
         await until(lambda: replicator.aligned[-1:] == [(10, 14, True)])
-        await root.answers.put(None)  # no machine replicates (any more): nothing to act on
+        unaligned = replicator.unaligned
+        await root.answers.put(None)  # the job does not align (any more): free rounds
         await until(lambda: len(root.heard) == 4)
-        assert len(replicator.aligned) == 2 and root.heard[3] is None
+        assert (
+            len(replicator.aligned) == 2 and replicator.unaligned == unaligned + 1 and root.heard[3] is None
+        )
     finally:
         task.cancel()
 
@@ -137,3 +149,52 @@ async def test_a_root_without_the_poll_leaves_the_alignment_to_the_heartbeats(
         assert not task.done()  # the heartbeats go on
     finally:
         task.cancel()
+
+
+async def test_an_agent_told_not_to_align_neither_polls_nor_acts_on_heartbeat_answers(
+    agent: tuple[MachineServices, Root, Replicator], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ALIGN_ENV, "0")
+    services, root, replicator = agent
+    answer = HeartbeatResponse(
+        state="healthy",
+        job_state="running",
+        plan_generation=1,
+        peers=[],
+        replication=ReplicationAlignment(aligned_iteration=3, target=5, go=True),
+    )
+    answered: list[HeartbeatResponse] = []
+
+    async def heartbeat(rank: int, instance_id: str, summary: Any) -> HeartbeatResponse:
+        answered.append(answer)
+        return answer
+
+    root.heartbeat = heartbeat  # type: ignore[method-assign]
+    task = asyncio.create_task(services.heartbeats())
+    try:
+        await until(lambda: len(answered) == 1)
+        await asyncio.sleep(0.2)
+        assert root.heard == [] and replicator.on_alignment_change is None
+        assert replicator.aligned == [], "free rounds: the root's alignment is not followed"
+        assert replicator.aligns is False, "its summary says so: the root aligns none of the job"
+    finally:
+        task.cancel()
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "enabled"])
+def test_the_agent_refuses_a_value_it_does_not_know_before_it_starts(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ALIGN_ENV, value)
+    monkeypatch.setenv("CASTOR_WORKER_TOKEN", "castor-job.00ff.secret")
+    args = build_parser().parse_args(["agent", "--root", "http://r", "--job", "j", "--", "python"])
+    with pytest.raises(SystemExit, match=f"{ALIGN_ENV}='{value}': give 1 .* or 0"):
+        run(args)
+
+
+@pytest.mark.parametrize(
+    ("value", "aligned"), [("", True), ("1", True), (" On ", True), ("0", False), ("off", False)]
+)
+def test_the_values_it_knows(value: str, aligned: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ALIGN_ENV, value)
+    assert aligned_rounds() is aligned
