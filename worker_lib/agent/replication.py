@@ -712,15 +712,20 @@ class Replicator:
             and self._pinned_version[1] > self._job_aligned
         )
         if self._next is None and not ahead and held is not None:
-            if not stalled:
-                lead = max(self._lead, self._needed_lead())
+            lead = max(self._lead, self._needed_lead())
+            # Not an iteration the job has aligned already (lead 0, iterations slower than an aligned
+            # cycle): the root counts no such proposal, so its answer would not change, and a machine whose
+            # poll waits for a change would wait out the poll (5 s) before proposing again. The next commit
+            # brings a newer one.
+            fresh = self._job_aligned is None or held + lead > self._job_aligned
+            if not stalled and fresh:
                 self._next = held + lead
                 self._proposed = (self._next, time.monotonic())
                 log.debug("proposing iteration %d (newest common %d, lead %d)", self._next, held, lead)
                 for rank in ranks if lead == 0 else ():  # committed already: pinned at once
                     if self._next is not None and self._next_state == "" and rank not in self._next_pins:
                         self._pin_next(rank)
-            elif self._job_aligned is None or held > self._job_aligned:
+            elif stalled and (self._job_aligned is None or held > self._job_aligned):
                 # Training stopped: the newest iteration every local rank holds, pinned at once.
                 self._next = held
                 for rank in ranks:

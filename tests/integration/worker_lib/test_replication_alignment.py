@@ -530,3 +530,33 @@ def test_stores_too_small_to_pin_report_free_rounds(shm: Path) -> None:
         assert replicator.summary()["replication_kept"] == []
     finally:
         holdings.close()
+
+
+def test_a_machine_never_proposes_an_iteration_the_job_has_aligned_already(ring: Ring) -> None:
+    """Iterations slower than an aligned cycle (lead 0): once the newest commit is aligned everywhere, a
+    proposal of it would count for nothing at the root, whose answer then would not change, and an agent
+    waiting on the alignment poll for a change would wait out the poll (5 s: in benchmarks/recovery.py a
+    machine loss lost 10-13 iterations that way). No proposal until a newer commit; then one of it."""
+    for _ in range(40):
+        ring.commit()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the root answers every machine many times an iteration
+            alignment = [ring.heartbeat(machine) for machine in range(MACHINES)][-1]
+            if alignment.aligned_iteration == ring.iteration:
+                break
+            time.sleep(0.01)
+        else:
+            continue  # the first iterations align while the paces are learnt
+        for machine in range(MACHINES):  # every machine hears it (the poll answers each at once)
+            assert ring.heartbeat(machine).aligned_iteration == ring.iteration
+        time.sleep(0.3)  # coordinator steps with the newest commit aligned
+        for machine, replicator in enumerate(ring.replicators):
+            proposed = replicator.summary()["replication_next"]
+            assert proposed is None or proposed > ring.iteration, (machine, proposed, ring.iteration)
+        if ring.iteration >= 12:
+            break
+    assert ring.iteration >= 12, "the newest commit was aligned everywhere in time"
+    ring.commit()  # a newer commit: proposed at once (lead 0)
+    time.sleep(0.3)
+    proposals = {r.summary()["replication_next"] for r in ring.replicators}
+    assert ring.iteration in proposals, proposals
