@@ -32,7 +32,9 @@ next one), doubled after a miss (an agreed iteration overwritten before it could
 far shorter than a heartbeat period still get agreed iterations pinned in time. When training stops
 committing (every rank waiting: a pause, a stalled collective), a future iteration would never come: each
 machine then proposes the newest iteration all its ranks hold, pinned at once, and adopts no target it has
-not reached, so the machines agree on the iteration they stopped at.
+not reached; once every machine says it stopped, the root names the smallest proposal (machines may have
+stopped an iteration apart), which each adopts from its slots: the machines agree on an iteration they all
+hold.
 The job's aligned iteration (the newest one every machine fully replicated and still keeps) stays pinned here
 and is the older replica slot on the holders: a machine whose newest fully replicated iteration is newer than
 it starts no round until the others catch up. Pins at any moment: the aligned iteration and one more (this
@@ -389,14 +391,21 @@ class Replicator:
                     self._floor = {}
             if self._next is not None and aligned is not None and aligned >= self._next:
                 self._drop_next()  # every machine replicated it
+            stalled = self._stalled()
             if (
                 target is not None
                 and target != self._next
                 and self._next_state in ("", "pinned")
-                and (self._next is None or target > self._next)
+                and (
+                    self._next is None
+                    or target > self._next
+                    # Every machine stopped, some an iteration further than others (a rank hung while its
+                    # peers had committed one more): the root names the smallest proposal, held here too.
+                    or (stalled and (aligned is None or target > aligned))
+                )
                 # Training stopped: an iteration it has not reached would never be committed here. This
                 # machine keeps proposing the newest it holds until the others propose the same.
-                and not (self._stalled() and (self._newest_common is None or target > self._newest_common))
+                and not (stalled and (self._newest_common is None or target > self._newest_common))
             ):
                 self._drop_next()
                 self._next = target  # the largest proposal: adopted, pinned when committed
@@ -498,6 +507,7 @@ class Replicator:
                 "replication_next": self._next,
                 "replication_ready": self._next is not None
                 and self._next_state in ("pinned", "running", "done"),
+                "replication_stalled": self._stalled(),
             }
 
     # -- rounds ------------------------------------------------------------------------------------------

@@ -177,6 +177,11 @@ class CheckpointSummary(BaseModel):
     replication_generation: Count | None = Field(
         None, description="Plan generation of the newest local commits (proposals of an older one are stale)."
     )
+    replication_stalled: bool = Field(
+        False,
+        description="No local rank committed for a while (training waits): this machine then proposes the "
+        "newest iteration it holds, and when every machine says so the root names the smallest proposal.",
+    )
     replication_free: bool = Field(
         False,
         description="This machine replicates its own newest iterations, not the job's agreed ones (its agent "

@@ -111,7 +111,12 @@ def replication_alignment(summaries: Iterable[Mapping[str, Any]]) -> Replication
         and (n := _count(s.get("replication_next"))) is not None
         and (aligned is None or n > aligned)
     ]
-    target = max(proposed) if proposed else None
+    # Each machine proposes an iteration ahead of its newest commit and adopts the largest proposal. Once
+    # every machine has stopped committing (training waits: a pause, a hung rank), each proposes the newest
+    # iteration it holds, and those can differ by one (a rank hung while its peers had committed one more):
+    # the smallest is the one every machine holds.
+    everyone_stalled = all(s.get("replication_stalled") is True for s in replicating)
+    target = (min if everyone_stalled else max)(proposed) if proposed else None
     go = target is not None and all(
         _count(s.get("replication_next")) == target and s.get("replication_ready") is True
         for s in replicating

@@ -337,10 +337,10 @@ class Ring:
         self.summaries: dict[int, dict[str, Any]] = {}
         self.iteration = 0
 
-    def commit(self) -> None:
-        """One training iteration: every rank saves and the agents hear of the commits."""
+    def commit(self, machines: range | list[int] = range(MACHINES)) -> None:
+        """One training iteration: every rank (of `machines`) saves and the agents hear of the commits."""
         self.iteration += 1
-        for machine in range(MACHINES):
+        for machine in machines:
             for rank in ranks_of(machine):
                 tensor = torch.full((SMALL,), float(self.iteration * 10 + rank))
                 assert self.checkpointers[rank].save(self.iteration, {"w": tensor, "step": self.iteration})
@@ -560,3 +560,32 @@ def test_a_machine_never_proposes_an_iteration_the_job_has_aligned_already(ring:
     time.sleep(0.3)
     proposals = {r.summary()["replication_next"] for r in ring.replicators}
     assert ring.iteration in proposals, proposals
+
+
+def test_machines_stopped_one_iteration_apart_agree_on_the_one_they_all_hold(ring: Ring) -> None:
+    """Training stops with one machine an iteration ahead (a rank hung while its peers had committed one
+    more): each machine proposes the newest iteration it holds, the root, hearing every machine stopped,
+    names the smallest, and the machine ahead adopts it from its slots: it is replicated everywhere."""
+    for _ in range(400):
+        ring.commit()
+        alignment = [ring.heartbeat(machine) for machine in range(MACHINES)][-1]
+        if alignment.aligned_iteration is not None and (alignment.target or 0) > ring.iteration:
+            break
+    else:
+        pytest.fail("no aligned iteration with a target ahead")
+    common = ring.iteration
+    ring.commit(machines=[0])  # machine 0 one iteration further; then nobody commits
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        alignment = [ring.heartbeat(machine) for machine in range(MACHINES)][-1]
+        if alignment.aligned_iteration == common and all(
+            r.stats.replicated_iteration == common for r in ring.replicators
+        ):
+            break
+        time.sleep(0.1)  # a heartbeat period, training stopped
+    assert alignment.aligned_iteration == common, (
+        f"stopped at {common} ({common + 1} on machine 0); aligned {alignment.aligned_iteration}, "
+        f"target {alignment.target}"
+    )
+    for lost in range(MACHINES):
+        assert common in common_after_losing(lost, ring.holdings)

@@ -74,3 +74,13 @@ def test_one_machine_that_replicates_free_rounds_means_no_machine_of_the_job_ali
     assert replication_alignment(ready) == ReplicationAlignment(10, 14, True)
     assert replication_alignment([*ready, {"replication_free": True, "replicated_iteration": 12}]) is None
     assert replication_alignment([*ready, {"replication_free": False, **machine([10], 14, True)}]) is not None
+
+
+def test_once_every_machine_has_stopped_the_target_is_the_smallest_proposal() -> None:
+    # A rank hung while its peer had committed one more: each stopped machine proposes the newest it holds.
+    ahead, behind = machine([10], 15, ready=True), machine([10], 14)
+    assert replication_alignment([ahead, behind]).target == 15  # still training: the largest
+    stopped = [{**ahead, "replication_stalled": True}, {**behind, "replication_stalled": True}]
+    assert replication_alignment(stopped) == ReplicationAlignment(10, 14, False)
+    one_stopped = [{**ahead, "replication_stalled": True}, behind]
+    assert replication_alignment(one_stopped).target == 15
