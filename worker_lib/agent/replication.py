@@ -395,13 +395,23 @@ class Replicator:
             if (
                 target is not None
                 and target != self._next
-                and self._next_state in ("", "pinned")
                 and (
-                    self._next is None
-                    or target > self._next
-                    # Every machine stopped, some an iteration further than others (a rank hung while its
-                    # peers had committed one more): the root names the smallest proposal, held here too.
-                    or (stalled and (aligned is None or target > aligned))
+                    (
+                        self._next_state in ("", "pinned")
+                        and (
+                            self._next is None
+                            or target > self._next
+                            # Every machine stopped, some an iteration further than others (a rank hung
+                            # while its peers had committed one more): the root names the smallest
+                            # proposal, held here too.
+                            or (stalled and (aligned is None or target > aligned))
+                        )
+                    )
+                    # This machine replicated the agreed iteration, but another gave it up (its training
+                    # process needed the slot back first, as after a rollback, or rotated past it) and
+                    # proposed a later one: the job will never align on the old one, so follow, or every
+                    # machine would wait for the other forever.
+                    or (self._next_state == "done" and self._next is not None and target > self._next)
                 )
                 # Training stopped: an iteration it has not reached would never be committed here. This
                 # machine keeps proposing the newest it holds until the others propose the same.

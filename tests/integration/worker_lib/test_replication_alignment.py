@@ -589,3 +589,33 @@ def test_machines_stopped_one_iteration_apart_agree_on_the_one_they_all_hold(rin
     )
     for lost in range(MACHINES):
         assert common in common_after_losing(lost, ring.holdings)
+
+
+def test_a_machine_that_replicated_the_agreed_iteration_follows_when_another_machine_gives_it_up(
+    shm: Path,
+) -> None:
+    """A machine replicated the agreed iteration (its part done) while another gave it up before its own
+    round could finish (its training process, restarted by a recovery, needed the pinned slot back) and
+    proposed a later one. The root then names the later one: the machine that is done follows it, instead
+    of waiting for the job to align on an iteration that one machine no longer holds (replication stalled
+    until the next recovery: seen in the fault matrix, tests/e2e/test_netemu_matrix.py, on a loaded host)."""
+    holdings = Holdings(shm / "machine")
+    holdings.prepare_local(ranks_of(0), 4)
+    replicator = Replicator(holdings, KEY, JOB, [1], lambda _: None, streams=1)  # no threads: states only
+    try:
+        replicator.align(8, 20, False)
+        assert replicator.summary()["replication_next"] == 20
+        with replicator.condition:
+            replicator._next_state = "done"  # its round of 20 completed (as _complete leaves it)
+        replicator.align(8, 20, False)  # the others still at it: done, and ready
+        summary = replicator.summary()
+        assert summary["replication_next"] == 20 and summary["replication_ready"] is True
+        replicator.align(8, 25, False)  # a machine gave 20 up and proposed 25
+        summary = replicator.summary()
+        assert summary["replication_next"] == 25, summary
+        assert summary["replication_ready"] is False  # 25 is pinned when committed, then ready
+        replicator.align(8, 24, False)  # never back to a smaller one
+        assert replicator.summary()["replication_next"] == 25
+    finally:
+        replicator.stop()
+        holdings.close()
