@@ -382,13 +382,7 @@ class Replicator:
             if self._proposed is not None and target is not None and target >= self._proposed[0]:
                 self._travels.append(now - self._proposed[1])  # this machine's proposal reached the root
                 self._proposed = None
-            # The job caught up (a newer aligned iteration), or no longer has one (a machine joined with
-            # nothing replicated): the older aligned iteration can go, except while a recovery collects.
-            if self._floor and not self._paused:
-                floor = next(iter(self._floor.values())).manifest.iteration
-                if aligned != floor:
-                    self._release(self._floor)
-                    self._floor = {}
+            self._floor_at(aligned)
             if self._next is not None and aligned is not None and aligned >= self._next:
                 self._drop_next()  # every machine replicated it
             stalled = self._stalled()
@@ -418,7 +412,7 @@ class Replicator:
                 and not (stalled and (self._newest_common is None or target > self._newest_common))
             ):
                 self._drop_next()
-                self._next = target  # the largest proposal: adopted, pinned when committed
+                self._next = target  # the root's choice of the proposals: adopted, pinned when committed
                 log.debug("adopted iteration %d (aligned %s)", target, aligned)
             if go and target is not None and target == self._next:
                 if not self._go:
@@ -435,10 +429,17 @@ class Replicator:
             self._aligning = False
             self._job_aligned = None
             self._drop_next()  # a round already running completes as a free one
-            if self._floor and not self._paused:
-                self._release(self._floor)
-                self._floor = {}
+            self._floor_at(None)
             self.condition.notify_all()
+
+    def _floor_at(self, aligned: int | None) -> None:
+        """The job caught up (a newer aligned iteration), or no longer has one (a machine joined with nothing
+        replicated, or the job stopped aligning): the older aligned iteration can go, except while a
+        recovery collects."""
+        floor = next(iter(self._floor.values())).manifest.iteration if self._floor else None
+        if floor is not None and floor != aligned and not self._paused:
+            self._release(self._floor)
+            self._floor = {}
 
     def pause(self) -> None:
         """A recovery is collecting inventories: start no round and keep every pin until resume()."""

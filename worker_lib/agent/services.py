@@ -79,7 +79,6 @@ class MachineServices:
         self.long_poll_answered_at: float | None = None  # monotonic: the directive long poll's last answer
         self.server: DataPlaneServer | None = None
         self.replicator: Replicator | None = None
-        self.aligns = False  # whether the replicator follows the root's alignment (read as heartbeats start)
         self.commits: dict[int, deque[float]] = {}  # rank -> commit times in the last minute
         self.committed = 0
         self.skipped = 0
@@ -370,10 +369,9 @@ class MachineServices:
                 )
             else:
                 wake = asyncio.Event()
-                self.aligns = aligned_rounds()
                 if self.replicator is not None:
-                    self.replicator.aligns = self.aligns
-                if self.replicator is not None and self.aligns:
+                    self.replicator.aligns = aligned_rounds()
+                if self.replicator is not None and self.replicator.aligns:
                     following = asyncio.create_task(self._follow_alignment(self.replicator, wake))
                 await rest_heartbeats(
                     self.client,
@@ -426,7 +424,7 @@ class MachineServices:
         # While the alignment is polled, its answers alone count: a heartbeat's was computed before its
         # commit and may arrive after a newer one the poll brought.
         replicator = self.replicator
-        if replicator is not None and self.aligns and not replicator.answers_pushed:
+        if replicator is not None and replicator.aligns and not replicator.answers_pushed:
             follow(replicator, alignment)
 
     def directive_answered(self, directive: DirectiveOut, long_poll: bool = True) -> None:

@@ -354,6 +354,33 @@ class Ring:
         self.replicators[machine].align(alignment.aligned_iteration, alignment.target, alignment.go)
         return alignment
 
+    def heartbeats(self) -> ReplicationAlignment:
+        """Every machine heartbeats in turn; the root's last answer."""
+        return [self.heartbeat(machine) for machine in range(MACHINES)][-1]
+
+    def train_until_a_target_ahead(self) -> None:
+        """Commit and heartbeat until the job has an aligned iteration and the next agreed one is still to
+        come (proposed ahead of the newest commit)."""
+        for _ in range(400):
+            self.commit()
+            alignment = self.heartbeats()
+            if alignment.aligned_iteration is not None and (alignment.target or 0) > self.iteration:
+                return
+        pytest.fail("no aligned iteration with a target ahead")
+
+    def heartbeat_until_aligned_at(self, iteration: int, timeout_s: float = 60) -> ReplicationAlignment:
+        """Training stopped: heartbeat every 0.1 s until `iteration` is aligned and every machine fully
+        replicated it (or the timeout); the root's last answer."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            alignment = self.heartbeats()
+            done = alignment.aligned_iteration == iteration and all(
+                r.stats.replicated_iteration == iteration for r in self.replicators
+            )
+            if done or time.monotonic() >= deadline:
+                return alignment
+            time.sleep(0.1)  # a heartbeat period, training stopped
+
     def close(self) -> None:
         for checkpointer in self.checkpointers.values():
             checkpointer.close()
@@ -443,22 +470,9 @@ def test_iterations_far_longer_than_the_answers_agree_on_an_iteration_already_co
 def test_training_that_stops_still_gets_its_last_iteration_aligned_and_replicated(ring: Ring) -> None:
     """Every rank waits after an iteration (a pause, a stalled collective) while the agreed iteration is
     still to come: the machines agree on an iteration they all hold instead, and replicate it."""
-    for _ in range(400):
-        ring.commit()
-        alignment = [ring.heartbeat(machine) for machine in range(MACHINES)][-1]
-        if alignment.aligned_iteration is not None and (alignment.target or 0) > ring.iteration:
-            break  # an aligned iteration, and the next agreed one in the future
-    else:
-        pytest.fail("no aligned iteration with a target ahead")
+    ring.train_until_a_target_ahead()
     stopped = ring.iteration
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        alignment = [ring.heartbeat(machine) for machine in range(MACHINES)][-1]
-        if alignment.aligned_iteration == stopped and all(
-            r.stats.replicated_iteration == stopped for r in ring.replicators
-        ):
-            break
-        time.sleep(0.1)  # a heartbeat period, training stopped
+    alignment = ring.heartbeat_until_aligned_at(stopped)
     assert alignment.aligned_iteration == stopped, (
         f"training stopped at {stopped}; aligned {alignment.aligned_iteration}, target {alignment.target}"
     )
@@ -492,7 +506,7 @@ def test_a_machine_that_runs_free_rounds_turns_the_jobs_alignment_off_and_replic
     every machine runs free rounds, its aligned pins released, its replicas still completing."""
     for _ in range(400):
         ring.commit()
-        alignment = [ring.heartbeat(machine) for machine in range(MACHINES)][-1]
+        alignment = ring.heartbeats()
         if alignment.aligned_iteration is not None and alignment.target is not None:
             break
     else:
@@ -541,7 +555,7 @@ def test_a_machine_never_proposes_an_iteration_the_job_has_aligned_already(ring:
         ring.commit()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # the root answers every machine many times an iteration
-            alignment = [ring.heartbeat(machine) for machine in range(MACHINES)][-1]
+            alignment = ring.heartbeats()
             if alignment.aligned_iteration == ring.iteration:
                 break
             time.sleep(0.01)
@@ -566,23 +580,10 @@ def test_machines_stopped_one_iteration_apart_agree_on_the_one_they_all_hold(rin
     """Training stops with one machine an iteration ahead (a rank hung while its peers had committed one
     more): each machine proposes the newest iteration it holds, the root, hearing every machine stopped,
     names the smallest, and the machine ahead adopts it from its slots: it is replicated everywhere."""
-    for _ in range(400):
-        ring.commit()
-        alignment = [ring.heartbeat(machine) for machine in range(MACHINES)][-1]
-        if alignment.aligned_iteration is not None and (alignment.target or 0) > ring.iteration:
-            break
-    else:
-        pytest.fail("no aligned iteration with a target ahead")
+    ring.train_until_a_target_ahead()
     common = ring.iteration
     ring.commit(machines=[0])  # machine 0 one iteration further; then nobody commits
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        alignment = [ring.heartbeat(machine) for machine in range(MACHINES)][-1]
-        if alignment.aligned_iteration == common and all(
-            r.stats.replicated_iteration == common for r in ring.replicators
-        ):
-            break
-        time.sleep(0.1)  # a heartbeat period, training stopped
+    alignment = ring.heartbeat_until_aligned_at(common)
     assert alignment.aligned_iteration == common, (
         f"stopped at {common} ({common + 1} on machine 0); aligned {alignment.aligned_iteration}, "
         f"target {alignment.target}"
