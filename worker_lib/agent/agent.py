@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from worker_lib.agent import stacks
 from worker_lib.agent.address import default_address
 from worker_lib.agent.dataplane import fetch
 from worker_lib.agent.heartbeat import REPLACED_CODES, Replaced
@@ -95,6 +96,9 @@ class AgentConfig:
     procs_per_machine: int | None = None
     shm_root: Path | None = None
     stop_grace_s: float = 5.0
+    # Once stopped, the process exits this long later even if a thread never returns (stacks.exit_after):
+    # set by `castor agent`, whose process is the agent's alone; None in processes that host an agent.
+    exit_deadline_s: float | None = None
     keep_shm: bool = False  # keep the checkpoints in shared memory after the job completed or was stopped
     warm_start: bool = True  # keep warm interpreters (torch imported) ready for (re)starts
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -202,6 +206,11 @@ class Agent:
                     return 1
                 return self.done.result()
             finally:
+                if self.config.exit_deadline_s is not None:
+                    decided = self.done.done() and not self.done.cancelled() and self.done.exception() is None
+                    stacks.exit_after(
+                        self.config.exit_deadline_s, self.done.result() if decided else 1, "the agent"
+                    )
                 self._stop_checks()
                 stopping: list[asyncio.Task[Any]] = [*tasks]
                 if self._inventory_answer is not None:

@@ -19,6 +19,10 @@ from worker_lib.agent.priority import NICE_ENV, NICE_MAX, REPLICATION_NICE, repl
 from worker_lib.agent.replication import aligned_rounds
 from worker_lib.agent.watchdog import AUTO_FACTOR, AUTO_FLOOR_S, HangPolicy
 
+# A stopped agent's cleanup takes seconds (training processes' grace period, warm spares, the replication
+# threads' joins, up to about 30 s when each waits out its bound): past this the process exits anyway.
+EXIT_DEADLINE_S = 60.0
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
@@ -173,5 +177,6 @@ def run(args: argparse.Namespace) -> int:
         warm_start=args.warm_start,
         hang=args.hang_timeout,
         replication_nice=args.replication_nice,
+        exit_deadline_s=EXIT_DEADLINE_S,
     )
     return asyncio.run(Agent(config).run())
