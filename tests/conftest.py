@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests import harness
-from tests.e2e.cluster import LocalCluster
-
-ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+from tests.e2e.cluster import LocalCluster, keep_logs
 
 os.environ.update(harness.AWS_TEST_ENV)
 
@@ -40,11 +38,7 @@ def moto_server() -> Iterator[harness.Moto]:
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     local = LocalCluster(tmp_path)
     yield local
-    failed = getattr(request.node, "rep_call", None)
-    if failed is not None and failed.failed:
-        # Keep the processes' logs of a failed run where CI can find them.
-        ARTIFACTS.mkdir(exist_ok=True)
-        (ARTIFACTS / f"{request.node.name}.log").write_text(local.logs(tail=200))
+    keep_logs(request, local.logs(tail=200))
     local.close()
 
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, BrowserContext, Page, sync_playwright
 
-from tests.conftest import ARTIFACTS
+from tests.e2e.cluster import ARTIFACTS
 from tests.harness import free_port, stop_process, wait_for_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,9 @@ from services import local_faults
 from tests.harness import free_port, stop_process, wait_for_port
 
 REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "test-artifacts"
+# What `castor agent` writes when a thread held it past its exit deadline (stacks.exit_after).
+HELD_PAST_EXIT = "after it stopped: exiting"
 WORKLOAD = REPO / "tests" / "e2e" / "workloads" / "train_ddp.py"
 
 
@@ -347,3 +351,20 @@ def _is_zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def keep_logs(request: Any, logs: str) -> None:
+    """A cluster fixture's teardown: the processes' logs go to test-artifacts/ where CI finds them when the
+    test failed, or when an agent was held past its exit deadline (the test passes: the agent exited, but
+    the stacks it wrote are the evidence of a thread that never returned, a bug to find)."""
+    failed = getattr(request.node, "rep_call", None)
+    held = HELD_PAST_EXIT in logs
+    if (failed is not None and failed.failed) or held:
+        ARTIFACTS.mkdir(exist_ok=True)
+        (ARTIFACTS / f"{request.node.name}.log").write_text(logs)
+    if held:
+        warnings.warn(
+            f"an agent was held past its exit deadline: its threads' stacks are in "
+            f"test-artifacts/{request.node.name}.log",
+            stacklevel=2,
+        )

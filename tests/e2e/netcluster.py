@@ -19,11 +19,9 @@ from typing import Any
 import pytest
 
 from tests import netemu
-from tests.e2e.cluster import REPO, LocalCluster, Machine, Root, wait_until
+from tests.e2e.cluster import REPO, LocalCluster, Machine, Root, keep_logs, wait_until
 from tests.e2e.recovery_checks import check_event
 from tests.harness import free_port
-
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
 
 class NetCluster(LocalCluster):
@@ -147,10 +145,7 @@ def net_cluster(
         try:
             yield local
         finally:
-            failed = getattr(request.node, "rep_call", None)
-            if failed is not None and failed.failed:
-                ARTIFACTS.mkdir(exist_ok=True)
-                (ARTIFACTS / f"{request.node.name}.log").write_text(local.logs(tail=200))
+            keep_logs(request, local.logs(tail=200))
             local.close()
 
 
