@@ -323,8 +323,6 @@ class Replicator:
         self._proposed: tuple[int, float] | None = None  # (iteration, time.monotonic()) of the last proposal
         self._travels: deque[float] = deque(maxlen=PACE_WINDOW // 4)  # its trips to an answer naming it
         self._alignment_told: dict[str, Any] | None = None
-        # A target the root named while training here looked stopped and had not reached it (see align).
-        self._declined: int | None = None
         self._coordinator = threading.Thread(target=self._coordinate, name="castor-replication", daemon=True)
         count = default_streams() if streams is None else max(1, streams)
         self._senders = [_Sender(self, machine, s) for machine in self.targets for s in range(count)]
@@ -388,47 +386,39 @@ class Replicator:
             if self._next is not None and aligned is not None and aligned >= self._next:
                 self._drop_next()  # every machine replicated it
             stalled = self._stalled()
-            self._declined = None
-            if self._adoptable(target, stalled):
-                assert target is not None
-                if stalled and (self._newest_common is None or target > self._newest_common):
-                    # Training stopped: an iteration it has not reached would never be committed here. This
-                    # machine keeps proposing the newest it holds until the others propose the same. If
-                    # training goes on instead (the first commits after a restart: the last one before it
-                    # made the machine look stopped), the coordinator adopts it then (_align_step), not
-                    # when the next answer comes: the poll would wait for a change that never comes.
-                    self._declined = target
-                else:
-                    self._adopt(target, aligned)
+            if (
+                target is not None
+                and target != self._next
+                and (
+                    (
+                        self._next_state in ("", "pinned")
+                        and (
+                            self._next is None
+                            or target > self._next
+                            # Every machine stopped, some an iteration further than others (a rank hung
+                            # while its peers had committed one more): the root names the smallest
+                            # proposal, held here too.
+                            or (stalled and (aligned is None or target > aligned))
+                        )
+                    )
+                    # This machine replicated the agreed iteration, but another gave it up (its training
+                    # process needed the slot back first, as after a rollback, or rotated past it) and
+                    # proposed a later one: the job will never align on the old one, so follow, or every
+                    # machine would wait for the other forever.
+                    or (self._next_state == "done" and self._next is not None and target > self._next)
+                )
+                # Training stopped: an iteration it has not reached would never be committed here. This
+                # machine keeps proposing the newest it holds until the others propose the same.
+                and not (stalled and (self._newest_common is None or target > self._newest_common))
+            ):
+                self._drop_next()
+                self._next = target  # the root's choice of the proposals: adopted, pinned when committed
+                log.debug("adopted iteration %d (aligned %s)", target, aligned)
             if go and target is not None and target == self._next:
                 if not self._go:
                     log.debug("go for iteration %d", target)
                 self._go = True
             self.condition.notify_all()
-
-    def _adoptable(self, target: int | None, stalled: bool) -> bool:
-        """Whether the root's `target` replaces this machine's agreed iteration (whether training reached it
-        is checked apart)."""
-        if target is None or target == self._next:
-            return False
-        if self._next_state in ("", "pinned"):
-            # Every machine stopped, some an iteration further than others (a rank hung while its peers had
-            # committed one more): the root names the smallest proposal, held here too.
-            aligned = self._job_aligned
-            return (
-                self._next is None
-                or target > self._next
-                or (stalled and (aligned is None or target > aligned))
-            )
-        # This machine replicated the agreed iteration, but another gave it up (its training process needed
-        # the slot back first, as after a rollback, or rotated past it) and proposed a later one: the job will
-        # never align on the old one, so follow, or every machine would wait for the other forever.
-        return self._next_state == "done" and self._next is not None and target > self._next
-
-    def _adopt(self, target: int, aligned: int | None) -> None:
-        self._drop_next()
-        self._next = target  # the root's choice of the proposals: adopted, pinned when committed
-        log.debug("adopted iteration %d (aligned %s)", target, aligned)
 
     def unalign(self) -> None:
         """The root says the job does not align (a machine runs free rounds, or none reports its part yet):
@@ -721,14 +711,6 @@ class Replicator:
                 "training stopped at iteration %d short of iteration %d: proposing %d", held, self._next, held
             )
             self._drop_next()
-        declined = self._declined
-        if declined is not None and not stalled:
-            # Training went on: the target it declined will come, unless the job moved past it meanwhile.
-            self._declined = None
-            if (self._job_aligned is None or declined > self._job_aligned) and self._adoptable(
-                declined, stalled
-            ):
-                self._adopt(declined, self._job_aligned)
         if self._next is not None and self._next_state == "":
             for rank in ranks:
                 if self._next is not None and rank not in self._next_pins and rank in newest:
