@@ -207,10 +207,9 @@ class Agent:
                 return self.done.result()
             finally:
                 if self.config.exit_deadline_s is not None:
-                    decided = self.done.done() and not self.done.cancelled() and self.done.exception() is None
-                    stacks.exit_after(
-                        self.config.exit_deadline_s, self.done.result() if decided else 1, "the agent"
-                    )
+                    # done holds the exit code once decided (only _finish sets it); otherwise a loop failed.
+                    code = self.done.result() if self.done.done() else 1
+                    stacks.exit_after(self.config.exit_deadline_s, code, "the agent")
                 self._stop_checks()
                 stopping: list[asyncio.Task[Any]] = [*tasks]
                 if self._inventory_answer is not None:

@@ -388,25 +388,7 @@ class Replicator:
             stalled = self._stalled()
             if (
                 target is not None
-                and target != self._next
-                and (
-                    (
-                        self._next_state in ("", "pinned")
-                        and (
-                            self._next is None
-                            or target > self._next
-                            # Every machine stopped, some an iteration further than others (a rank hung
-                            # while its peers had committed one more): the root names the smallest
-                            # proposal, held here too.
-                            or (stalled and (aligned is None or target > aligned))
-                        )
-                    )
-                    # This machine replicated the agreed iteration, but another gave it up (its training
-                    # process needed the slot back first, as after a rollback, or rotated past it) and
-                    # proposed a later one: the job will never align on the old one, so follow, or every
-                    # machine would wait for the other forever.
-                    or (self._next_state == "done" and self._next is not None and target > self._next)
-                )
+                and self._adoptable(target, stalled)
                 # Training stopped: an iteration it has not reached would never be committed here. This
                 # machine keeps proposing the newest it holds until the others propose the same.
                 and not (stalled and (self._newest_common is None or target > self._newest_common))
@@ -419,6 +401,25 @@ class Replicator:
                     log.debug("go for iteration %d", target)
                 self._go = True
             self.condition.notify_all()
+
+    def _adoptable(self, target: int, stalled: bool) -> bool:
+        """Whether the root's `target` replaces this machine's agreed iteration (whether training reached it
+        is checked apart)."""
+        if target == self._next:
+            return False
+        if self._next_state in ("", "pinned"):
+            # Every machine stopped, some an iteration further than others (a rank hung while its peers had
+            # committed one more): the root names the smallest proposal, held here too.
+            aligned = self._job_aligned
+            return (
+                self._next is None
+                or target > self._next
+                or (stalled and (aligned is None or target > aligned))
+            )
+        # This machine replicated the agreed iteration, but another gave it up (its training process needed
+        # the slot back first, as after a rollback, or rotated past it) and proposed a later one: the job will
+        # never align on the old one, so follow, or every machine would wait for the other forever.
+        return self._next_state == "done" and self._next is not None and target > self._next
 
     def unalign(self) -> None:
         """The root says the job does not align (a machine runs free rounds, or none reports its part yet):
