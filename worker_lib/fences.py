@@ -10,12 +10,13 @@ a reader (a replication stream) holds keeps trying in the background until a fen
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 import weakref
 from collections.abc import Sequence
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -180,28 +181,33 @@ class HostSnapshot:
     so their addresses stay the same and the background copies keep their compiled plans."""
 
     def __init__(self) -> None:
-        self._side: dict[int, torch.Tensor] = {}
+        self._side: list[torch.Tensor] = []
+        self._made_for: tuple[list[int], list[tuple[Any, ...]]] | None = None
 
     def capture(self, sources: list[torch.Tensor], indices: Sequence[int]) -> list[torch.Tensor]:
         """`sources` with each of `indices` (host tensors) replaced by a copy of its current values."""
+        originals = [sources[i] for i in indices]
+        made_for = (
+            list(indices),
+            list(zip(map(_DTYPE_AND_SHAPE, originals), map(torch.Tensor.stride, originals), strict=True)),
+        )
+        if made_for != self._made_for:
+            self._side = [torch.empty_like(original) for original in originals]
+            self._made_for = made_for
+        # One call for all of them (AdamW's 0-d `step` counters, one per parameter): 0.18 ms instead of
+        # 0.47 ms for 291 of them here with a copy_() each.
+        torch._foreach_copy_(self._side, originals)
         captured = list(sources)
-        side: dict[int, torch.Tensor] = {}
-        for i in indices:
-            source = sources[i]
-            copy = self._side.get(i)
-            if copy is None or (copy.dtype, copy.shape, copy.stride()) != (
-                source.dtype,
-                source.shape,
-                source.stride(),
-            ):
-                copy = torch.empty_like(source)
-            copy.copy_(source)
-            side[i] = captured[i] = copy
-        self._side = side
+        for i, copy in zip(indices, self._side, strict=True):
+            captured[i] = copy
         return captured
 
     def release(self) -> None:
-        self._side = {}
+        self._side = []
+        self._made_for = None
+
+
+_DTYPE_AND_SHAPE = operator.attrgetter("dtype", "shape")
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:

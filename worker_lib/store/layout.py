@@ -77,7 +77,7 @@ def signature(
 
 def storage_addresses(tensors: Sequence[torch.Tensor]) -> list[int]:
     """Each tensor's storage address (its device is apart: get_device())."""
-    return [t.untyped_storage().data_ptr() for t in tensors]
+    return list(map(torch.UntypedStorage.data_ptr, map(torch.Tensor.untyped_storage, tensors)))
 
 
 def plan(tensors: Sequence[torch.Tensor], keys: Sequence[str]) -> Layout:
@@ -180,10 +180,12 @@ def _owners(
 ) -> tuple[int, ...]:
     """_storage_owners from each tensor's storage address and device (get_device(): -1 on the CPU). Only
     tensors whose storage another one has too are looked at further: in most states there are none."""
+    if len(set(storages)) == len(storages):
+        return (-1,) * len(storages)  # no two tensors share a storage (distinct addresses: a set of ints)
     first: dict[tuple[int, int], int] = {}
     owner = [first.setdefault(key, i) for i, key in enumerate(zip(devices, storages, strict=True))]
     if len(first) == len(owner):
-        return (-1,) * len(owner)  # no two tensors share a storage
+        return (-1,) * len(owner)  # the same addresses on different devices
     groups: dict[int, list[int]] = {o: [] for i, o in enumerate(owner) if o != i}
     for i, o in enumerate(owner):
         if o in groups:

@@ -158,3 +158,13 @@ def test_a_memo_reuses_only_the_tensor_dicts_that_did_not_change() -> None:
     check()
     del state["extra"]
     check()
+    model[0].bias.requires_grad_(False)  # frozen: saved as it is, no longer detached
+    check()
+    optimizer.state[model[0].weight]["max_exp_avg_sq"] = torch.zeros(3, 4)  # a key more in one of them
+    check()
+    optimizer.param_groups[0]["params"].append(99)  # the ids of a group, encoded as they are
+    check()
+    # The same Parameter object, now on the meta device: the memo's checks see it, not only the types.
+    torch.utils.swap_tensors(model[0].weight, nn.Parameter(torch.empty(3, 4, device="meta")))
+    with pytest.raises(TypeError, match=r"^state\['model'\]\['0.weight'\]: .*meta"):
+        flatten(state, memo)
