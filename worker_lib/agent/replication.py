@@ -323,6 +323,11 @@ class Replicator:
         self._proposed: tuple[int, float] | None = None  # (iteration, time.monotonic()) of the last proposal
         self._travels: deque[float] = deque(maxlen=PACE_WINDOW // 4)  # its trips to an answer naming it
         self._alignment_told: dict[str, Any] | None = None
+        # A target the root named while training here looked stopped and had not reached it (see align()),
+        # and how to hear the root's alignment again at once when training goes on: its poll answers only a
+        # change, and none comes while the other machines wait for this one.
+        self._declined: int | None = None
+        self.on_rehear: Callable[[], None] | None = None
         self._coordinator = threading.Thread(target=self._coordinate, name="castor-replication", daemon=True)
         count = default_streams() if streams is None else max(1, streams)
         self._senders = [_Sender(self, machine, s) for machine in self.targets for s in range(count)]
@@ -386,16 +391,18 @@ class Replicator:
             if self._next is not None and aligned is not None and aligned >= self._next:
                 self._drop_next()  # every machine replicated it
             stalled = self._stalled()
-            if (
-                target is not None
-                and self._adoptable(target, stalled)
-                # Training stopped: an iteration it has not reached would never be committed here. This
-                # machine keeps proposing the newest it holds until the others propose the same.
-                and not (stalled and (self._newest_common is None or target > self._newest_common))
-            ):
-                self._drop_next()
-                self._next = target  # the root's choice of the proposals: adopted, pinned when committed
-                log.debug("adopted iteration %d (aligned %s)", target, aligned)
+            self._declined = None
+            if target is not None and self._adoptable(target, stalled):
+                if stalled and (self._newest_common is None or target > self._newest_common):
+                    # Training stopped: an iteration it has not reached would never be committed here. This
+                    # machine keeps proposing the newest it holds until the others propose the same. If
+                    # training goes on instead (a restarted process's first commits: the last one before
+                    # the restart made the machine look stopped), it asks the root again then (_step).
+                    self._declined = target
+                else:
+                    self._drop_next()
+                    self._next = target  # the root's choice of the proposals: adopted, pinned when committed
+                    log.debug("adopted iteration %d (aligned %s)", target, aligned)
             if go and target is not None and target == self._next:
                 if not self._go:
                     log.debug("go for iteration %d", target)
@@ -575,6 +582,15 @@ class Replicator:
         aligned = self._aligning and not self._flushing and self._can_align()
         if aligned and self.targets:
             self._align_step()
+        if self._declined is not None and not self._stalled():
+            # Training went on after declining a target: hear the root's alignment again now rather than
+            # when it changes. The other machines wait for this one, so it would not change until the poll
+            # timed out (5 s), by when the target was overwritten here and the next proposal led by the
+            # whole wait (52 iterations in the e2e fault matrix). Asked of the root, like every adoption.
+            log.debug("training went on after declining iteration %d: asking the root again", self._declined)
+            self._declined = None
+            if self.on_rehear is not None:
+                self.on_rehear()
         if self._round is None and not self._paused and self.targets:
             # Until the job has an aligned iteration (at its start, after a rollback) rounds also run free
             # while no agreed iteration is pinned: a machine lost early still finds this machine's replicas.

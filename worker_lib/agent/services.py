@@ -397,12 +397,19 @@ class MachineServices:
             with contextlib.suppress(RuntimeError):  # the loop closed: the agent is exiting
                 loop.call_soon_threadsafe(wake.set)
 
+        asked_again = asyncio.Event()
+
+        def ask_again() -> None:  # on the replicator's coordinator thread
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(asked_again.set)
+
         replicator.on_alignment_change = changed
+        replicator.on_rehear = ask_again
         heard: ReplicationAlignment | None = None
         try:
             while True:
                 try:
-                    said = await self.client.replication_alignment(heard, wait_s=ALIGNMENT_WAIT_S)
+                    said = await self._poll_alignment(heard, asked_again)
                 except RootRejected as exc:  # a root without the route: the heartbeats' answers carry it
                     log.info("replication alignment not polled (%s): heard with each heartbeat", exc)
                     return
@@ -416,6 +423,30 @@ class MachineServices:
                 heard = said
         finally:
             replicator.answers_pushed = False
+
+    async def _poll_alignment(
+        self, heard: ReplicationAlignment | None, asked_again: asyncio.Event
+    ) -> ReplicationAlignment | None:
+        """The alignment once it differs from `heard` (long poll), or as it is now when the replicator asks
+        to hear it again first (Replicator.on_rehear): the long poll is cancelled, so no older answer can
+        come after the newer one."""
+        poll = asyncio.ensure_future(self.client.replication_alignment(heard, wait_s=ALIGNMENT_WAIT_S))
+        asked = asyncio.ensure_future(asked_again.wait())
+        try:
+            done, _ = await asyncio.wait({poll, asked}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            poll.cancel()
+            asked.cancel()
+            raise
+        asked.cancel()
+        if poll in done:
+            return poll.result()
+        asked_again.clear()
+        poll.cancel()
+        await asyncio.wait({poll})  # its cancellation (or a late answer or error, dropped) lands first
+        if not poll.cancelled():
+            poll.exception()  # retrieved: a late failure of the dropped poll is no error of this one
+        return await self.client.replication_alignment(None, wait_s=0)
 
     def _heartbeat_answered(self, response: HeartbeatResponse) -> None:
         """The root's alignment of replication rounds across machines (REST heartbeats only)."""

@@ -620,3 +620,35 @@ def test_a_machine_that_replicated_the_agreed_iteration_follows_when_another_mac
     finally:
         replicator.stop()
         holdings.close()
+
+
+def test_a_target_declined_while_training_looked_stopped_is_asked_for_again_once_training_goes_on(
+    ring: Ring,
+) -> None:
+    """A machine hears the root's target while its training looks stopped (after a restart, until the new
+    process's first commit) and has not reached it: it declines, since an iteration training never reaches
+    would never come. Once training commits again it asks the root for the alignment again at once
+    (Replicator.on_rehear: the agent cancels its long poll and reads the alignment as it is), and follows
+    the target it hears. Before, the poll waited for a change that never came (the others waited for this
+    machine), for 5 s: in the e2e fault matrix the target was overwritten meanwhile and the next proposal led
+    by 52 iterations."""
+    ring.train_until_a_target_ahead()
+    alignment = ring.heartbeats()
+    replicator = ring.replicators[0]
+    asked = threading.Semaphore(0)
+    replicator.on_rehear = asked.release
+    deadline = time.monotonic() + 30
+    while not replicator.summary()["replication_stalled"]:  # no commits, no answers: training stopped
+        assert time.monotonic() < deadline, "machine 0 never saw training stop"
+        time.sleep(0.1)
+    target = ring.iteration + 3
+    replicator.align(alignment.aligned_iteration, target, False)
+    assert replicator.summary()["replication_next"] != target  # declined: training looks stopped
+    time.sleep(0.5)  # coordinator steps, training still stopped: nothing asked
+    assert not asked.acquire(blocking=False)
+    ring.commit()  # training goes on
+    assert asked.acquire(timeout=5), "machine 0 did not ask for the alignment again"
+    replicator.align(alignment.aligned_iteration, target, False)  # the answer it hears then
+    assert replicator.summary()["replication_next"] == target
+    time.sleep(0.5)  # asked once, not at every step
+    assert not asked.acquire(blocking=False)

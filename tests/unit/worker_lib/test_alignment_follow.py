@@ -37,6 +37,8 @@ class Root:
         self.heartbeats = 0
         self.answers: asyncio.Queue[ReplicationAlignment | Exception | None] = asyncio.Queue()
         self.heard: list[ReplicationAlignment | None] = []
+        self.waits: list[float] = []
+        self.cancelled = 0  # polls the agent gave up waiting for
 
     async def heartbeat(self, rank: int, instance_id: str, summary: Any) -> HeartbeatResponse:
         self.heartbeats += 1
@@ -46,7 +48,12 @@ class Root:
         self, heard: ReplicationAlignment | None, wait_s: float = 5.0
     ) -> ReplicationAlignment | None:
         self.heard.append(heard)
-        answer = await self.answers.get()
+        self.waits.append(wait_s)
+        try:
+            answer = await self.answers.get()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
         if isinstance(answer, Exception):
             raise answer
         return answer
@@ -64,6 +71,7 @@ class Replicator:
         self.aligns = True
         self.answers_pushed = False
         self.on_alignment_change: Any = None
+        self.on_rehear: Any = None
 
     def unalign(self) -> None:
         self.unaligned += 1
@@ -132,6 +140,32 @@ async def test_a_change_of_its_own_part_is_heartbeated_at_once(
         # The replicator's coordinator thread says its part changed (a round done, a proposal, a pin).
         threading.Thread(target=replicator.on_alignment_change).start()
         await until(lambda: root.heartbeats == 2)
+    finally:
+        task.cancel()
+
+
+async def test_asked_to_hear_the_alignment_again_it_gives_up_the_poll_and_reads_it_as_it_is(
+    agent: tuple[MachineServices, Root, Replicator],
+) -> None:
+    """The replicator declined a target while training looked stopped, and training went on: the alignment
+    has not changed (the other machines wait for this one), so the waiting poll would answer only when it
+    times out. The agent cancels it and reads the alignment as it is, then polls past that answer."""
+    services, root, replicator = agent
+    task = asyncio.create_task(services.heartbeats())
+    try:
+        await until(lambda: len(root.heard) == 1)
+        first = ReplicationAlignment(aligned_iteration=10, target=14, go=False)
+        await root.answers.put(first)
+        await until(lambda: len(root.heard) == 2 and replicator.on_rehear is not None)
+        assert root.heard[1] == first and root.cancelled == 0  # waiting for a change
+        threading.Thread(target=replicator.on_rehear).start()  # from the coordinator's thread
+        await until(lambda: len(root.heard) == 3)
+        assert root.cancelled == 1, "the waiting poll was not given up"
+        assert root.heard[2] is None and root.waits[2] == 0, "not read as it is, at once"
+        await root.answers.put(first)  # unchanged: the same answer, acted on again
+        await until(lambda: len(root.heard) == 4)
+        assert replicator.aligned == [(10, 14, False), (10, 14, False)]
+        assert root.heard[3] == first and root.waits[3] > 0  # polling past it again
     finally:
         task.cancel()
 
