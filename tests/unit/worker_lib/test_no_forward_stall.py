@@ -227,3 +227,5 @@ def test_a_host_snapshot_holds_the_values_at_capture_and_reuses_its_side_tensors
     assert again[2].data_ptr() == captured[2].data_ptr() and torch.equal(again[2], moment)
     resized = snapshot.capture([device_stand_in, torch.tensor([1.0, 2.0]), moment], [1])
     assert resized[1].tolist() == [1.0, 2.0] and resized[2] is moment
+    # A state wholly on the device (no `step` counters on the host): nothing to copy, nothing replaced.
+    assert snapshot.capture([device_stand_in], []) == [device_stand_in]
