@@ -397,7 +397,7 @@ class Replicator:
                     # Training stopped: an iteration it has not reached would never be committed here. This
                     # machine keeps proposing the newest it holds until the others propose the same. If
                     # training goes on instead (a restarted process's first commits: the last one before
-                    # the restart made the machine look stopped), it asks the root again then (_step).
+                    # the restart made the machine look stopped), it asks the root again then (_align_step).
                     self._declined = target
                 else:
                     self._drop_next()
@@ -582,15 +582,6 @@ class Replicator:
         aligned = self._aligning and not self._flushing and self._can_align()
         if aligned and self.targets:
             self._align_step()
-        if self._declined is not None and not self._stalled():
-            # Training went on after declining a target: hear the root's alignment again now rather than
-            # when it changes. The other machines wait for this one, so it would not change until the poll
-            # timed out (5 s), by when the target was overwritten here and the next proposal led by the
-            # whole wait (52 iterations in the e2e fault matrix). Asked of the root, like every adoption.
-            log.debug("training went on after declining iteration %d: asking the root again", self._declined)
-            self._declined = None
-            if self.on_rehear is not None:
-                self.on_rehear()
         if self._round is None and not self._paused and self.targets:
             # Until the job has an aligned iteration (at its start, after a rollback) rounds also run free
             # while no agreed iteration is pinned: a machine lost early still finds this machine's replicas.
@@ -715,6 +706,15 @@ class Replicator:
         held = min(m.iteration for m in newest.values()) if newest and len(newest) == len(ranks) else None
         self._newest_common = held
         stalled = self._stalled()
+        if self._declined is not None and not stalled:
+            # Training went on after declining a target: hear the root's alignment again now rather than
+            # when it changes. The other machines wait for this one, so it would not change until the poll
+            # timed out (5 s), by when the target was overwritten here and the next proposal led by the
+            # whole wait (52 iterations in the e2e fault matrix). Asked of the root, like every adoption.
+            log.debug("training went on after declining iteration %d: asking the root again", self._declined)
+            self._declined = None
+            if self.on_rehear is not None:
+                self.on_rehear()
         if (
             stalled
             and self._next is not None

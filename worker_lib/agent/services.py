@@ -393,18 +393,16 @@ class MachineServices:
         the moment a machine makes it rather than a heartbeat period later (services.root.flows.alignment)."""
         loop = asyncio.get_running_loop()
 
-        def changed() -> None:  # on the replicator's coordinator thread
-            with contextlib.suppress(RuntimeError):  # the loop closed: the agent is exiting
-                loop.call_soon_threadsafe(wake.set)
+        def setter(event: asyncio.Event) -> Callable[[], None]:
+            def set_event() -> None:  # on the replicator's coordinator thread
+                with contextlib.suppress(RuntimeError):  # the loop closed: the agent is exiting
+                    loop.call_soon_threadsafe(event.set)
+
+            return set_event
 
         asked_again = asyncio.Event()
-
-        def ask_again() -> None:  # on the replicator's coordinator thread
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(asked_again.set)
-
-        replicator.on_alignment_change = changed
-        replicator.on_rehear = ask_again
+        replicator.on_alignment_change = setter(wake)
+        replicator.on_rehear = setter(asked_again)
         heard: ReplicationAlignment | None = None
         try:
             while True:

@@ -64,10 +64,9 @@ class _MemoEntry:
     base: int  # index of its first tensor in the state's tensor list
     keys: list[Any]
     values: list[Any]  # the dict's values (held: their ids are not reused while the entry lives)
-    # Values that are dicts of tensors (compared by content, not identity): their keys and values; and,
-    # to compare them at once, each one's size and all their keys in a row.
-    inner: list[tuple[list[Any], list[Any]]] | None
-    inner_sizes: list[int]
+    # Values that are dicts of tensors (compared by content, not identity): each one's size and all their
+    # keys in a row (their tensors are `leaves`); None: the values are tensors.
+    inner_sizes: list[int] | None
     inner_keys: list[Any]
     leaves: list[Any]  # every tensor, in order (the values, or the inner dicts' values)
     plain: list[int]  # positions in `leaves` of plain tensors
@@ -299,14 +298,16 @@ class _Encoder:
         if flat.detached_outside_modules and not detached:
             return node  # such dicts take the long way, which notes it
         values = list(value.values())
-        inner: list[tuple[list[Any], list[Any]]] | None = None
+        inner_sizes: list[int] | None = None
+        inner_keys: list[Any] = []
         if all(isinstance(v, torch.Tensor) for v in values):
             leaves = values
         elif all(
             type(v) is dict and v and all(isinstance(t, torch.Tensor) for t in v.values()) for v in values
         ):
-            inner = [(list(v), list(v.values())) for v in values]
-            leaves = [t for _, tensors in inner for t in tensors]
+            inner_sizes = [len(v) for v in values]
+            inner_keys = [key for v in values for key in v]
+            leaves = [t for v in values for t in v.values()]
         else:
             return node
         if len(flat.tensors) - base != len(leaves):
@@ -320,9 +321,8 @@ class _Encoder:
                 base=base,
                 keys=list(value),
                 values=values,
-                inner=inner,
-                inner_sizes=[len(keys) for keys, _ in inner or ()],
-                inner_keys=[key for keys, _ in inner or () for key in keys],
+                inner_sizes=inner_sizes,
+                inner_keys=inner_keys,
                 leaves=leaves,
                 plain=[i for i, t in enumerate(leaves) if DTensor is None or not isinstance(t, DTensor)],
                 sharded=sharded,
@@ -343,7 +343,7 @@ class _Encoder:
         flat = self._flat
         if entry.base != len(flat.tensors) or len(value) != len(entry.values):
             return None
-        if entry.inner is None:
+        if entry.inner_sizes is None:
             if not all(map(operator.is_, value.values(), entry.values)):
                 return None
         else:
