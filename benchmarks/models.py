@@ -17,12 +17,15 @@ the RoPE tables. One iteration is a forward, a backward and an AdamW step, in th
 The variants run interleaved in one process, one iteration each per round, in an order that rotates from
 round to round (A B C, B C A, C A B, ...), so machine drift and noisy neighbours hit all three alike. The
 overheads are the median of the per-round paired differences (variant minus `none`) over the median
-iteration without checkpoints. `stall_pct` is the median share of a `castor` iteration that the training
-thread spent blocked inside Castor (the save() call and every wait for the copy: `stats.stalled_s`).
-`copy_cpu_s` is the CPU time the background threads used per save, read from /proc: the cycles the copy and
-its checksums take from compute when no core is idle. `cpu_s_*` are each variant's process CPU time per
-iteration (all threads), and the `*cpu_overhead_pct` their paired differences: on a machine whose cores
-other work also wants, wall times swing with the neighbours and CPU time is what a variant costs.
+iteration without checkpoints; `overhead_vs_memcpy_pct` is the median of `castor` minus `memcpy` in the same
+round, with its quartiles: on a shared host whole iterations swing by tens of per cent, and the quartiles
+say whether a gap of a few per cent between two overheads is there at all. `stall_pct` is the median share
+of a `castor` iteration that the training thread spent blocked inside Castor (the save() call and every
+wait for the copy: `stats.stalled_s`). `copy_cpu_s` is the CPU time the background threads used per save,
+read from /proc: the cycles the copy and its checksums take from compute when no core is idle. `cpu_s_*`
+are each variant's process CPU time per iteration (all threads), and the `*cpu_overhead_pct` their paired
+differences: on a machine whose cores other work also wants, wall times swing with the neighbours and CPU
+time is what a variant costs.
 
 The FSDP2 part (`fsdp2_*`, see run_fsdp2) shards the same decoder over 4 ranks (gloo, one process each) and
 times each rank's save (to the commit), restore (in place, into the sharded model) and a plain copy of its
@@ -226,6 +229,11 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
         name: statistics.median(t - n for t, n in zip(cpu[name], cpu["none"], strict=True))
         for name in ("memcpy", "castor")
     }
+    # Castor against the plain copy, round by round: both ran in the same round, so the drift and the
+    # neighbours that move whole rounds cancel out. Its quartiles say how far apart the two really are.
+    versus_memcpy = statistics.quantiles(
+        [100 * (c - m) / median["none"] for c, m in zip(times["castor"], times["memcpy"], strict=True)], n=4
+    )
     castor = times["castor"]
     state_bytes = sum(source.numel() * source.element_size() for source in sources)
     return {
@@ -239,6 +247,8 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
         "iteration_s_castor": round(median["castor"], 3),
         "memcpy_overhead_pct": round(100 * paired["memcpy"] / median["none"], 2),
         "overhead_pct": round(100 * paired["castor"] / median["none"], 2),
+        "overhead_vs_memcpy_pct": round(versus_memcpy[1], 2),
+        "overhead_vs_memcpy_quartiles_pct": [round(versus_memcpy[0], 2), round(versus_memcpy[2], 2)],
         "cpu_s_none": round(statistics.median(cpu["none"]), 3),
         "cpu_s_memcpy": round(statistics.median(cpu["memcpy"]), 3),
         "cpu_s_castor": round(statistics.median(cpu["castor"]), 3),

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         CheckpointError,
         CheckpointNotFoundError,
         ShmCapacityError,
+        SlotsOnDiskWarning,
     )
     from worker_lib.export import export_dcp
     from worker_lib.restore import load_state
@@ -44,6 +45,7 @@ __all__ = [
     "Checkpointer",
     "Restored",
     "ShmCapacityError",
+    "SlotsOnDiskWarning",
     "__version__",
     "attach",
     "export_dcp",
@@ -68,6 +70,7 @@ _HOMES = {
     "CheckpointError": "worker_lib.errors",
     "CheckpointNotFoundError": "worker_lib.errors",
     "ShmCapacityError": "worker_lib.errors",
+    "SlotsOnDiskWarning": "worker_lib.errors",
 }
 
 

@@ -30,6 +30,24 @@ class CheckpointCorruptError(CheckpointError):
         self.ranges = list(ranges)
 
 
+class SlotsOnDiskWarning(UserWarning):
+    """A checkpoint directory is on a filesystem backed by storage (ext4, xfs, NFS, ...), not memory."""
+
+    def __init__(self, directory: str, filesystem: str, mount_point: str):
+        self.directory = directory
+        self.filesystem = filesystem
+        self.mount_point = mount_point
+        super().__init__(
+            f"{directory} is on {filesystem} (mounted at {mount_point}), not in memory: the kernel writes "
+            "every checkpoint saved there back to its storage, and that writeback competes with training "
+            "for cores and memory bandwidth at every save. Put the checkpoints on /dev/shm "
+            "or another tmpfs: Checkpointer() without a directory, or CASTOR_SHM_DIR."
+        )
+
+    def __reduce__(self) -> tuple[type[SlotsOnDiskWarning], tuple[str, str, str]]:
+        return type(self), (self.directory, self.filesystem, self.mount_point)
+
+
 class ShmCapacityError(CheckpointError):
     """The shared-memory filesystem is too small for the checkpoint slots."""
 

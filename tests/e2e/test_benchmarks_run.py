@@ -71,6 +71,8 @@ def run_benchmark(script: str) -> Any:
                 "iteration_s_castor",
                 "memcpy_overhead_pct",
                 "overhead_pct",
+                "overhead_vs_memcpy_pct",
+                "overhead_vs_memcpy_quartiles_pct",
                 "stall_pct",
                 "fsdp2_save_gbps",
                 "fsdp2_restore_gbps",

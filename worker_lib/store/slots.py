@@ -26,8 +26,10 @@ import fcntl
 import json
 import mmap
 import os
+import re
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -41,6 +43,7 @@ from worker_lib.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ShmCapacityError,
+    SlotsOnDiskWarning,
 )
 from worker_lib.store.copy import default_threads
 from worker_lib.store.faults import pause_point
@@ -61,6 +64,46 @@ def free_bytes(directory: Path) -> tuple[int, int]:
     """(free, total) bytes of the filesystem holding `directory`."""
     stat = os.statvfs(directory)
     return stat.f_bavail * stat.f_frsize, stat.f_blocks * stat.f_frsize
+
+
+# Filesystems whose files live in memory only. Slot files anywhere else (ext4, xfs, NFS, an overlay on disk)
+# are pages of a file on storage: the kernel writes every save back to it, and its dirty-page tracking makes
+# the first write to each page after a writeback take a fault.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+_MOUNTINFO = Path("/proc/self/mountinfo")
+_warned_mount_points: set[str] = set()  # one warning per filesystem and process, not one per store
+
+
+def mounted_filesystem(path: Path, mountinfo: str) -> tuple[str, str] | None:
+    """(mount point, filesystem type) of the mount that holds `path` (absolute, symlinks resolved), read
+    from the text of /proc/self/mountinfo; None when no mount holds it."""
+    held_by: tuple[str, str] | None = None
+    for line in mountinfo.splitlines():
+        fields = line.split(" ")
+        if "-" not in fields[6:]:
+            continue
+        separator = fields.index("-", 6)
+        if separator + 1 >= len(fields):
+            continue
+        # Spaces and other odd bytes in a mount point are octal escapes (\040).
+        point = re.sub(r"\\([0-7]{3})", lambda escape: chr(int(escape.group(1), 8)), fields[4])
+        # A later line mounted at the same point hides the earlier ones.
+        if path.is_relative_to(point) and (held_by is None or len(point) >= len(held_by[0])):
+            held_by = (point, fields[separator + 1])
+    return held_by
+
+
+def warn_if_on_storage(directory: Path) -> None:
+    """Warn (SlotsOnDiskWarning, once per filesystem) when `directory` is not on a memory filesystem."""
+    try:
+        mountinfo = _MOUNTINFO.read_text()
+    except OSError:
+        return  # not Linux: nothing to read the filesystem from
+    held_by = mounted_filesystem(directory.resolve(), mountinfo)
+    if held_by is None or held_by[1] in MEMORY_FILESYSTEMS or held_by[0] in _warned_mount_points:
+        return
+    _warned_mount_points.add(held_by[0])
+    warnings.warn(SlotsOnDiskWarning(str(directory), held_by[1], held_by[0]), stacklevel=3)
 
 
 class _Slot:
@@ -175,6 +218,7 @@ class SlotStore:
             )
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        warn_if_on_storage(self.directory)
         slots = max(slots, slot_files(self.directory))
         self._slots = [_Slot(self.directory, k) for k in range(slots)]
         self._want_path = self.directory / WANT_FILE

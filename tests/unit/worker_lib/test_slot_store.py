@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import threading
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +14,12 @@ import numpy as np
 import pytest
 
 from tests.unit.worker_lib.helpers import forkserver, write_raw
-from worker_lib.errors import CheckpointCorruptError, CheckpointNotFoundError, ShmCapacityError
+from worker_lib.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    ShmCapacityError,
+    SlotsOnDiskWarning,
+)
 from worker_lib.store import slots as slots_module
 from worker_lib.store.copy import CopyEngine, Extent, plan_checked, plan_stripes
 from worker_lib.store.integrity import verify
@@ -304,3 +310,71 @@ def test_a_condemned_checkpoint_stays_condemned_until_its_slot_is_written(
     assert not store.condemn(second, "gone")
     store.close()
     other.close()
+
+
+MOUNTINFO = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+25 22 0:21 / /dev/shm rw,nosuid,nodev shared:3 - tmpfs tmpfs rw
+31 22 0:27 / /mnt/fast\\040scratch rw master:7 - tmpfs scratch rw,size=8g
+32 22 0:28 / /mnt/fast\\040scratch/nfs rw - nfs4 server:/export rw
+40 22 0:30 / /data rw - xfs /dev/sdb rw
+41 40 0:31 / /data rw - tmpfs over rw
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/home/me/ckpt", ("/", "ext4")),
+        ("/dev/shm/castor-0/job/rank-0", ("/dev/shm", "tmpfs")),
+        ("/dev/shmx", ("/", "ext4")),  # a sibling whose name starts like a mount point is not inside it
+        ("/mnt/fast scratch/ckpt", ("/mnt/fast scratch", "tmpfs")),  # \040 is a space
+        ("/mnt/fast scratch/nfs/ckpt", ("/mnt/fast scratch/nfs", "nfs4")),  # the innermost mount
+        ("/data/ckpt", ("/data", "tmpfs")),  # the later mount at the same point hides the earlier one
+    ],
+)
+def test_the_filesystem_holding_a_directory_is_read_from_mountinfo(
+    path: str, expected: tuple[str, str]
+) -> None:
+    assert slots_module.mounted_filesystem(Path(path), MOUNTINFO) == expected
+
+
+def test_dev_shm_counts_as_memory_here() -> None:
+    if not Path("/dev/shm").is_dir() or not Path("/proc/self/mountinfo").exists():
+        pytest.skip("no /dev/shm or /proc here")
+    held_by = slots_module.mounted_filesystem(
+        Path("/dev/shm").resolve(), Path("/proc/self/mountinfo").read_text()
+    )
+    assert held_by is not None and held_by[1] in slots_module.MEMORY_FILESYSTEMS
+
+
+def test_a_store_on_storage_warns_once_per_filesystem_and_a_store_in_memory_never(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    memory.mkdir()
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        f"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n25 22 0:21 / {memory.resolve()} rw - tmpfs tmpfs rw\n"
+    )
+    monkeypatch.setattr(slots_module, "_MOUNTINFO", mountinfo)
+    monkeypatch.setattr(slots_module, "_warned_mount_points", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        SlotStore(memory / "rank-0")
+        assert caught == []
+        SlotStore(disk / "rank-0")
+        SlotStore(disk / "rank-1")  # the same filesystem: said once
+    assert [type(w.message) for w in caught] == [SlotsOnDiskWarning]
+    warning = caught[0].message
+    assert isinstance(warning, SlotsOnDiskWarning)
+    assert (warning.directory, warning.filesystem, warning.mount_point) == (str(disk / "rank-0"), "ext4", "/")
+    assert (
+        str(disk / "rank-0") in str(warning)
+        and "/dev/shm" in str(warning)
+        and "CASTOR_SHM_DIR" in str(warning)
+    )
+    # Only a warning: the store on storage works.
+    store = SlotStore(disk / "rank-0")
+    write_raw(store, 1, b"kept" * 100, CopyEngine(1))
+    assert committed_iterations(store) == [1]
