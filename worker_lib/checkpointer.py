@@ -41,7 +41,7 @@ from worker_lib.fences import (
     open_when_free,
 )
 from worker_lib.restore import RestorePlans, load_state, restore_state
-from worker_lib.store.copy import CopyEngine, SaveStripe, Transfer, compile_save, idle_copies_enabled
+from worker_lib.store.copy import CopyEngine, SaveStripe, Transfer, compile_save
 from worker_lib.store.cuda import (
     DeviceFence,
     DirectCopies,
@@ -162,7 +162,6 @@ class Checkpointer:
     ):
         if on_busy not in ("skip", "wait"):
             raise ValueError(f"on_busy must be 'skip' or 'wait', not {on_busy!r}")
-        idle_copies_enabled()  # a bad CASTOR_COPY_IDLE is refused here, not at the first save's fence
         self.directory = Path(directory if directory is not None else default_directory())
         self._store = SlotStore(self.directory, slots)
         self._engine = CopyEngine(threads)
@@ -346,15 +345,7 @@ class Checkpointer:
             return
         started = time.perf_counter()
         try:
-            # The copy runs on idle-priority threads (CopyEngine.copy, beside_training): copy along with
-            # them rather than wait for cycles a busy host may not leave them.
-            while True:
-                self._engine.help()
-                try:
-                    pending.result(timeout=_HELP_POLL_S)
-                    break
-                except TimeoutError:
-                    continue
+            pending.result()
         except CheckpointError:
             raise
         except Exception as exc:
@@ -563,12 +554,7 @@ class Checkpointer:
             # between its hashes, and with as many threads as cores the launches fell behind the GPU (an
             # H200 host, 16 cores, a 4 GB state: +67 % per iteration with 16 threads, +28 % with 8).
             workers = fenced_save_threads(self._engine.threads) if issued is not None else None
-            # An asynchronous save of host tensors copies on idle-priority threads; training joins in when
-            # it needs the state back (_wait). Device copies are queued above and their fences are timed.
-            beside_training = not self._blocking and not marks
-            digests = self._engine.copy(
-                layout.stripes, transfers, slot, compiled, workers=workers, beside_training=beside_training
-            )
+            digests = self._engine.copy(layout.stripes, transfers, slot, compiled, workers=workers)
             manifest = Manifest(
                 iteration=writer.iteration,
                 data_bytes=layout.data_bytes,
@@ -613,10 +599,6 @@ class Checkpointer:
 
 NOT_DISTRIBUTED = -1
 
-
-# How often a thread waiting for a save looks for a copy to join: the save's background thread may still be
-# laying it out when training arrives, or committing it.
-_HELP_POLL_S = 0.001
 
 # What the background thread is given for a blob copied from the device straight into the slot.
 _LANDED = torch.empty(0, dtype=torch.uint8)

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import operator
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,14 +54,6 @@ SMALL_COPY_BYTES = 32 << 10
 # A save hashes the bytes it copied after at most this many bytes of small pieces, rather than after each:
 # fewer Python calls, and the bytes are still in L2.
 HASH_BATCH_BYTES = 64 << 10
-# A save that runs beside training (an asynchronous save of host tensors) copies on threads at SCHED_IDLE:
-# they take the cycles compute leaves (while the interpreter dispatches operators, between parallel regions)
-# instead of preempting one of torch's intra-op threads, which holds every other thread of that region at
-# its barrier. Training that needs the state back joins the copy at its own priority (CopyEngine.help):
-# an idle thread is never raised again, since an unprivileged process may lower its threads' priority
-# but not raise it back. CASTOR_COPY_IDLE=0: those threads run at normal priority, as every other copy.
-COPY_IDLE_ENV = "CASTOR_COPY_IDLE"
-_IDLE_POLICY: int | None = getattr(os, "SCHED_IDLE", None)
 
 Bytes = NDArray[np.uint8]
 
@@ -362,8 +355,6 @@ class CopyEngine:
     def __init__(self, threads: int | None = None):
         self.threads = threads or default_threads()
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="castor-copy")
-        self._idle_pool: ThreadPoolExecutor | None = None  # made by the first copy beside training
-        self._job: _Job | None = None  # the copy beside training under way, which a waiting thread may join
 
     def copy(
         self,
@@ -372,11 +363,8 @@ class CopyEngine:
         slot: Bytes | None = None,
         compiled: Sequence[SaveStripe] | None = None,
         workers: int | None = None,
-        beside_training: bool = False,
     ) -> list[str]:
         """Run every piece of every stripe, on at most `workers` threads (default: all of the engine's).
-        `beside_training`: on the engine's SCHED_IDLE threads, the calling thread waiting, and any thread
-        that calls help() meanwhile (see COPY_IDLE_ENV).
 
         With `slot` (a save: the transfers write into it) also zero the alignment padding and return each
         stripe's xxh3_64 hex digest, computed piece by piece right after the piece is copied. `compiled`:
@@ -448,7 +436,7 @@ class CopyEngine:
                     slot[end : end + run.pad] = 0
             return hasher.hexdigest()
 
-        self._run(len(stripes), run_stripe, workers, beside_training)
+        self._run(len(stripes), run_stripe, workers)
         return digests
 
     def check_copy(
@@ -502,129 +490,36 @@ class CopyEngine:
         self._run(len(ranges), hash_range)
         return digests
 
-    def help(self) -> None:
-        """Join the copy running beside training, if there is one, from the calling thread and at its
-        priority, until no stripe of it is left to start: training that needs the state back copies rather
-        than waits for threads that only take idle cycles."""
-        job = self._job
-        if job is not None:
-            job.work()
-
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        if self._idle_pool is not None:
-            self._idle_pool.shutdown(wait=True)
 
-    def _run(
-        self,
-        count: int,
-        task: Callable[[int], None],
-        workers: int | None = None,
-        beside_training: bool = False,
-    ) -> None:
+    def _run(self, count: int, task: Callable[[int], None], workers: int | None = None) -> None:
         """Call task(0..count-1) on up to `workers` threads (default: all), each taking the next index when
         done with one."""
-        job = _Job(count, task)
+        cursor = itertools.count()  # next() on a count is atomic under the GIL
+        failed = threading.Event()
+
+        def worker() -> None:
+            try:
+                while not failed.is_set() and (i := next(cursor)) < count:
+                    task(i)
+            except BaseException:
+                failed.set()
+                raise
+
+        # The calling thread is one of the workers: it would only wait otherwise, and one thread fewer is
+        # woken through the pool's queue (a wake-up costs tens of microseconds, more on a loaded machine).
         threads = self.threads if workers is None else max(1, min(workers, self.threads))
-        idle_pool = self._idle_threads() if beside_training else None
-        if idle_pool is not None:
-            # The calling thread copies at normal priority, the others at SCHED_IDLE. It then waits for the
-            # tasks, not for the idle threads: one that a busy host has not run yet finds nothing left.
-            self._job = job
-            for _ in range(min(threads, count) - 1):
-                idle_pool.submit(job.work)
-            try:
-                job.work()
-            finally:
-                job.wait()
-                self._job = None
-        else:
-            # The calling thread is one of the workers: it would only wait otherwise, and one thread fewer
-            # is woken through the pool's queue (a wake-up costs tens of microseconds, more on a loaded
-            # machine).
-            for _ in range(min(threads, count) - 1):
-                self._pool.submit(job.work)
-            try:
-                job.work()
-            finally:
-                # Every task under way ends before this returns or raises: a thread still writing into a
-                # slot after the caller gave the slot up could tear the next checkpoint written there.
-                job.wait()
-        if job.error is not None:
-            raise job.error
-
-    def _idle_threads(self) -> ThreadPoolExecutor | None:
-        """The pool of SCHED_IDLE copy threads; None where there is no such policy or COPY_IDLE_ENV is 0."""
-        if self._idle_pool is None and _IDLE_POLICY is not None and idle_copies_enabled():
-            self._idle_pool = ThreadPoolExecutor(
-                max_workers=self.threads, thread_name_prefix="castor-idle-copy", initializer=_run_when_idle
-            )
-        return self._idle_pool
-
-
-def idle_copies_enabled() -> bool:
-    """On unless COPY_IDLE_ENV is 0 (unset or empty: on); any other value is refused."""
-    value = os.environ.get(COPY_IDLE_ENV, "1").strip()
-    if value not in ("0", "1", ""):
-        raise ValueError(
-            f"{COPY_IDLE_ENV}={value!r}: expected 1 (an asynchronous save copies on idle-priority threads) "
-            "or 0 (at normal priority)"
-        )
-    return value != "0"
-
-
-def _run_when_idle() -> None:
-    """A copy thread's first act: SCHED_IDLE for the calling thread (Linux applies it per thread)."""
-    assert _IDLE_POLICY is not None
-    # A sandbox that forbids it leaves the thread copying at normal priority, as before.
-    with suppress(OSError):
-        os.sched_setscheduler(0, _IDLE_POLICY, os.sched_param(0))
-
-
-class _Job:
-    """One copy's tasks, each run once by whichever thread takes it: the engine's threads and, beside
-    training, any thread that helps (CopyEngine.help). The first failure stops the tasks not yet taken."""
-
-    def __init__(self, count: int, task: Callable[[int], None]):
-        self._count = count
-        self._task = task
-        self._state = threading.Condition()
-        self._taken = 0  # tasks 0.._taken-1 were taken
-        self._running = 0
-        self._over = False
-        self.error: BaseException | None = None
-
-    def work(self) -> None:
-        """Run tasks until none is left. A failure is kept for the job's owner to raise; an interrupt of
-        this thread (not an Exception) is raised here too."""
-        while (index := self._take()) is not None:
-            try:
-                self._task(index)
-            except BaseException as raised:
-                self._finished(raised)
-                if not isinstance(raised, Exception):
-                    raise
-                return
-            self._finished(None)
-
-    def wait(self) -> None:
-        """Until every task has run, or one failed and those under way have ended; then none is taken."""
-        with self._state:
-            while self._running or (self.error is None and self._taken < self._count):
-                self._state.wait()
-            self._over = True
-
-    def _take(self) -> int | None:
-        with self._state:
-            if self._over or self.error is not None or self._taken == self._count:
-                return None
-            self._taken += 1
-            self._running += 1
-            return self._taken - 1
-
-    def _finished(self, error: BaseException | None) -> None:
-        with self._state:
-            self._running -= 1
-            if error is not None and self.error is None:
-                self.error = error
-            self._state.notify_all()
+        futures = [self._pool.submit(worker) for _ in range(min(threads, count) - 1)]
+        error: BaseException | None = None
+        try:
+            worker()
+        except BaseException as raised:
+            error = raised
+        # Wait for every thread before raising: a thread still writing into a slot after the caller gave the
+        # slot up could tear the next checkpoint written there.
+        wait_all(futures)
+        if error is not None:
+            raise error
+        for future in futures:
+            future.result()
