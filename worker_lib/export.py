@@ -360,7 +360,8 @@ def export_persisted(
         for rank, (key, digest) in enumerate(shards):
             if progress is not None:
                 progress("download", rank, len(shards))
-            destination = SlotStore(work / f"rank-{rank}")
+            # Scratch space for one export, next to its target by default: storage is meant here.
+            destination = SlotStore(work / f"rank-{rank}", expect_memory=False)
             asyncio.run(store.get(key, destination, iteration=iteration, digest=digest))
             stores.append(destination)
         if progress is not None:

@@ -208,17 +208,20 @@ def _close_mapping(mapping: mmap.mmap) -> None:
 
 
 class SlotStore:
-    def __init__(self, directory: str | os.PathLike[str], slots: int = 2):
+    def __init__(self, directory: str | os.PathLike[str], slots: int = 2, *, expect_memory: bool = True):
         """`slots`: at least this many; the store's owner may have made more (a worker agent creates the
         slot files of its local ranks before training starts, so a replication round can pin two of them
-        while the training process still rotates over two others), and every slot present is used."""
+        while the training process still rotates over two others), and every slot present is used.
+        `expect_memory`: warn (SlotsOnDiskWarning) when the directory is not on a memory filesystem; False
+        for a store meant for storage (an export's scratch downloads)."""
         if slots < 2:
             raise ValueError(
                 "a store needs at least 2 slots: one keeps the newest checkpoint while the next is written"
             )
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        warn_if_on_storage(self.directory)
+        if expect_memory:
+            warn_if_on_storage(self.directory)
         slots = max(slots, slot_files(self.directory))
         self._slots = [_Slot(self.directory, k) for k in range(slots)]
         self._want_path = self.directory / WANT_FILE
