@@ -379,7 +379,8 @@ def test_a_store_on_storage_warns_once_per_filesystem_and_a_store_in_memory_neve
         monkeypatch.setattr(slots_module, "_warned_mount_points", set())
         SlotStore(disk / "export-scratch", expect_memory=False)  # storage meant: no warning
     assert scratch == []
-    # Only a warning: the store on storage works.
-    store = SlotStore(disk / "rank-0")
+    # Only a warning: the store on storage works (a fresh process would say so again).
+    with pytest.warns(SlotsOnDiskWarning):
+        store = SlotStore(disk / "rank-0")
     write_raw(store, 1, b"kept" * 100, CopyEngine(1))
     assert committed_iterations(store) == [1]
