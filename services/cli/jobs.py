@@ -181,6 +181,22 @@ def _job_fields(
         if job["persist_every"]
         else "off"
     )
+    on_storage = [
+        f"machine {m['rank']} ({filesystem})"
+        for m in machines
+        if isinstance(filesystem := (m.get("summary") or {}).get("store_filesystem"), str)
+        and m.get("state") != "replaced"
+    ]
+    storage = (
+        [
+            (
+                "checkpoint store",
+                "on storage, not memory: " + ", ".join(on_storage) + " (give --shm-dir a tmpfs)",
+            )
+        ]
+        if on_storage
+        else []
+    )
     return [
         ("id", job["id"]),
         ("state", job["state"]),
@@ -193,6 +209,7 @@ def _job_fields(
         ("persistent tier", persist),
         ("iteration", job["newest_iteration"]),
         ("checkpoints", checkpoints),
+        *storage,
         ("failures", f"{job['failures']}, {format_duration(job['wasted_time_s'])} wasted"),
         ("ETTR", ettr_text(job.get("ettr"))),
         ("created", format_time(job["created_at"], now)),

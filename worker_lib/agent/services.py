@@ -30,6 +30,7 @@ from worker_lib.client import RootClient, RootRejected, RootUnavailable, Unexpec
 from worker_lib.errors import CheckpointNotFoundError
 from worker_lib.persistent import ObjectStore, object_store, shard_key
 from worker_lib.store.manifest import Manifest
+from worker_lib.store.slots import storage_filesystem
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,21 @@ class MachineServices:
         self.on_commit: Callable[[int, int], None] | None = None  # the agent watches for resumption
         self.finished_ranks: set[int] = set()  # ranks whose Checkpointer closed without an exception
         self.extra_summary: Callable[[], dict[str, Any]] = dict
+        # The filesystem of the machine's checkpoint directory when it is on storage, not memory.
+        self.store_filesystem: str | None = None
+        # Checkpoints on a disk filesystem cost training a writeback at every save, and each training
+        # process warns on its own stderr only: every heartbeat says so, and the job's page shows it.
+        on_storage = storage_filesystem(self.holdings.root)
+        if on_storage is not None:
+            self.store_filesystem = on_storage[1]
+            log.warning(
+                "the checkpoint directory %s is on %s (mounted at %s), not in memory: every save and "
+                "replica is written back to storage; point --shm-dir (CASTOR_AGENT_SHM_DIR) at a tmpfs such "
+                "as /dev/shm",
+                self.holdings.root,
+                on_storage[1],
+                on_storage[0],
+            )
         self.uploads = Uploads(self)
         self._notices: asyncio.DatagramTransport | None = None
 
@@ -346,6 +362,7 @@ class MachineServices:
             # cluster"), since ranks that meet in collectives all wait for the one that stalls.
             "stalled_s": {str(rank): round(seconds, 6) for rank, (seconds, _) in sorted(stalls.items())},
             "save_calls": {str(rank): calls for rank, (_, calls) in sorted(stalls.items())},
+            **({"store_filesystem": self.store_filesystem} if self.store_filesystem else {}),
             **self.extra_summary(),
         }
 

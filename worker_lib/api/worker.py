@@ -206,6 +206,13 @@ class CheckpointSummary(BaseModel):
     save_calls: dict[CountKey, Count] = Field(
         default_factory=dict, description="rank -> save() calls over which stalled_s was counted."
     )
+    store_filesystem: Text | None = Field(
+        None,
+        max_length=64,
+        description="The filesystem of the machine's checkpoint directory when it is backed by storage "
+        "(ext4, xfs, nfs4, ...), not memory (tmpfs): every save and replica is then written back to storage "
+        "beside training. Null: in memory.",
+    )
 
 
 class HeartbeatRequest(BaseModel):

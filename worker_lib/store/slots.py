@@ -93,14 +93,21 @@ def mounted_filesystem(path: Path, mountinfo: str) -> tuple[str, str] | None:
     return held_by
 
 
-def warn_if_on_storage(directory: Path) -> None:
-    """Warn (SlotsOnDiskWarning, once per filesystem) when `directory` is not on a memory filesystem."""
+def storage_filesystem(directory: Path) -> tuple[str, str] | None:
+    """(mount point, filesystem type) when `directory` is on a filesystem backed by storage, not memory;
+    None when it is in memory, or when nothing says (not Linux)."""
     try:
         mountinfo = _MOUNTINFO.read_text()
     except OSError:
-        return  # not Linux: nothing to read the filesystem from
+        return None
     held_by = mounted_filesystem(directory.resolve(), mountinfo)
-    if held_by is None or held_by[1] in MEMORY_FILESYSTEMS or held_by[0] in _warned_mount_points:
+    return None if held_by is None or held_by[1] in MEMORY_FILESYSTEMS else held_by
+
+
+def warn_if_on_storage(directory: Path) -> None:
+    """Warn (SlotsOnDiskWarning, once per filesystem) when `directory` is not on a memory filesystem."""
+    held_by = storage_filesystem(directory)
+    if held_by is None or held_by[0] in _warned_mount_points:
         return
     _warned_mount_points.add(held_by[0])
     warnings.warn(SlotsOnDiskWarning(str(directory), held_by[1], held_by[0]), stacklevel=3)

@@ -122,15 +122,22 @@ async def stall_summaries(
     return found
 
 
-async def machine_states(session: AsyncSession, job_id: Any) -> list[tuple[int, str, Any]]:
-    """(rank, state, its summary's replicas_skipped) of each live machine of the job, by rank: what the job
-    page counts and pages by, without the machines' rows (the database extracts the one counter)."""
+async def machine_states(session: AsyncSession, job_id: Any) -> list[tuple[int, str, Any, Any]]:
+    """(rank, state, its summary's replicas_skipped and store_filesystem) of each live machine of the job, by
+    rank: what the job page counts and pages by, without the machines' rows (the database extracts the two
+    fields)."""
     query = (
-        select(Machine.rank, Machine.state, Machine.summary["replicas_skipped"])
+        select(
+            Machine.rank,
+            Machine.state,
+            Machine.summary["replicas_skipped"],
+            Machine.summary["store_filesystem"],
+        )
         .where(Machine.job_id == job_id, Machine.state != MachineState.REPLACED)
         .order_by(Machine.rank)
     )
-    return [(int(rank), str(state), skipped) for rank, state, skipped in (await session.execute(query)).all()]
+    rows = (await session.execute(query)).all()
+    return [(int(rank), str(state), skipped, filesystem) for rank, state, skipped, filesystem in rows]
 
 
 async def live_machines_at(session: AsyncSession, job_id: Any, ranks: Sequence[int]) -> Sequence[Machine]:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from worker_lib.agent.services import MachineIdentity, MachineServices
+from worker_lib.api.worker import CheckpointSummary
+from worker_lib.store import slots as slots_module
 
 
 def test_saves_skipped_and_replicas_skipped_are_reported_apart(tmp_path: Path) -> None:
@@ -41,3 +46,24 @@ def test_the_summary_adds_up_each_ranks_stall_over_its_training_processes(tmp_pa
     summary = services.summary()
     assert summary["stalled_s"] == {"4": 1.0, "5": 0.25}
     assert summary["save_calls"] == {"4": 16, "5": 12}
+
+
+def test_a_checkpoint_directory_on_storage_is_named_in_every_heartbeat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The training processes warn about it on their own stderr only; the agent's heartbeat takes it to the
+    job's page. A directory in memory adds nothing to the heartbeat."""
+    memory = tmp_path / "memory"
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        f"22 1 8:1 / / rw - xfs /dev/sda1 rw\n25 22 0:21 / {memory.resolve()} rw - tmpfs tmpfs rw\n"
+    )
+    monkeypatch.setattr(slots_module, "_MOUNTINFO", mountinfo)
+    client: Any = SimpleNamespace(job_id="job")
+    with caplog.at_level(logging.WARNING, logger="worker_lib.agent.services"):
+        on_disk = MachineServices(client, "castor-job.x.secret", MachineIdentity("i-0"), tmp_path / "shm")
+    assert on_disk.summary()["store_filesystem"] == "xfs"
+    assert str(tmp_path / "shm") in caplog.text and "--shm-dir" in caplog.text
+    in_memory = MachineServices(client, "castor-job.x.secret", MachineIdentity("i-1"), memory / "i-1")
+    assert "store_filesystem" not in in_memory.summary()
+    CheckpointSummary.model_validate(on_disk.summary())  # what the root accepts

@@ -73,6 +73,7 @@ class MachineBox:
     last_heartbeat_at: datetime | None
     sends_to: list[int]
     replicas_skipped: int = 0  # commits no replication round sent; not saves skipped
+    store_filesystem: str | None = None  # its checkpoint directory's filesystem, when storage (not memory)
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,8 @@ class JobPage:
     # Commits the live machines' replication never sent (the job's saves skipped are counted apart).
     replicas_skipped: int = 0
     overview: MachineOverview | None = None  # a job of more than MACHINES_PER_PAGE machines
+    # (rank, filesystem) of the live machines whose checkpoint directory is on storage, not in memory.
+    stores_on_storage: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def title(self) -> str:
@@ -231,6 +234,9 @@ def machine_box(rank: int, machine: Machine | None, sends_to: list[int]) -> Mach
         last_heartbeat_at=machine.last_heartbeat_at,
         sends_to=sends_to,
         replicas_skipped=int(as_number(summary.get("replicas_skipped")) or 0),
+        store_filesystem=filesystem
+        if isinstance(filesystem := summary.get("store_filesystem"), str)
+        else None,
     )
 
 
@@ -285,8 +291,9 @@ async def job_page(
     job_out = await job_flows.job_out(session, job)
     placement = await job_flows.load_placement(session, job)
     states = await queries.machine_states(session, job.id)
-    state_of = {rank: state for rank, state, _ in states}
-    replicas_skipped = sum(int(as_number(skipped) or 0) for _, _, skipped in states)
+    state_of = {rank: state for rank, state, _, _ in states}
+    replicas_skipped = sum(int(as_number(skipped) or 0) for _, _, skipped, _ in states)
+    stores_on_storage = [(rank, fs) for rank, _, _, fs in states if isinstance(fs, str) and fs]
     n = job.num_machines
     pages = max(1, math.ceil(n / MACHINES_PER_PAGE))
     page = min(max(1, machines_page), pages)
@@ -410,6 +417,7 @@ async def job_page(
         checkpoints_hidden=max(0, total_checkpoints - len(checkpoints)),
         replicas_skipped=replicas_skipped,
         overview=overview,
+        stores_on_storage=stores_on_storage,
         sampling_since=history.started_at,
         now=now,
     )
