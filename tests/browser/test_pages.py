@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import uuid
 
+import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
-from tests.browser.conftest import RootService, sign_in
+from tests.browser.conftest import ARTIFACTS, RootService, sign_in
 
 pytestmark = pytest.mark.browser
 
@@ -77,3 +78,29 @@ def test_pages_read_without_javascript(browser: Browser, root_service: RootServi
         expect(page.locator("#refresh-status")).to_have_text("")  # nothing ran
     finally:
         context.close()
+
+
+def test_a_machine_whose_checkpoints_are_on_storage_is_pointed_out(
+    page: Page, root_service: RootService
+) -> None:
+    """Its agent says so in its heartbeats (summary.store_filesystem): a warning above the counters names
+    the machine, and its box says where its checkpoints are."""
+    job = root_service.api(
+        "POST", "/api/v1/jobs", json={"name": f"disk-{uuid.uuid4().hex[:8]}", "machines": 2}
+    )
+    worker = {"Authorization": f"Bearer {job['worker_token']}"}
+    base = f"{root_service.url}/api/v1/worker/jobs/{job['id']}/machines"
+    for rank in range(2):
+        body = {"instance_id": f"i-{rank}", "address": "127.0.0.1", "data_port": 7000 + rank, "rank": rank}
+        httpx.post(base, json=body, headers=worker, timeout=30).raise_for_status()
+        summary = {"local": {str(rank): 7}, **({"store_filesystem": "ext4"} if rank == 1 else {})}
+        beat = {"instance_id": f"i-{rank}", "summary": summary}
+        httpx.post(f"{base}/{rank}/heartbeat", json=beat, headers=worker, timeout=30).raise_for_status()
+    sign_in(page, root_service.url, root_service.admin_token, f"/jobs/{job['id']}")
+    alert = page.locator(".alert-storage")
+    expect(alert).to_contain_text("Checkpoints on storage, not in memory on 1 machine: machine 1 (ext4).")
+    expect(alert.locator("code").first).to_have_text("--shm-dir")
+    expect(page.locator("article.machine[aria-label='machine 1'] dd.warn")).to_have_text("on ext4")
+    expect(page.locator("article.machine[aria-label='machine 0'] dd.warn")).to_have_count(0)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=ARTIFACTS / "job-page-storage.png", full_page=True)
