@@ -25,7 +25,11 @@ wait for the copy: `stats.stalled_s`). `copy_cpu_s` is the CPU time the backgrou
 read from /proc: the cycles the copy and its checksums take from compute when no core is idle. `cpu_s_*`
 are each variant's process CPU time per iteration (all threads), and the `*cpu_overhead_pct` their paired
 differences: on a machine whose cores other work also wants, wall times swing with the neighbours and CPU
-time is what a variant costs.
+time is what a variant costs. `forward_extra_s_castor` is the median per-round lengthening of the forward that
+runs beside the background copy (against `forward_s_none`), `forward_extra_s_memcpy` the same after the plain
+copy (about 0), and `memcpy_s` the plain copy itself: what the background copy costs against what copying
+alone takes. `omp_wait_policy` and `gomp_spincount` echo the environment (OMP_WAIT_POLICY, GOMP_SPINCOUNT),
+which decides what torch's intra-op threads do while a copy thread holds one of their cores.
 
 The FSDP2 part (`fsdp2_*`, see run_fsdp2) shards the same decoder over 4 ranks (gloo, one process each) and
 times each rank's save (to the commit), restore (in place, into the sharded model) and a plain copy of its
@@ -157,9 +161,13 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
     tokens = torch.randint(shape.vocab, (shape.batch, shape.context + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
+    forwards: list[float] = []  # each iteration's forward (and loss), the phase a background copy runs beside
+
     def train_step() -> None:
-        logits = model(inputs)
-        F.cross_entropy(logits.reshape(-1, shape.vocab), targets.reshape(-1)).backward()
+        started = time.perf_counter()
+        loss = F.cross_entropy(model(inputs).reshape(-1, shape.vocab), targets.reshape(-1))
+        forwards.append(time.perf_counter() - started)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -177,9 +185,13 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
     def none() -> None:
         train_step()
 
+    plain_copies: list[float] = []
+
     def memcpy() -> None:
+        started = time.perf_counter()
         for copy, source in zip(copies, sources, strict=True):
             copy.copy_(source)
+        plain_copies.append(time.perf_counter() - started)
         train_step()
 
     def castor() -> None:
@@ -189,6 +201,7 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
     variants: dict[str, Callable[[], None]] = {"none": none, "memcpy": memcpy, "castor": castor}
     times: dict[str, list[float]] = {name: [] for name in variants}
     cpu: dict[str, list[float]] = {name: [] for name in variants}  # the process's CPU time, all threads
+    forward: dict[str, list[float]] = {name: [] for name in variants}
     stalls: list[float] = []
     saves: list[float] = []
     copy_cpu: list[float] = []
@@ -208,6 +221,7 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
                 # A castor iteration's copy is finished inside it (the optimizer step waits for it), so its
                 # CPU is counted here.
                 cpu[name].append(time.process_time() - cpu_started)
+                forward[name].append(forwards[-1])
                 if name == "castor":
                     stats = checkpointer.stats
                     stalls.append(stats.stalled_s - stalled_before)
@@ -234,6 +248,12 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
     versus_memcpy = statistics.quantiles(
         [100 * (c - m) / median["none"] for c, m in zip(times["castor"], times["memcpy"], strict=True)], n=4
     )
+    # What the background copy adds to the forward it runs beside, against what the plain copy takes on its
+    # own: where the copy's cycles come from when compute keeps every core busy.
+    forward_extra = {
+        name: statistics.median(f - n for f, n in zip(forward[name], forward["none"], strict=True))
+        for name in ("memcpy", "castor")
+    }
     castor = times["castor"]
     state_bytes = sum(source.numel() * source.element_size() for source in sources)
     return {
@@ -259,6 +279,14 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
         "save_call_ms": round(1e3 * statistics.median(saves), 2),
         "copy_s": round(statistics.median(copy_wall), 3),
         "copy_cpu_s": round(statistics.median(copy_cpu), 3),
+        "memcpy_s": round(statistics.median(plain_copies), 3),
+        "forward_s_none": round(statistics.median(forward["none"]), 3),
+        "forward_extra_s_memcpy": round(forward_extra["memcpy"], 3),
+        "forward_extra_s_castor": round(forward_extra["castor"], 3),
+        # libgomp's wait policy decides what torch's intra-op threads do at a parallel region's end while a
+        # copy thread holds one of their cores (README, "Measured figures").
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
         "iterations_s": {name: [round(t, 3) for t in values] for name, values in times.items()},
         "iterations_cpu_s": {name: [round(t, 3) for t in values] for name, values in cpu.items()},
     }

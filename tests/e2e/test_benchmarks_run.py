@@ -73,6 +73,8 @@ def run_benchmark(script: str) -> Any:
                 "overhead_pct",
                 "overhead_vs_memcpy_pct",
                 "overhead_vs_memcpy_quartiles_pct",
+                "memcpy_s",
+                "forward_extra_s_castor",
                 "stall_pct",
                 "fsdp2_save_gbps",
                 "fsdp2_restore_gbps",
