@@ -399,6 +399,13 @@ def _job_families(
         "counter",
         ["job", "machine"],
     )
+    on_storage = RowsFamily(
+        "castor_machine_checkpoints_on_storage",
+        "1 for each machine whose checkpoint directory is on a filesystem backed by storage (ext4, xfs, "
+        "NFS), not memory: every save and replica is written back to storage beside training.",
+        "gauge",
+        ["job", "machine", "filesystem"],
+    )
     lag = GaugeMetricFamily(
         "castor_replication_lag_seconds",
         "Worst replication lag over the job's machines: newest commit to the peer's verified replica.",
@@ -411,6 +418,8 @@ def _job_families(
         replicated.add(labels, _number(summary.get("replicated")) or 0)
         skipped.add(labels, _number(summary.get("skipped")) or 0)
         replicas_skipped.add(labels, _number(summary.get("replicas_skipped")) or 0)
+        if isinstance(filesystem := summary.get("store_filesystem"), str):
+            on_storage.add([*labels, filesystem], 1)
         value = _number(summary.get("replication_lag_s"))
         if value is not None:
             worst[job_id] = max(value, worst.get(job_id, 0.0))
@@ -427,6 +436,7 @@ def _job_families(
         replicated,
         skipped,
         replicas_skipped,
+        on_storage,
         lag,
     ]
 

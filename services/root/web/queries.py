@@ -103,7 +103,14 @@ async def active_jobs(session: AsyncSession) -> Sequence[Job]:
     return (await session.execute(query.order_by(Job.name))).scalars().all()
 
 
-SUMMARY_COUNTERS = ("committed", "replicated", "skipped", "replicas_skipped", "replication_lag_s")
+SUMMARY_COUNTERS = (
+    "committed",
+    "replicated",
+    "skipped",
+    "replicas_skipped",
+    "replication_lag_s",
+    "store_filesystem",
+)
 
 
 async def stall_summaries(

@@ -1,6 +1,6 @@
 """A machine whose checkpoint directory is on storage (ext4, NFS) instead of memory says so in its heartbeats
-(worker_lib.agent.services): the job's page, its API and `castor jobs show` name the machines, since the
-training processes' own warning reaches only their stderr."""
+(worker_lib.agent.services): the job's page, its API, /metrics and `castor jobs show` name the machines,
+since the training processes' own warning reaches only their stderr."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 from services.cli import jobs
 from tests.integration.api.test_jobs import assert_error
 from tests.integration.web.scenario import running_job
+from tests.integration.web.test_metrics import Samples, scrape
 from tests.integration.web.test_pages import text_of
 from worker_lib.agent.services import MachineIdentity, MachineServices
 from worker_lib.store import slots as slots_module
@@ -51,6 +52,8 @@ async def test_machines_whose_checkpoints_are_on_storage_are_named_on_the_page_a
     assert "checkpoints on ext4" in page and "checkpoints on nfs4" in page  # the machines' boxes
     machines = await job.api("/machines")
     assert [m["summary"].get("store_filesystem") for m in machines] == [None, "ext4", None, "nfs4"]
+    name = str(job.job["name"])
+    assert on_storage(await scrape(signed_in), name) == {("1", "ext4"), ("3", "nfs4")}
     fields = dict(jobs._job_fields(await job.api(""), datetime.now(UTC), machines))
     assert fields["checkpoint store"] == (
         "on storage, not memory: machine 1 (ext4), machine 3 (nfs4) (give --shm-dir a tmpfs)"
@@ -60,6 +63,7 @@ async def test_machines_whose_checkpoints_are_on_storage_are_named_on_the_page_a
     assert (await heartbeat(1)).status_code == 200
     page = text_of((await signed_in.get(f"/jobs/{job.id}")).text)
     assert "on 1 machine: machine 3 (nfs4)." in page and "checkpoints on ext4" not in page
+    assert on_storage(await scrape(signed_in), name) == {("3", "nfs4")}
     machines = await job.api("/machines")
     fields = dict(jobs._job_fields(await job.api(""), datetime.now(UTC), machines))
     assert fields["checkpoint store"] == "on storage, not memory: machine 3 (nfs4) (give --shm-dir a tmpfs)"
@@ -70,3 +74,14 @@ async def test_machines_whose_checkpoints_are_on_storage_are_named_on_the_page_a
         assert "store_filesystem" in str(error)
     machines = await job.api("/machines")
     assert machines[3]["summary"]["store_filesystem"] == "nfs4"
+
+
+def on_storage(samples: Samples, job: str) -> set[tuple[str, str]]:
+    """(machine, filesystem) of the job's castor_machine_checkpoints_on_storage samples, each 1."""
+    found = set()
+    for (name, labels), sample in samples.items():
+        label = dict(labels)
+        if name == "castor_machine_checkpoints_on_storage" and label["job"] == job:
+            assert sample == 1
+            found.add((label["machine"], label["filesystem"]))
+    return found
