@@ -200,3 +200,34 @@ async def test_the_last_finished_reports_at_once_complete_the_job_exactly_once(
     )
     assert done.json()["status"] == "finished"
     assert done.json()["revision"] == revision + 1, "the job was completed once: one new revision"
+
+
+async def test_a_job_whose_machines_finish_before_its_recovery_closes_completes(
+    client: httpx.AsyncClient,
+) -> None:
+    """Training ends right after a recovery: every machine's "finished" arrives while the job is still
+    recovering (the last "resumed" goes in the background and comes after), so none of them can complete
+    it. The step that closes the recovery does; before, the job stayed running and every agent waited."""
+    job, failure_id = await crashed(client)
+    for rank in range(MACHINES):
+        await job.post(f"/machines/{rank}/inventory", inventory(job, rank), 204)
+    await job.plan(2, "ready")
+    for rank in range(MACHINES):
+        await job.post(f"/machines/{rank}/progress", restored(job, rank), 204)
+    for rank in range(MACHINES - 1):
+        await job.post(f"/machines/{rank}/progress", resumed(job, rank), 204)
+    for rank in range(MACHINES):
+        body = {"instance_id": job.instances[rank], "generation": 2, "event": "finished"}
+        await job.post(f"/machines/{rank}/progress", body, 204)
+    assert (await job.api(""))["state"] == "recovering", "machine 3 has not said it resumed"
+    await job.post(f"/machines/{MACHINES - 1}/progress", resumed(job, MACHINES - 1), 204)
+
+    async def completed() -> dict[str, Any] | None:
+        found: dict[str, Any] = await job.api("")
+        return found if found["state"] == "completed" else None
+
+    fetched = await eventually(completed, "the job to complete")
+    assert fetched["finished_at"] is not None
+    assert (await job.api(f"/failures/{failure_id}"))["state"] == "recovered"
+    directive = await client.get(f"/api/v1/worker/jobs/{job.id}/directive", headers=job.worker)
+    assert directive.json()["status"] == "finished"

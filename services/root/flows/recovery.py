@@ -170,6 +170,7 @@ async def _step(
         if all(m.resumed_generation == plan.generation for m in live):
             resumed = await _last_report(session, job, plan.generation, now, resumed=True)
             _finish_recovery(job, plan, events, resumed)
+            await _complete_if_finished(session, job, plan)
         elif _resume_overdue(plan, now, settings):
             for machine in live:
                 if machine.resumed_generation != plan.generation:
@@ -554,6 +555,19 @@ def _finish_recovery(job: Job, plan: RecoveryPlan, events: list[FailureEvent], n
     job.wasted_time_s += (now - started).total_seconds() + lost * iteration_s
     job.state, job.failed_recoveries = JobState.RUNNING, 0
     log.info("job %s: recovered at generation %d", job.name, plan.generation)
+
+
+async def _complete_if_finished(session: AsyncSession, job: Job, plan: RecoveryPlan) -> None:
+    """A job whose last ranks finished training while its recovery was still open: every machine's
+    "finished" found the job recovering, and only a running job completes (record_progress), so the step
+    that ends the recovery completes it. The job row is written first: on Postgres a "finished" that
+    commits after this count waits on that row's lock and then finds the job running (SQLite serialises
+    the two transactions)."""
+    await session.flush()
+    if await repo.unfinished_machines(session, job.id, plan.generation) == 0:
+        job.state, job.finished_at = JobState.COMPLETED, utcnow()
+        directive_changed(session, job)  # the directive says finished: wake the long polls
+        log.info("job %s: every machine finished during its recovery; the job is complete", job.name)
 
 
 # -- what agents report during a recovery ------------------------------------------------------------------
