@@ -393,6 +393,10 @@ FETCH_ATTEMPTS = 3
 _FETCH_RETRY_CODES = ("connection_closed",)
 
 
+def _version(manifest: Manifest) -> tuple[int, int]:
+    return manifest_generation(manifest), manifest.iteration
+
+
 def fetch(
     address: str,
     port: int,
@@ -559,6 +563,10 @@ class DataPlaneServer:
         self.holdings = holdings
         self.key = key
         self.job_id = job_id
+        # (plan generation, iteration) of this machine's last restore (the agent sets it): a replica of an
+        # earlier generation past that iteration is of the history the recovery abandoned, newer in number
+        # only, and the restored iteration replaces it.
+        self.rolled_back: tuple[int, int] | None = None
         self.accepts_replica_of = accepts_replica_of
         self.on_replica = on_replica
         self.max_unauthenticated = max_unauthenticated
@@ -758,10 +766,7 @@ class DataPlaneServer:
         # the same history (a slow, superseded transfer arriving last must not roll the replica back).
         with self._rank_locks.setdefault(rank, threading.Lock()):
             held = self.holdings.newest("replica", rank)
-            if held is not None and (manifest_generation(held), held.iteration) >= (
-                manifest_generation(manifest),
-                manifest.iteration,
-            ):
+            if held is not None and self._kept_over(rank, held, manifest):
                 send_message(
                     sock,
                     {
@@ -781,6 +786,26 @@ class DataPlaneServer:
         self.counters.replicas_received += 1
         send_message(sock, {"ok": True, "iteration": manifest.iteration})
         self.on_replica(rank, manifest)
+
+    def _kept_over(self, rank: int, held: Manifest, offered: Manifest) -> bool:
+        """Whether `rank`'s newest replica `held` stays and `offered` is refused as stale: `offered` is no
+        newer; but where `held` is of the history the last recovery abandoned, only when `offered` itself
+        is held (in either slot)."""
+        rolled_back = self.rolled_back
+
+        def abandoned(manifest: Manifest) -> bool:
+            return (
+                rolled_back is not None
+                and manifest_generation(manifest) < rolled_back[0]
+                and manifest.iteration > rolled_back[1]
+            )
+
+        if not abandoned(held) or abandoned(offered):
+            return _version(held) >= _version(offered) or abandoned(offered)
+        return any(
+            _version(m) == _version(offered) and m.digest == offered.digest
+            for m in self.holdings.replica_store(rank).committed()
+        )
 
     def _get(
         self,

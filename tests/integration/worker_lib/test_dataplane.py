@@ -288,6 +288,40 @@ def test_after_a_rollback_the_same_iteration_number_is_replicated_again(
         holdings.close()
 
 
+def test_after_a_rollback_the_restored_iteration_replaces_a_newer_replica_of_the_abandoned_history(
+    shm: Path, receiver: DataPlaneServer
+) -> None:
+    """Generation 2 restored iteration 2, and this holder's newest replica is generation 1's iteration 3
+    (its round completed here, but not for every rank, so the recovery went back to 2; the holder's other
+    slot held 1). Told of the rollback, the holder takes iteration 2 in place of 3, which no recovery can
+    use; told nothing, it would answer that it holds something newer, and hold no copy of 2."""
+    sender = Holdings(shm / "sender")
+    sender.prepare_local([0], 4)
+    save_checkpoints(sender.directory("local", 0), [1, 2, 3])
+    key = data_plane_key(TOKEN)
+    with PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer:
+        for iteration in (1, 3):
+            with sender.open_read(0, iteration=iteration) as (manifest, data):
+                peer.put(0, manifest, data)
+        with sender.open_read(0, iteration=2) as (manifest, data):
+            assert peer.send_put(0, manifest, data) == "stale", "no rollback known: 3 is newer"
+    store = receiver.holdings.replica_store(0)
+    assert [m.iteration for m in store.committed()] == [3, 1]
+
+    receiver.rolled_back = (2, 2)  # the holder's agent restored iteration 2 as generation 2
+    with (
+        sender.open_read(0, iteration=2) as (manifest, data),
+        PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer,
+    ):
+        peer.put(0, manifest, data)
+        assert peer.send_put(0, manifest, data) == "stale", "held now: asked again, it says so"
+        with sender.open_read(0, iteration=3) as (abandoned, data3):
+            assert peer.send_put(0, abandoned, data3) == "stale", "the abandoned history never comes back"
+    assert store.committed()[0].digest == manifest.digest
+    assert [m.iteration for m in store.committed()] == [2, 1]
+    sender.close()
+
+
 def test_a_stalled_peer_does_not_hold_the_slot_once_a_newer_commit_exists(sender: Holdings) -> None:
     """A receiver that accepts a put and then stops reading: the sender gives the transfer up as soon as
     it is superseded, instead of holding the slot (and the training process's next save) until timeout."""
