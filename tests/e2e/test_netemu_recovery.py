@@ -29,10 +29,10 @@ def test_machine_loss_and_partitions_on_1_gbit_links(net_cluster: NetCluster, tm
 
     1. Machine loss: rank 2's machine dies with its memory; a spare machine takes rank 2, restored from its
        group peer's memory, bit-exact.
-    2. Partition from the root (and etcd) but not the peers: rank 1's heartbeats stop, the root declares it
-       failed, and a second spare takes rank 1, restored from the peer's replica. When the partition heals,
-       the old agent learns that its rank belongs to another instance and stops instead of training as a
-       second rank 1.
+    2. Partition from the root (and etcd) but not the peers, right after that recovery: rank 1's heartbeats
+       stop, the root declares it failed, and a second spare takes rank 1, restored from the peer's replica.
+       When the partition heals, the old agent learns that its rank belongs to another instance and stops
+       instead of training as a second rank 1.
     3. Partition from the peers but not the root: the collectives fail (software failures), and once healed
        every rank resumes from its local memory. Nothing counts the replicas that stopped arriving: the
        job's fully replicated iteration stays at or before the cut, no inventoried copy fails its checksum
@@ -57,10 +57,11 @@ def test_machine_loss_and_partitions_on_1_gbit_links(net_cluster: NetCluster, tm
     reached = newest_iteration(logs)
     spare = replace(cluster, lost, 4, command, rank=2)
     hardware(settled(cluster, set()), rank=2, spare=spare)
-    iteration = check_consistent_restore(logs, 4, reached, max_lost=None)
-    wait_for_iteration(logs, iteration + 3, timeout=120)
+    check_consistent_restore(logs, 4, reached, max_lost=None)
 
-    # 2. Partition from the root.
+    # 2. Partition from the root, at once: before the new generation's first aligned round (until then a
+    # replacement used to leave the job no aligned iteration, and this second failure no iteration in
+    # common: once in CI the job restarted from scratch).
     known = {e["id"] for e in cluster.failures()}
     old = cluster.machines[1]
     emu.partition_from_root(emu.machines[1])

@@ -294,9 +294,16 @@ class Agent:
             case PauseReplication():
                 if self.machine.replicator is not None:
                     self.machine.replicator.pause()
-            case ResumeReplication():
+            case ResumeReplication(iteration=iteration, directive=directive):
                 if self.machine.replicator is not None:
-                    self.machine.replicator.resume()
+                    plan = directive if isinstance(directive, DirectiveOut) else None
+                    if plan is not None and iteration is not None and self.machine.server is not None:
+                        self.machine.server.rolled_back = (plan.generation, iteration)
+                    self.machine.replicator.resume(
+                        restored=iteration,
+                        digests={source.rank: source.digest for source in plan.sources} if plan else {},
+                        generation=plan.generation if plan else None,
+                    )
             case ReportExit(exit=ended, global_rank=rank, exit_code=code):
                 log.log(
                     logging.INFO if code == 0 else logging.WARNING,

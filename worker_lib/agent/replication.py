@@ -54,7 +54,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -168,6 +168,7 @@ class _Round:
     committed_at: float
     aborted: str | None = None
     started_at: float = field(default_factory=time.monotonic)
+    restored: bool = False  # the iteration a recovery restored here, replicated first (Replicator._catch_up)
 
     @property
     def iteration(self) -> int:
@@ -294,6 +295,9 @@ class Replicator:
         self._pinned: dict[int, SlotPin] = {}  # rank -> the newest fully replicated checkpoint
         self._pinned_version: Version | None = None
         self._given_up: Version | None = None  # the last round given up
+        # (plan generation, iteration) of the last restore: checkpoints of earlier generations past that
+        # iteration are of a history the recovery abandoned, left in the slots until overwritten.
+        self._rolled_back: Version | None = None
         self._held: dict[tuple[int, int], Version] = {}  # (machine, rank) -> what the peer holds
         # Alignment across machines (see the module's docstring); None/empty until the root first says.
         # `aligns`: whether this machine takes part (the agent's setting, REST heartbeats); one that does not,
@@ -444,7 +448,7 @@ class Replicator:
         """The job caught up (a newer aligned iteration), or no longer has one (a machine joined with nothing
         replicated, or the job stopped aligning): the older aligned iteration can go, except while a
         recovery collects."""
-        floor = next(iter(self._floor.values())).manifest.iteration if self._floor else None
+        floor = self._floor_iteration()
         if floor is not None and floor != aligned and not self._paused:
             self._release(self._floor)
             self._floor = {}
@@ -454,10 +458,73 @@ class Replicator:
         with self.condition:
             self._paused = True
 
-    def resume(self) -> None:
+    def resume(
+        self,
+        restored: int | None = None,
+        digests: Mapping[int, str | None] | None = None,
+        generation: int | None = None,
+    ) -> None:
+        """Rounds go on after a recovery. `restored`: the iteration every local rank just restored as plan
+        `generation` (`digests`: the plan's, by rank), replicated before anything else (_catch_up); the
+        checkpoints of earlier generations past it are never replicated again."""
         with self.condition:
             self._paused = False
+            if restored is not None:
+                if generation is not None:
+                    self._rolled_back = (generation, restored)
+                self._catch_up(restored, digests or {})
             self.condition.notify_all()
+
+    def _catch_up(self, iteration: int, digests: Mapping[int, str | None]) -> None:
+        """With the condition held: after a recovery every machine holds the restored iteration locally, but
+        the job's aligned iteration is the newest one every machine keeps, and a replacement keeps nothing:
+        the job had no aligned iteration until its first aligned round completed, the other machines' rounds
+        moved on meanwhile (their aligned iteration released), and a second failure in that window found no
+        iteration in common (once in the e2e partition test: the job restarted from scratch). And a machine
+        whose holder was replaced has its copies on that holder no more. So every machine pins the restored
+        iteration now, counts it as kept (_alignment_summary) and replicates it before anything else, asking
+        every holder whatever it was told before: one that holds it (the peer a replacement fetched it from,
+        a holder that survived) says so at once, a replacement receives it. The job's aligned iteration is
+        then the restored one, on every machine and every holder."""
+        if not self.targets or not self._can_align():
+            return
+        ranks = self._local_ranks()
+        pins: dict[int, SlotPin] = {}
+        for rank in ranks:
+            pin = self.holdings.local_store(rank).pin(iteration, digests.get(rank))
+            if pin is None:  # not restored here (a rank without a source): nothing to claim
+                self._release(pins)
+                return
+            pins[rank] = pin
+        restored = {version(p.manifest) for p in pins.values()}
+        if not ranks or len(restored) != 1:  # ranks of different histories: no iteration to claim
+            self._release(pins)
+            return
+        # Pins past the restored iteration hold a history the recovery abandoned; a newest fully replicated
+        # one that is not the job's aligned iteration goes too, so that the aligned one, this round and the
+        # agreed iteration pinned ahead leave the training process a slot to write.
+        floor = self._floor_iteration()
+        if floor is not None and floor > iteration:
+            self._release(self._floor)
+            self._floor = {}
+        pinned = self._pinned_version
+        if self._floor or (pinned is not None and (pinned[1] > iteration or pinned[1] != self._job_aligned)):
+            self._release(self._pinned)
+            self._pinned = {}
+        current = self._round
+        if current is not None:
+            current.aborted = current.aborted or "a recovery restored an older iteration"
+            self._release(current.pins)
+            self.stats.aborted += 1
+        self._rounds += 1
+        committed_at = min(p.manifest.committed_at for p in pins.values())
+        self._held.clear()  # a holder may have been replaced, with what it held
+        self._round = self._new_round(restored.pop(), pins, ranks, committed_at)
+        self._round.restored = True
+        log.info("replicating the restored iteration %d before any other", iteration)
+
+    def _floor_iteration(self) -> int | None:
+        return next(iter(self._floor.values())).manifest.iteration if self._floor else None
 
     def flush(self, ranks: list[int], timeout_s: float = 60.0) -> bool:
         """Block until every peer holds the newest committed checkpoint of each of `ranks` (False on
@@ -518,8 +585,15 @@ class Replicator:
             return {"replication_free": True}
         with self.condition:
             kept = {p.manifest.iteration for p in (*self._floor.values(), *self._pinned.values())}
+            current = self._round
+            if current is not None and current.restored and current.aborted is None:
+                kept.add(current.iteration)  # the restored iteration, on its way to the holders that lack it
             if self._pinned_version is not None and not self._pinned:  # a store too small to pin
                 kept.add(self._pinned_version[1])
+            if not kept and self._paused:
+                # A machine that joined a recovery (a replacement) keeps nothing until it restored: not
+                # counted yet, or the job would have no aligned iteration and the others let theirs go.
+                return {}
             return {
                 "replication_kept": sorted(kept),
                 "replication_generation": self._generation,
@@ -663,7 +737,12 @@ class Replicator:
         if pin is None:
             return
         current = self._round
-        if current is not None and current.iteration != self._next and current.aborted is None:
+        if (
+            current is not None
+            and current.iteration != self._next
+            and current.aborted is None
+            and not current.restored  # the restored iteration comes first
+        ):
             # A free round (before the job's first aligned iteration) would leave the training process one
             # slot with this pin too: the agreed iteration comes first.
             current.aborted = "an agreed iteration is pinned"
@@ -797,7 +876,9 @@ class Replicator:
                 return None
             common = held if common is None else common & held
         floor = max((v for v in (self._pinned_version, self._given_up) if v is not None), default=None)
-        candidates = sorted(v for v in common or () if floor is None or v > floor)
+        candidates = sorted(
+            v for v in common or () if (floor is None or v > floor) and not self._abandoned(v)
+        )
         if not candidates:
             return None
         chosen = candidates[-1]
@@ -816,6 +897,11 @@ class Replicator:
             committed_at = min(committed_at, pin.manifest.committed_at)
         self._rounds += 1
         return self._new_round(chosen, pins, ranks, committed_at)
+
+    def _abandoned(self, checkpoint: Version) -> bool:
+        """Whether `checkpoint` belongs to a history the last recovery rolled back from."""
+        rolled_back = self._rolled_back
+        return rolled_back is not None and checkpoint[0] < rolled_back[0] and checkpoint[1] > rolled_back[1]
 
     def _new_round(
         self, chosen: Version, pins: dict[int, SlotPin], ranks: list[int], committed_at: float
@@ -852,8 +938,8 @@ class Replicator:
         self._pinned_version = current.version
         self._round = None
         stats = self.stats
-        if previous is not None and previous[0] == current.version[0]:
-            stats.interval = current.iteration - previous[1]
+        if previous is not None and previous[0] == current.version[0] and current.iteration > previous[1]:
+            stats.interval = current.iteration - previous[1]  # (not the restored iteration's round, older)
         stats.replicated_iteration = current.iteration
         log.debug("round of iteration %d complete (interval %s)", current.iteration, stats.interval)
         stats.replicated_at = time.time()

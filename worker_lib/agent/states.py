@@ -232,7 +232,11 @@ class PauseReplication:
 
 @dataclass(frozen=True)
 class ResumeReplication:
-    pass
+    """Replication goes on after a restore of `iteration` (None: from scratch, or no restore) as the plan's
+    `directive` named it (its per-rank digests)."""
+
+    iteration: int | None = None
+    directive: Any = None
 
 
 @dataclass(frozen=True)
@@ -467,7 +471,7 @@ def _on_outcome(status: AgentStatus, fact: RestoreDone | RestoreFailed | StartDo
             resuming = Resuming(generation, iteration, status.local_ranks)
             return Decision(
                 replace(status, generation=generation, resuming=resuming),
-                (ResumeReplication(), StartWorkers(generation, directive, details)),
+                (ResumeReplication(iteration, directive), StartWorkers(generation, directive, details)),
             )
         case RestoreFailed(generation=generation, error=error):
             return Decision(

@@ -31,7 +31,7 @@ from services.root.domain.recovery import MemoryCopy, plan_recovery
 from services.root.domain.replication import ReplicationAlignment, replication_alignment
 from tests.integration.web.scenario import Scenario, running_job
 from worker_lib import Checkpointer
-from worker_lib.agent.dataplane import DataPlaneServer, PeerConnection, data_plane_key
+from worker_lib.agent.dataplane import DataPlaneServer, PeerConnection, data_plane_key, fetch
 from worker_lib.agent.holdings import Holdings
 from worker_lib.agent.replication import Replicator
 from worker_lib.agent.services import follow
@@ -652,3 +652,139 @@ def test_a_target_declined_while_training_looked_stopped_is_asked_for_again_once
     assert replicator.summary()["replication_next"] == target
     time.sleep(0.5)  # asked once, not at every step
     assert not asked.acquire(blocking=False)
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_after_a_replacement_the_job_stays_aligned_on_the_restored_iteration(
+    ring: Ring, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Machine 1 dies with its memory; a replacement takes its place, restored from its holder, and a second
+    failure comes before the job's first aligned round of the new generation (in the e2e partition test a
+    machine cut off from the root then: the job restarted from scratch). Before, the replacement kept nothing,
+    so the job had no aligned iteration, the survivors let theirs go and replicated freely, and the
+    iteration they all held was overwritten; and machine 0, whose holder the replacement is, had no copy
+    anywhere. Now the replacement is not counted until it restored, every machine then keeps the restored
+    iteration and replicates it first (to the replacement too), and the job stays aligned on it."""
+    ring.train_until_a_target_ahead()
+    aligned = ring.iteration
+    assert ring.heartbeat_until_aligned_at(aligned).aligned_iteration == aligned
+    ring.commit()
+    ring.commit()  # two iterations past it, not replicated yet: then machine 1 dies
+
+    for replicator in ring.replicators:
+        replicator.pause()  # the recovery collects inventories
+    lost = 1
+    ring.replicators[lost].stop()
+    for rank in ranks_of(lost):
+        ring.checkpointers.pop(rank).close()
+    ring.servers[lost].stop()
+    ring.holdings[lost].close()
+    shutil.rmtree(shm / f"machine-{lost}")
+    copies = [
+        MemoryCopy(h.rank, h.iteration, machine, h.digest, bool(h.verified), h.generation)
+        for machine in range(MACHINES)
+        if machine != lost
+        for h in ring.holdings[machine].inventory(verify_checksums=True)
+    ]
+    decision = plan_recovery(
+        world_size=MACHINES * PROCS,
+        procs_per_machine=PROCS,
+        live_machines=range(MACHINES),
+        copies=copies,
+        persisted=[],
+        resumed_from={},
+        reached=ring.iteration,
+    )
+    restored = decision.iteration
+    assert restored == aligned, decision
+
+    # The replacement registers into the collecting recovery: not counted until it restored.
+    holdings = Holdings(shm / "replacement")
+    holdings.prepare_local(ranks_of(lost), 4)
+    server = DataPlaneServer(holdings, KEY, JOB, host="127.0.0.1").start()
+    holder_port = ring.servers[holder(lost)].port
+    replacement = Replicator(
+        holdings, KEY, JOB, [holder(lost)], lambda _: ("127.0.0.1", holder_port), streams=1
+    )
+    replacement.pause()
+    ring.holdings[lost], ring.servers[lost], ring.replicators[lost] = holdings, server, replacement.start()
+    ring.replicators[lost - 1].peer_address = lambda _: ("127.0.0.1", server.port)
+    ring.summaries[lost] = replacement.summary()
+    assert "replication_kept" not in ring.summaries[lost]
+    assert ring.heartbeats().aligned_iteration == aligned, "the survivors keep the job's aligned iteration"
+
+    for source in decision.sources:
+        if source.rank in ranks_of(lost):
+            assert source.tier == "peer" and source.machine == holder(lost), source
+            store = holdings.local_store(source.rank)
+            fetch("127.0.0.1", holder_port, KEY, JOB, source.rank, store, restored, digest=source.digest)
+    digests = {source.rank: source.digest for source in decision.sources}
+    rounds = [replicator.stats.rounds for replicator in ring.replicators]
+    for replicator in ring.replicators:
+        replicator.resume(restored=restored, digests=digests, generation=2)
+    assert restored in replacement.summary()["replication_kept"]
+    assert ring.heartbeats().aligned_iteration == restored
+    wait_for(
+        lambda: all(
+            r.stats.rounds > before and r.stats.replicated_iteration == restored
+            for r, before in zip(ring.replicators, rounds, strict=True)
+        ),
+        "every machine to replicate the restored iteration",
+    )
+    for rank in ranks_of(lost - 1):  # machine 0's copies, lost with its holder, are there again
+        assert restored in committed(holdings.directory("replica", rank))
+
+    # Training goes on in generation 2, and machine 0 is cut off from the root (its summary stays as it
+    # was): no aligned round can complete. Whichever machine is lost next, every rank has the restored
+    # iteration on a survivor.
+    monkeypatch.setenv("CASTOR_GENERATION", "2")
+    for rank in [r for m in range(MACHINES) for r in ranks_of(m)]:
+        if rank in ring.checkpointers:
+            ring.checkpointers[rank].close()
+        ring.checkpointers[rank] = Checkpointer(
+            ring.holdings[rank // PROCS].directory("local", rank), blocking=True
+        )
+    ring.iteration = restored
+    for _ in range(12):
+        ring.commit()
+        for machine in range(1, MACHINES):
+            ring.heartbeat(machine)
+        time.sleep(0.05)  # coordinator steps: free rounds, had the job lost its aligned iteration
+        for machine in range(MACHINES):
+            assert restored in common_after_losing(machine, ring.holdings), (machine, ring.iteration)
+
+
+def test_checkpoints_of_the_abandoned_history_are_never_replicated_again(
+    shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Generation 1 committed iterations 1 to 5; the recovery of generation 2 went back to 3. Until the new
+    history overwrites them, 4 and 5 of generation 1 stay in the slots: a free round (before the job's
+    first aligned iteration) took the newest common one, 5, and a holder then kept a replica no recovery
+    may use. Now the first round is the restored iteration, and no round takes 4 or 5."""
+    holdings = Holdings(shm / "machine")
+    holdings.prepare_local([0], 4)
+    receiver = DataPlaneServer(Holdings(shm / "holder"), KEY, JOB, host="127.0.0.1").start()
+    replicator = Replicator(holdings, KEY, JOB, [1], lambda _: ("127.0.0.1", receiver.port), streams=1)
+    replicator.aligns = False  # free rounds: the case where any committed iteration could be taken
+    try:
+        monkeypatch.setenv("CASTOR_GENERATION", "1")
+        with Checkpointer(holdings.directory("local", 0), blocking=True) as checkpointer:
+            for iteration in range(2, 6):
+                checkpointer.save(iteration, state(0, iteration))
+        replicator.pause()
+        replicator.start()
+        replicator.resume(restored=3, digests={}, generation=2)
+        wait_for(lambda: replicator.stats.rounds >= 1, "a round")
+        time.sleep(0.5)  # coordinator steps: another free round, were 4 or 5 candidates
+        assert replicator.stats.replicated_iteration == 3
+        assert committed(shm / "holder" / "replicas" / "rank-0") == {3}
+    finally:
+        replicator.stop()
+        receiver.stop()
+        holdings.close()

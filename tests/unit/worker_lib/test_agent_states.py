@@ -178,7 +178,10 @@ def test_a_plan_is_restored_started_and_resumed_once_every_local_rank_committed_
     status, actions = step(status, RestoreDone(1, 7, {"2": {"tier": "local"}}, "the directive"))
     assert status.state is S.RESTORING and status.generation == 1
     assert status.resuming == Resuming(1, 7, RANKS)
-    assert actions == (ResumeReplication(), StartWorkers(1, "the directive", {"2": {"tier": "local"}}))
+    assert actions == (
+        ResumeReplication(7, "the directive"),
+        StartWorkers(1, "the directive", {"2": {"tier": "local"}}),
+    )
 
     status, actions = step(status, StartDone(1, {"2": {"tier": "local"}}))
     assert status.state is S.RESUMING
