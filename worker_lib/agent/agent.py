@@ -297,8 +297,6 @@ class Agent:
             case ResumeReplication(iteration=iteration, directive=directive):
                 if self.machine.replicator is not None:
                     plan = directive if isinstance(directive, DirectiveOut) else None
-                    if plan is not None and iteration is not None and self.machine.server is not None:
-                        self.machine.server.rolled_back = (plan.generation, iteration)
                     self.machine.replicator.resume(
                         restored=iteration,
                         digests={source.rank: source.digest for source in plan.sources} if plan else {},
@@ -339,6 +337,9 @@ class Agent:
                 await self._progress(generation, event, details)
             case Restore(generation=generation, iteration=iteration, directive=directive):
                 self._stop_checks()  # the restore verifies what it reads; leave it the memory bandwidth
+                if iteration is not None and self.machine.server is not None:
+                    # From now on, not once restored: a faster peer's restored iteration may come first.
+                    self.machine.server.rolled_back = (generation, iteration)
                 try:
                     restored = await self._restore(directive)
                 except Exception as exc:

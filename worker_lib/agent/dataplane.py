@@ -765,8 +765,8 @@ class DataPlaneServer:
         # One writer per rank's replica store at a time, and never an older checkpoint over a newer one of
         # the same history (a slow, superseded transfer arriving last must not roll the replica back).
         with self._rank_locks.setdefault(rank, threading.Lock()):
-            held = self.holdings.newest("replica", rank)
-            if held is not None and self._kept_over(rank, held, manifest):
+            held = self._held_instead(rank, manifest)
+            if held is not None:
                 send_message(
                     sock,
                     {
@@ -787,10 +787,17 @@ class DataPlaneServer:
         send_message(sock, {"ok": True, "iteration": manifest.iteration})
         self.on_replica(rank, manifest)
 
-    def _kept_over(self, rank: int, held: Manifest, offered: Manifest) -> bool:
-        """Whether `rank`'s newest replica `held` stays and `offered` is refused as stale: `offered` is no
-        newer; but where `held` is of the history the last recovery abandoned, only when `offered` itself
-        is held (in either slot)."""
+    def _held_instead(self, rank: int, offered: Manifest) -> Manifest | None:
+        """The replica of `rank` held here that makes `offered` stale (as new or newer, of the current
+        history), or None: then `offered` is taken. A checkpoint of the history the last recovery abandoned
+        (an earlier generation past the restored iteration: `rolled_back`) is newer in number only: it never
+        makes an offer stale, and is never taken itself."""
+        if not self.holdings.directory("replica", rank).is_dir():
+            return None
+        try:
+            held = self.holdings.replica_store(rank).committed()
+        except CheckpointCorruptError:
+            return None
         rolled_back = self.rolled_back
 
         def abandoned(manifest: Manifest) -> bool:
@@ -800,12 +807,11 @@ class DataPlaneServer:
                 and manifest.iteration > rolled_back[1]
             )
 
-        if not abandoned(held) or abandoned(offered):
-            return _version(held) >= _version(offered) or abandoned(offered)
-        return any(
-            _version(m) == _version(offered) and m.digest == offered.digest
-            for m in self.holdings.replica_store(rank).committed()
-        )
+        current = [m for m in held if not abandoned(m)]
+        newest = max(current, key=_version, default=None)
+        if abandoned(offered):
+            return newest or (held[0] if held else offered)
+        return newest if newest is not None and _version(newest) >= _version(offered) else None
 
     def _get(
         self,

@@ -491,7 +491,11 @@ class Replicator:
         ranks = self._local_ranks()
         pins: dict[int, SlotPin] = {}
         for rank in ranks:
-            pin = self.holdings.local_store(rank).pin(iteration, digests.get(rank))
+            try:
+                pin = self.holdings.local_store(rank).pin(iteration, digests.get(rank))
+            except (CheckpointError, OSError) as exc:
+                log.warning("rank %d: cannot pin the restored iteration %d: %s", rank, iteration, exc)
+                pin = None
             if pin is None:  # not restored here (a rank without a source): nothing to claim
                 self._release(pins)
                 return
@@ -501,8 +505,11 @@ class Replicator:
             self._release(pins)
             return
         # Pins past the restored iteration hold a history the recovery abandoned; a newest fully replicated
-        # one that is not the job's aligned iteration goes too, so that the aligned one, this round and the
-        # agreed iteration pinned ahead leave the training process a slot to write.
+        # one that is not the job's aligned iteration goes too: besides this round's, one pin at most (the
+        # aligned iteration), for the training process needs two slots free (open_write never takes the one
+        # of its newest checkpoint). No agreed iteration is pinned ahead until this round is done (_pin_next),
+        # and the one agreed before belongs to the old history.
+        self._drop_next()
         floor = self._floor_iteration()
         if floor is not None and floor > iteration:
             self._release(self._floor)
@@ -510,7 +517,7 @@ class Replicator:
         pinned = self._pinned_version
         if self._floor or (pinned is not None and (pinned[1] > iteration or pinned[1] != self._job_aligned)):
             self._release(self._pinned)
-            self._pinned = {}
+            self._pinned, self._pinned_version = {}, None  # nor reported kept (_alignment_summary)
         current = self._round
         if current is not None:
             current.aborted = current.aborted or "a recovery restored an older iteration"
@@ -730,19 +737,16 @@ class Replicator:
 
     def _pin_next(self, rank: int) -> None:
         assert self._next is not None
+        current = self._round
+        if current is not None and current.restored and current.aborted is None:
+            return  # the restored iteration comes first, and a third pin would starve training (_catch_up)
         try:
             pin = self.holdings.local_store(rank).pin(self._next)
         except CheckpointError:
             pin = None
         if pin is None:
             return
-        current = self._round
-        if (
-            current is not None
-            and current.iteration != self._next
-            and current.aborted is None
-            and not current.restored  # the restored iteration comes first
-        ):
+        if current is not None and current.iteration != self._next and current.aborted is None:
             # A free round (before the job's first aligned iteration) would leave the training process one
             # slot with this pin too: the agreed iteration comes first.
             current.aborted = "an agreed iteration is pinned"

@@ -170,7 +170,6 @@ async def _step(
         if all(m.resumed_generation == plan.generation for m in live):
             resumed = await _last_report(session, job, plan.generation, now, resumed=True)
             _finish_recovery(job, plan, events, resumed)
-            await _complete_if_finished(session, job, plan)
         elif _resume_overdue(plan, now, settings):
             for machine in live:
                 if machine.resumed_generation != plan.generation:
@@ -557,17 +556,20 @@ def _finish_recovery(job: Job, plan: RecoveryPlan, events: list[FailureEvent], n
     log.info("job %s: recovered at generation %d", job.name, plan.generation)
 
 
-async def _complete_if_finished(session: AsyncSession, job: Job, plan: RecoveryPlan) -> None:
-    """A job whose last ranks finished training while its recovery was still open: every machine's
-    "finished" found the job recovering, and only a running job completes (record_progress), so the step
-    that ends the recovery completes it. The job row is written first: on Postgres a "finished" that
-    commits after this count waits on that row's lock and then finds the job running (SQLite serialises
-    the two transactions)."""
-    await session.flush()
-    if await repo.unfinished_machines(session, job.id, plan.generation) == 0:
-        job.state, job.finished_at = JobState.COMPLETED, utcnow()
-        directive_changed(session, job)  # the directive says finished: wake the long polls
-        log.info("job %s: every machine finished during its recovery; the job is complete", job.name)
+async def complete_if_finished(session: AsyncSession, job_id: uuid.UUID, generation: int) -> None:
+    """Complete the running job once every live machine reported "finished" for `generation`: a conditional
+    UPDATE, so of several callers at once exactly one completes it. Called after each "finished" report
+    commits, and by the leader after a step that closed a recovery commits: where training ended right after
+    a recovery, every "finished" can come while the job is still recovering (the agent sends its "resumed"
+    in the background, so the last one may come after them), and none of those reports can complete it.
+    Both after their own commit: on Postgres an UPDATE whose WHERE the committed row fails skips that row
+    without waiting for the transaction that holds it, so a check inside the leader's transaction would miss
+    a "finished" that commits after its count and tries to complete before its commit."""
+    if await repo.unfinished_machines(session, job_id, generation) == 0 and (
+        name := await repo.complete_job(session, job_id, utcnow())
+    ):
+        mark_changed(session, job_id)  # the directive says finished: wake the long polls
+        log.info("job %s: every machine finished; the job is complete", name)
 
 
 # -- what agents report during a recovery ------------------------------------------------------------------
@@ -654,11 +656,7 @@ async def record_progress(
         # that commits last sees every machine finished, and the conditional UPDATE (a running job only)
         # lets one of them win.
         async with database.session() as session:
-            if await repo.unfinished_machines(session, job_id, report.generation) == 0 and (
-                name := await repo.complete_job(session, job_id, utcnow())
-            ):
-                mark_changed(session, job_id)  # the directive says finished: wake the long polls
-                log.info("job %s: every machine finished; the job is complete", name)
+            await complete_if_finished(session, job_id, report.generation)
 
 
 async def _restore_failed(session: AsyncSession, job: Job, rank: int, report: schemas.ProgressReport) -> None:

@@ -15,7 +15,7 @@ from sqlalchemy import select
 
 from services.root.clients import CloudOperator, CloudOperatorError, ReplacementCancelled, ReplacementJournal
 from services.root.db import repository as repo
-from services.root.db.models import FailureEvent, FailureState, Machine, MachineState
+from services.root.db.models import FailureEvent, FailureState, JobState, Machine, MachineState
 from services.root.domain import replacement
 from services.root.domain.recovery_states import RecoveryState
 from services.root.flows import recovery
@@ -57,17 +57,24 @@ class RecoveryDriver:
             await asyncio.sleep(TICK_S)
 
     async def step(self, job_id: Any) -> None:
+        closed: int | None = None  # the generation whose recovery this step closed
         try:
             async with self.leadership.session() as session:
                 job = await repo.get_job(session, job_id, for_update=True)
                 if job is None:
                     return
+                recovering = job.state == JobState.RECOVERING
                 actions = await recovery.advance(
                     session, job, self.settings, seen=self.states, in_flight=frozenset(self._replacing)
                 )
+                if recovering and job.state == JobState.RUNNING:
+                    closed = await repo.latest_generation(session, job.id)
         except BaseException:
             self.states.pop(job_id, None)  # the step's state may not have been committed
             raise
+        if closed is not None:  # once committed (see recovery.complete_if_finished)
+            async with self.leadership.session() as session:
+                await recovery.complete_if_finished(session, job_id, closed)
         for action in actions:
             if action.event_id not in self._replacing:
                 self._replacing.add(action.event_id)

@@ -759,6 +759,18 @@ def test_after_a_replacement_the_job_stays_aligned_on_the_restored_iteration(
         for machine in range(MACHINES):
             assert restored in common_after_losing(machine, ring.holdings), (machine, ring.iteration)
 
+    # Machine 0 is heard again: the job's aligned rounds go on past the restored iteration (nothing agreed
+    # before the failure, of the abandoned history, holds them up).
+    for _ in range(200):
+        ring.commit()
+        alignment = ring.heartbeats()
+        if alignment.aligned_iteration is not None and alignment.aligned_iteration > restored:
+            break
+        time.sleep(0.02)
+    assert alignment.aligned_iteration is not None and alignment.aligned_iteration > restored, alignment
+    for machine in range(MACHINES):
+        assert alignment.aligned_iteration in common_after_losing(machine, ring.holdings)
+
 
 def test_checkpoints_of_the_abandoned_history_are_never_replicated_again(
     shm: Path, monkeypatch: pytest.MonkeyPatch
@@ -787,4 +799,36 @@ def test_checkpoints_of_the_abandoned_history_are_never_replicated_again(
     finally:
         replicator.stop()
         receiver.stop()
+        holdings.close()
+
+
+def test_an_agreed_iteration_of_the_abandoned_history_is_dropped_at_the_restore(
+    shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A machine had replicated the agreed iteration 6 (its part done) when another machine died before its
+    own; the recovery went back to 4, the aligned one. Were 6 still this machine's agreed iteration, it
+    would adopt no later target (it waits for the job to align on 6, which the dead machine never will):
+    aligned rounds stalled for the rest of the job. The restore drops it, and replicates 4 first."""
+    holdings = Holdings(shm / "machine")
+    holdings.prepare_local(ranks_of(0), 4)
+    monkeypatch.setenv("CASTOR_GENERATION", "1")
+    for rank in ranks_of(0):
+        with Checkpointer(holdings.directory("local", rank), blocking=True) as checkpointer:
+            for iteration in (4, 5, 6):
+                checkpointer.save(iteration, state(rank, iteration))
+    replicator = Replicator(holdings, KEY, JOB, [1], lambda _: None, streams=1)  # no threads: states only
+    try:
+        replicator.align(4, 6, True)
+        with replicator.condition:
+            replicator._next_state = "done"  # its round of 6 completed (as _complete leaves it)
+        assert replicator.summary()["replication_next"] == 6
+        replicator.pause()
+        replicator.resume(restored=4, digests={}, generation=2)
+        summary = replicator.summary()
+        assert summary["replication_next"] is None and summary["replication_ready"] is False, summary
+        assert summary["replication_kept"] == [4]
+        replicator.align(4, 9, False)  # the next agreed iteration, of the new history: adopted
+        assert replicator.summary()["replication_next"] == 9
+    finally:
+        replicator.stop()
         holdings.close()
