@@ -231,3 +231,29 @@ async def test_a_job_whose_machines_finish_before_its_recovery_closes_completes(
     assert (await job.api(f"/failures/{failure_id}"))["state"] == "recovered"
     directive = await client.get(f"/api/v1/worker/jobs/{job.id}/directive", headers=job.worker)
     assert directive.json()["status"] == "finished"
+
+
+async def test_machines_restored_at_the_last_iteration_finish_without_resuming_and_the_job_completes(
+    client: httpx.AsyncClient,
+) -> None:
+    """The recovery restored the job's last iteration: the training processes have nothing left to run and
+    exit at once, so no machine ever says "resumed", only "finished". That ends the recovery (before, the
+    machines were declared lost for not resuming in time, and a new recovery began) and completes the job."""
+    job, failure_id = await crashed(client)
+    for rank in range(MACHINES):
+        await job.post(f"/machines/{rank}/inventory", inventory(job, rank), 204)
+    await job.plan(2, "ready")
+    for rank in range(MACHINES):
+        await job.post(f"/machines/{rank}/progress", restored(job, rank), 204)
+    for rank in range(MACHINES):
+        body = {"instance_id": job.instances[rank], "generation": 2, "event": "finished"}
+        await job.post(f"/machines/{rank}/progress", body, 204)
+
+    async def completed() -> dict[str, Any] | None:
+        found: dict[str, Any] = await job.api("")
+        return found if found["state"] == "completed" else None
+
+    await eventually(completed, "the job to complete")
+    failure = await job.api(f"/failures/{failure_id}")
+    assert failure["state"] == "recovered" and failure["resumed_at"] is not None, failure
+    assert len(await job.api("/failures")) == 1, "no machine was declared lost"

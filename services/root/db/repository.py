@@ -151,7 +151,9 @@ async def recovery_progress(session: AsyncSession, job_id: uuid.UUID, generation
             type_=Machine.registered_at.type,
         ),
         count(behind(Machine.restored_generation)),
-        count(behind(Machine.resumed_generation)),
+        # A machine that finished training without an iteration after the restore (restored at the last one)
+        # never says "resumed": it is done with the generation all the same.
+        count(and_(behind(Machine.resumed_generation), behind(Machine.finished_generation))),
         count(Machine.state == MachineState.FAILED),
         count(Machine.embedded.is_(True)),
     ).where(Machine.job_id == job_id, Machine.state != MachineState.REPLACED)

@@ -167,12 +167,12 @@ async def _step(
             restored = await _last_report(session, job, plan.generation, now, resumed=False)
             for event in events:
                 event.restored_at = event.restored_at or restored
-        if all(m.resumed_generation == plan.generation for m in live):
+        if all(_resumed(m, plan.generation) for m in live):
             resumed = await _last_report(session, job, plan.generation, now, resumed=True)
             _finish_recovery(job, plan, events, resumed)
         elif _resume_overdue(plan, now, settings):
             for machine in live:
-                if machine.resumed_generation != plan.generation:
+                if not _resumed(machine, plan.generation):
                     lost.append(await machine_lost(session, job, machine, "did not resume training in time"))
     return state, _state_of(job, plan, [*events, *(e for e in lost if e is not None)], live), []
 
@@ -216,6 +216,12 @@ async def _waiting_for_agents(
         machine_failed=False,
         all_restored=not progress.not_restored,
     )
+
+
+def _resumed(machine: Machine, generation: int) -> bool:
+    """The machine trained in `generation`: it said "resumed" (its first iteration after the restore), or
+    "finished" (restored at the last iteration, it had none left to run)."""
+    return generation in (machine.resumed_generation, machine.finished_generation)
 
 
 def _inventory_overdue(
