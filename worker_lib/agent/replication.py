@@ -396,7 +396,7 @@ class Replicator:
                 self._drop_next()  # every machine replicated it
             stalled = self._stalled()
             self._declined = None
-            if target is not None and self._adoptable(target, stalled):
+            if target is not None and not self._restoring() and self._adoptable(target, stalled):
                 if stalled and (self._newest_common is None or target > self._newest_common):
                     # Training stopped: an iteration it has not reached would never be committed here. This
                     # machine keeps proposing the newest it holds until the others propose the same. If
@@ -488,6 +488,7 @@ class Replicator:
         then the restored one, on every machine and every holder."""
         if not self.targets or not self._can_align():
             return
+        self._drop_next()  # an agreed iteration of the old history: see below
         ranks = self._local_ranks()
         pins: dict[int, SlotPin] = {}
         for rank in ranks:
@@ -508,8 +509,7 @@ class Replicator:
         # one that is not the job's aligned iteration goes too: besides this round's, one pin at most (the
         # aligned iteration), for the training process needs two slots free (open_write never takes the one
         # of its newest checkpoint). No agreed iteration is pinned ahead until this round is done (_pin_next),
-        # and the one agreed before belongs to the old history.
-        self._drop_next()
+        # and the one agreed before belongs to the old history (dropped above).
         floor = self._floor_iteration()
         if floor is not None and floor > iteration:
             self._release(self._floor)
@@ -529,6 +529,11 @@ class Replicator:
         self._round = self._new_round(restored.pop(), pins, ranks, committed_at)
         self._round.restored = True
         log.info("replicating the restored iteration %d before any other", iteration)
+
+    def _restoring(self) -> bool:
+        """Whether the round of the iteration a recovery restored here (_catch_up) is under way."""
+        current = self._round
+        return current is not None and current.restored and current.aborted is None
 
     def _floor_iteration(self) -> int | None:
         return next(iter(self._floor.values())).manifest.iteration if self._floor else None
@@ -661,7 +666,9 @@ class Replicator:
         elif current is not None and not current.left:
             self._complete(current)
         aligned = self._aligning and not self._flushing and self._can_align()
-        if aligned and self.targets:
+        if aligned and self.targets and not self._restoring():
+            # Not while the restored iteration's round runs: nothing is pinned ahead meanwhile (_pin_next),
+            # so every agreed iteration would count as missed and double the lead.
             self._align_step()
         if self._round is None and not self._paused and self.targets:
             # Until the job has an aligned iteration (at its start, after a rollback) rounds also run free
@@ -737,15 +744,18 @@ class Replicator:
 
     def _pin_next(self, rank: int) -> None:
         assert self._next is not None
-        current = self._round
-        if current is not None and current.restored and current.aborted is None:
+        if self._restoring():
             return  # the restored iteration comes first, and a third pin would starve training (_catch_up)
         try:
             pin = self.holdings.local_store(rank).pin(self._next)
         except CheckpointError:
             pin = None
+        if pin is not None and self._abandoned(version(pin.manifest)):
+            pin.release()  # the number agreed on, of the old history: pinned once the new one commits it
+            pin = None
         if pin is None:
             return
+        current = self._round
         if current is not None and current.iteration != self._next and current.aborted is None:
             # A free round (before the job's first aligned iteration) would leave the training process one
             # slot with this pin too: the agreed iteration comes first.
@@ -768,7 +778,7 @@ class Replicator:
     def _align_step(self) -> None:
         """Keep the agreed iteration pinned, notice one overwritten before it could be, and propose one."""
         ranks = self._local_ranks()
-        newest = {r: m for r in ranks if (m := self.holdings.newest("local", r)) is not None}
+        newest = {r: m for r in ranks if (m := self._newest_current(r)) is not None}
         generation = max((manifest_generation(m) for m in newest.values()), default=self._generation)
         if generation != self._generation:
             # A recovery rolled the job back: what was proposed belongs to the old history (the root only
@@ -901,6 +911,15 @@ class Replicator:
             committed_at = min(committed_at, pin.manifest.committed_at)
         self._rounds += 1
         return self._new_round(chosen, pins, ranks, committed_at)
+
+    def _newest_current(self, rank: int) -> Manifest | None:
+        """`rank`'s newest committed checkpoint here, of the current history (not one the last recovery
+        abandoned: those stay in the slots until the new history overwrites them)."""
+        try:
+            committed = self.holdings.local_store(rank).committed()
+        except CheckpointError:
+            return None
+        return next((m for m in committed if not self._abandoned(version(m))), None)
 
     def _abandoned(self, checkpoint: Version) -> bool:
         """Whether `checkpoint` belongs to a history the last recovery rolled back from."""

@@ -40,13 +40,21 @@ class RecoveryDriver:
         # without: it never saw the steps before it.
         self.states: dict[uuid.UUID, RecoveryState] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Jobs owed a completion check (recovery.complete_if_finished): a step closed their recovery and the
+        # check after its commit has not yet run through. A new leader owes it to every job: the one before
+        # may have stopped between the two.
+        self._owed: set[uuid.UUID] = set()
 
     async def drive(self) -> None:
         self.states.clear()
+        first = True
         while True:
             try:
                 async with self.leadership.session() as session:
                     job_ids = list(await repo.active_job_ids(session))
+                if first:
+                    self._owed, first = set(job_ids), False
+                self._owed &= set(job_ids)
                 for gone in self.states.keys() - set(job_ids):  # finished, stopped or deleted jobs
                     del self.states[gone]
                 await self.per_job.each(job_ids, self.step)
@@ -57,7 +65,6 @@ class RecoveryDriver:
             await asyncio.sleep(TICK_S)
 
     async def step(self, job_id: Any) -> None:
-        closed: int | None = None  # the generation whose recovery this step closed
         try:
             async with self.leadership.session() as session:
                 job = await repo.get_job(session, job_id, for_update=True)
@@ -67,14 +74,17 @@ class RecoveryDriver:
                 actions = await recovery.advance(
                     session, job, self.settings, seen=self.states, in_flight=frozenset(self._replacing)
                 )
-                if recovering and job.state == JobState.RUNNING:
-                    closed = await repo.latest_generation(session, job.id)
+                closed = recovering and job.state == JobState.RUNNING
         except BaseException:
             self.states.pop(job_id, None)  # the step's state may not have been committed
             raise
-        if closed is not None:  # once committed (see recovery.complete_if_finished)
+        if closed or job_id in self._owed:  # once committed (see recovery.complete_if_finished)
+            self._owed.add(job_id)
             async with self.leadership.session() as session:
-                await recovery.complete_if_finished(session, job_id, closed)
+                generation = await repo.latest_generation(session, job_id)
+                if generation is not None:
+                    await recovery.complete_if_finished(session, job_id, generation)
+            self._owed.discard(job_id)
         for action in actions:
             if action.event_id not in self._replacing:
                 self._replacing.add(action.event_id)
