@@ -46,6 +46,26 @@ def resumed(job: Scenario, rank: int) -> dict[str, Any]:
     return {"instance_id": job.instances[rank], "generation": 2, "event": "resumed"}
 
 
+def finished(job: Scenario, rank: int) -> dict[str, Any]:
+    return {"instance_id": job.instances[rank], "generation": 2, "event": "finished"}
+
+
+async def completed(job: Scenario) -> dict[str, Any] | None:
+    found: dict[str, Any] = await job.api("")
+    return found if found["state"] == "completed" else None
+
+
+async def restored_everywhere(client: httpx.AsyncClient) -> tuple[Scenario, int]:
+    """A crashed job (see crashed) whose recovery every machine restored."""
+    job, failure_id = await crashed(client)
+    for rank in range(MACHINES):
+        await job.post(f"/machines/{rank}/inventory", inventory(job, rank), 204)
+    await job.plan(2, "ready")
+    for rank in range(MACHINES):
+        await job.post(f"/machines/{rank}/progress", restored(job, rank), 204)
+    return job, failure_id
+
+
 async def crashed(client: httpx.AsyncClient) -> tuple[Scenario, int]:
     """A running job whose process on machine 1 crashed: its recovery (generation 2) is collecting."""
     job = await running_job(client, MACHINES)
@@ -208,25 +228,15 @@ async def test_a_job_whose_machines_finish_before_its_recovery_closes_completes(
     """Training ends right after a recovery: every machine's "finished" arrives while the job is still
     recovering (the last "resumed" goes in the background and comes after), so none of them can complete
     it. The step that closes the recovery does; before, the job stayed running and every agent waited."""
-    job, failure_id = await crashed(client)
-    for rank in range(MACHINES):
-        await job.post(f"/machines/{rank}/inventory", inventory(job, rank), 204)
-    await job.plan(2, "ready")
-    for rank in range(MACHINES):
-        await job.post(f"/machines/{rank}/progress", restored(job, rank), 204)
+    job, failure_id = await restored_everywhere(client)
     for rank in range(MACHINES - 1):
         await job.post(f"/machines/{rank}/progress", resumed(job, rank), 204)
     for rank in range(MACHINES):
-        body = {"instance_id": job.instances[rank], "generation": 2, "event": "finished"}
-        await job.post(f"/machines/{rank}/progress", body, 204)
+        await job.post(f"/machines/{rank}/progress", finished(job, rank), 204)
     assert (await job.api(""))["state"] == "recovering", "machine 3 has not said it resumed"
     await job.post(f"/machines/{MACHINES - 1}/progress", resumed(job, MACHINES - 1), 204)
 
-    async def completed() -> dict[str, Any] | None:
-        found: dict[str, Any] = await job.api("")
-        return found if found["state"] == "completed" else None
-
-    fetched = await eventually(completed, "the job to complete")
+    fetched = await eventually(lambda: completed(job), "the job to complete")
     assert fetched["finished_at"] is not None
     assert (await job.api(f"/failures/{failure_id}"))["state"] == "recovered"
     directive = await client.get(f"/api/v1/worker/jobs/{job.id}/directive", headers=job.worker)
@@ -239,21 +249,11 @@ async def test_machines_restored_at_the_last_iteration_finish_without_resuming_a
     """The recovery restored the job's last iteration: the training processes have nothing left to run and
     exit at once, so no machine ever says "resumed", only "finished". That ends the recovery (before, the
     machines were declared lost for not resuming in time, and a new recovery began) and completes the job."""
-    job, failure_id = await crashed(client)
+    job, failure_id = await restored_everywhere(client)
     for rank in range(MACHINES):
-        await job.post(f"/machines/{rank}/inventory", inventory(job, rank), 204)
-    await job.plan(2, "ready")
-    for rank in range(MACHINES):
-        await job.post(f"/machines/{rank}/progress", restored(job, rank), 204)
-    for rank in range(MACHINES):
-        body = {"instance_id": job.instances[rank], "generation": 2, "event": "finished"}
-        await job.post(f"/machines/{rank}/progress", body, 204)
+        await job.post(f"/machines/{rank}/progress", finished(job, rank), 204)
 
-    async def completed() -> dict[str, Any] | None:
-        found: dict[str, Any] = await job.api("")
-        return found if found["state"] == "completed" else None
-
-    await eventually(completed, "the job to complete")
+    await eventually(lambda: completed(job), "the job to complete")
     failure = await job.api(f"/failures/{failure_id}")
     assert failure["state"] == "recovered" and failure["resumed_at"] is not None, failure
     assert len(await job.api("/failures")) == 1, "no machine was declared lost"

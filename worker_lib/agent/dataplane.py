@@ -48,7 +48,7 @@ from typing import Any, Literal
 
 import xxhash
 
-from worker_lib.agent.holdings import Holdings, manifest_generation
+from worker_lib.agent.holdings import Holdings, Version, abandoned, version
 from worker_lib.agent.priority import REPLICATION_NICE, lower_thread_priority
 from worker_lib.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from worker_lib.store.integrity import check_structure
@@ -393,10 +393,6 @@ FETCH_ATTEMPTS = 3
 _FETCH_RETRY_CODES = ("connection_closed",)
 
 
-def _version(manifest: Manifest) -> tuple[int, int]:
-    return manifest_generation(manifest), manifest.iteration
-
-
 def fetch(
     address: str,
     port: int,
@@ -566,7 +562,7 @@ class DataPlaneServer:
         # (plan generation, iteration) of this machine's last restore (the agent sets it): a replica of an
         # earlier generation past that iteration is of the history the recovery abandoned, newer in number
         # only, and the restored iteration replaces it.
-        self.rolled_back: tuple[int, int] | None = None
+        self.rolled_back: Version | None = None
         self.accepts_replica_of = accepts_replica_of
         self.on_replica = on_replica
         self.max_unauthenticated = max_unauthenticated
@@ -798,20 +794,11 @@ class DataPlaneServer:
             held = self.holdings.replica_store(rank).committed()
         except CheckpointCorruptError:
             return None
-        rolled_back = self.rolled_back
-
-        def abandoned(manifest: Manifest) -> bool:
-            return (
-                rolled_back is not None
-                and manifest_generation(manifest) < rolled_back[0]
-                and manifest.iteration > rolled_back[1]
-            )
-
-        current = [m for m in held if not abandoned(m)]
-        newest = max(current, key=_version, default=None)
-        if abandoned(offered):
+        current = [m for m in held if not abandoned(version(m), self.rolled_back)]
+        newest = max(current, key=version, default=None)
+        if abandoned(version(offered), self.rolled_back):
             return newest or (held[0] if held else offered)
-        return newest if newest is not None and _version(newest) >= _version(offered) else None
+        return newest if newest is not None and version(newest) >= version(offered) else None
 
     def _get(
         self,

@@ -102,6 +102,19 @@ def manifest_generation(manifest: Manifest) -> int:
     return value if isinstance(value, int) and value >= 1 else 1
 
 
+Version = tuple[int, int]  # (plan generation, iteration): after a rollback an iteration number recurs
+
+
+def version(manifest: Manifest) -> Version:
+    return manifest_generation(manifest), manifest.iteration
+
+
+def abandoned(checkpoint: Version, rolled_back: Version | None) -> bool:
+    """Whether `checkpoint` belongs to the history a recovery abandoned when it restored `rolled_back`
+    ((plan generation, iteration)): made in an earlier generation, past the restored iteration."""
+    return rolled_back is not None and checkpoint[0] < rolled_back[0] and checkpoint[1] > rolled_back[1]
+
+
 class Holdings:
     def __init__(self, root: str | Path, replica_bytes_max: Callable[[int], int | None] | None = None):
         """`replica_bytes_max(rank)`: the largest checkpoint of `rank` this machine stores for a peer

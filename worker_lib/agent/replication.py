@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from worker_lib.agent.dataplane import DataPlaneError, PeerConnection
-from worker_lib.agent.holdings import Holdings, manifest_generation
+from worker_lib.agent.holdings import Holdings, Version, abandoned, manifest_generation, version
 from worker_lib.agent.pacing import Pacer, unsent_bytes
 from worker_lib.agent.priority import REPLICATION_NICE, lower_thread_priority
 from worker_lib.comm_timing import BOARD_FILE
@@ -73,7 +73,6 @@ log = logging.getLogger(__name__)
 
 PeerAddress = tuple[str, int]
 REFUSALS = ("too_large", "manifest_unauthenticated")  # codes of a receiver that will refuse again
-Version = tuple[int, int]  # (plan generation, iteration): after a rollback an iteration number recurs
 STREAMS_ENV = "CASTOR_REPLICATION_STREAMS"
 # On unless set to 0 (false, no, off): only aligned rounds guarantee a machine loss an iteration every rank
 # holds in memory; free rounds keep a newer replica per machine but may leave none in common (README).
@@ -114,10 +113,6 @@ PACE_WINDOW = 32  # commits (of one local rank) and answers from the root the pa
 # A proposal in the future would then never be committed: the machines agree on the newest they all hold.
 STALL_MIN_S = 1.0
 STALL_ITERATIONS = 4
-
-
-def version(manifest: Manifest) -> Version:
-    return manifest_generation(manifest), manifest.iteration
 
 
 ALIGN_VALUES = {"": True, "1": True, "true": True, "yes": True, "on": True}
@@ -396,7 +391,11 @@ class Replicator:
                 self._drop_next()  # every machine replicated it
             stalled = self._stalled()
             self._declined = None
-            if target is not None and not self._restoring() and self._adoptable(target, stalled):
+            if (
+                target is not None
+                and not self._restored_round() is not None
+                and self._adoptable(target, stalled)
+            ):
                 if stalled and (self._newest_common is None or target > self._newest_common):
                     # Training stopped: an iteration it has not reached would never be committed here. This
                     # machine keeps proposing the newest it holds until the others propose the same. If
@@ -530,10 +529,10 @@ class Replicator:
         self._round.restored = True
         log.info("replicating the restored iteration %d before any other", iteration)
 
-    def _restoring(self) -> bool:
-        """Whether the round of the iteration a recovery restored here (_catch_up) is under way."""
+    def _restored_round(self) -> _Round | None:
+        """The round of the iteration a recovery restored here (_catch_up), while it is under way."""
         current = self._round
-        return current is not None and current.restored and current.aborted is None
+        return current if current is not None and current.restored and current.aborted is None else None
 
     def _floor_iteration(self) -> int | None:
         return next(iter(self._floor.values())).manifest.iteration if self._floor else None
@@ -597,9 +596,10 @@ class Replicator:
             return {"replication_free": True}
         with self.condition:
             kept = {p.manifest.iteration for p in (*self._floor.values(), *self._pinned.values())}
-            current = self._round
-            if current is not None and current.restored and current.aborted is None:
-                kept.add(current.iteration)  # the restored iteration, on its way to the holders that lack it
+            if (restoring := self._restored_round()) is not None:
+                kept.add(
+                    restoring.iteration
+                )  # the restored iteration, on its way to the holders that lack it
             if self._pinned_version is not None and not self._pinned:  # a store too small to pin
                 kept.add(self._pinned_version[1])
             if not kept and self._paused:
@@ -666,7 +666,7 @@ class Replicator:
         elif current is not None and not current.left:
             self._complete(current)
         aligned = self._aligning and not self._flushing and self._can_align()
-        if aligned and self.targets and not self._restoring():
+        if aligned and self.targets and not self._restored_round() is not None:
             # Not while the restored iteration's round runs: nothing is pinned ahead meanwhile (_pin_next),
             # so every agreed iteration would count as missed and double the lead.
             self._align_step()
@@ -744,7 +744,7 @@ class Replicator:
 
     def _pin_next(self, rank: int) -> None:
         assert self._next is not None
-        if self._restoring():
+        if self._restored_round() is not None:
             return  # the restored iteration comes first, and a third pin would starve training (_catch_up)
         try:
             pin = self.holdings.local_store(rank).pin(self._next)
@@ -923,8 +923,7 @@ class Replicator:
 
     def _abandoned(self, checkpoint: Version) -> bool:
         """Whether `checkpoint` belongs to a history the last recovery rolled back from."""
-        rolled_back = self._rolled_back
-        return rolled_back is not None and checkpoint[0] < rolled_back[0] and checkpoint[1] > rolled_back[1]
+        return abandoned(checkpoint, self._rolled_back)
 
     def _new_round(
         self, chosen: Version, pins: dict[int, SlotPin], ranks: list[int], committed_at: float
