@@ -391,11 +391,7 @@ class Replicator:
                 self._drop_next()  # every machine replicated it
             stalled = self._stalled()
             self._declined = None
-            if (
-                target is not None
-                and not self._restored_round() is not None
-                and self._adoptable(target, stalled)
-            ):
+            if target is not None and self._restored_round() is None and self._adoptable(target, stalled):
                 if stalled and (self._newest_common is None or target > self._newest_common):
                     # Training stopped: an iteration it has not reached would never be committed here. This
                     # machine keeps proposing the newest it holds until the others propose the same. If
@@ -597,9 +593,7 @@ class Replicator:
         with self.condition:
             kept = {p.manifest.iteration for p in (*self._floor.values(), *self._pinned.values())}
             if (restoring := self._restored_round()) is not None:
-                kept.add(
-                    restoring.iteration
-                )  # the restored iteration, on its way to the holders that lack it
+                kept.add(restoring.iteration)  # on its way to the holders that lack it
             if self._pinned_version is not None and not self._pinned:  # a store too small to pin
                 kept.add(self._pinned_version[1])
             if not kept and self._paused:
@@ -666,7 +660,7 @@ class Replicator:
         elif current is not None and not current.left:
             self._complete(current)
         aligned = self._aligning and not self._flushing and self._can_align()
-        if aligned and self.targets and not self._restored_round() is not None:
+        if aligned and self.targets and self._restored_round() is None:
             # Not while the restored iteration's round runs: nothing is pinned ahead meanwhile (_pin_next),
             # so every agreed iteration would count as missed and double the lead.
             self._align_step()
