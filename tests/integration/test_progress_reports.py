@@ -7,6 +7,7 @@ exactly once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -18,6 +19,7 @@ from fastapi import FastAPI
 from sqlalchemy import event, select
 
 from services.root.db.models import Job, RankProgress
+from services.root.orchestration.recovery_driver import RecoveryDriver
 from tests.integration.conftest import admin
 from tests.integration.web.scenario import Scenario, eventually, running_job
 
@@ -257,3 +259,67 @@ async def test_machines_restored_at_the_last_iteration_finish_without_resuming_a
     failure = await job.api(f"/failures/{failure_id}")
     assert failure["state"] == "recovered" and failure["resumed_at"] is not None, failure
     assert len(await job.api("/failures")) == 1, "no machine was declared lost"
+
+
+class FailingCompletionChecks:
+    """The leader's completion check after a step's commit, failing for the drivers `failing` says (a
+    database error between the two), counting the calls. The reports' own checks are left alone."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.failing: Callable[[RecoveryDriver], bool] = lambda driver: True
+        self.calls = 0
+        real = RecoveryDriver._complete_if_finished
+
+        async def check(driver: RecoveryDriver, job_id: uuid.UUID) -> None:
+            self.calls += 1
+            if self.failing(driver):
+                raise RuntimeError("the database went away after the step's commit")
+            await real(driver, job_id)
+
+        monkeypatch.setattr(RecoveryDriver, "_complete_if_finished", check)
+
+    async def made(self, count: int) -> bool:
+        return self.calls >= count
+
+
+async def finished_before_the_recovery_closed(client: httpx.AsyncClient) -> Scenario:
+    """Every machine finished; the last "resumed" closes the recovery (see the test above)."""
+    job, _ = await restored_everywhere(client)
+    for rank in range(MACHINES):
+        await job.post(f"/machines/{rank}/progress", finished(job, rank), 204)
+    await job.post(f"/machines/{MACHINES - 1}/progress", resumed(job, MACHINES - 1), 204)
+    return job
+
+
+async def test_a_completion_check_that_fails_after_the_recovery_closed_is_retried(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks = FailingCompletionChecks(monkeypatch)
+    job = await finished_before_the_recovery_closed(client)
+    await eventually(lambda: checks.made(2), "the leader to check twice")
+    assert (await job.api(""))["state"] == "running", "every check so far failed"
+    checks.failing = lambda driver: False
+    await eventually(lambda: completed(job), "the job to complete")
+
+
+async def test_a_new_leader_checks_every_active_job_for_completion(
+    client: httpx.AsyncClient, root_app: FastAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader stopped between closing a recovery and checking the job (here: its checks keep failing):
+    a successor checks every active job once, and completes this one."""
+    checks = FailingCompletionChecks(monkeypatch)
+    job = await finished_before_the_recovery_closed(client)
+    orchestrator = root_app.state.castor.orchestrator
+    await eventually(lambda: checks.made(1), "the closing step's check")
+    assert (await job.api(""))["state"] == "running"
+    successor = RecoveryDriver(
+        orchestrator.leadership, orchestrator.per_job, orchestrator.settings, orchestrator.operator
+    )
+    checks.failing = lambda driver: driver is not successor
+    driving = asyncio.create_task(successor.drive())
+    try:
+        await eventually(lambda: completed(job), "the new leader to complete the job")
+    finally:
+        driving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await driving

@@ -80,10 +80,7 @@ class RecoveryDriver:
             raise
         if closed or job_id in self._owed:  # once committed (see recovery.complete_if_finished)
             self._owed.add(job_id)
-            async with self.leadership.session() as session:
-                generation = await repo.latest_generation(session, job_id)
-                if generation is not None:
-                    await recovery.complete_if_finished(session, job_id, generation)
+            await self._complete_if_finished(job_id)
             self._owed.discard(job_id)
         for action in actions:
             if action.event_id not in self._replacing:
@@ -91,6 +88,12 @@ class RecoveryDriver:
                 task = asyncio.create_task(self._replace(action))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+
+    async def _complete_if_finished(self, job_id: uuid.UUID) -> None:
+        async with self.leadership.session() as session:
+            generation = await repo.latest_generation(session, job_id)
+            if generation is not None:
+                await recovery.complete_if_finished(session, job_id, generation)
 
     async def _replace(self, action: recovery.ReplaceMachine) -> None:
         """Carry out one replacement request, recording each cloud call's intent on its failure event
