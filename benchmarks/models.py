@@ -29,8 +29,7 @@ time is what a variant costs. `forward_extra_s_castor` is the median per-round l
 runs beside the background copy (against `forward_s_none`), `forward_extra_s_memcpy` the same after the plain
 copy (about 0), and `memcpy_s` the plain copy itself: what the background copy costs against what copying
 alone takes. `omp_wait_policy` and `gomp_spincount` echo the environment (OMP_WAIT_POLICY, GOMP_SPINCOUNT),
-which decides what torch's intra-op threads do while a copy thread holds one of their cores, and
-`yield_cores` Castor's CASTOR_YIELD_CORES (1: torch's threads give the copy its cores while it runs).
+which decides what torch's intra-op threads do while a copy thread holds one of their cores.
 
 The FSDP2 part (`fsdp2_*`, see run_fsdp2) shards the same decoder over 4 ranks (gloo, one process each) and
 times each rank's save (to the commit), restore (in place, into the sharded model) and a plain copy of its
@@ -288,7 +287,6 @@ def run(shape: Shape, rounds: int, directory: Path) -> dict[str, object]:
         # copy thread holds one of their cores (README, "Measured figures").
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
-        "yield_cores": os.environ.get("CASTOR_YIELD_CORES", "0"),
         "iterations_s": {name: [round(t, 3) for t in values] for name, values in times.items()},
         "iterations_cpu_s": {name: [round(t, 3) for t in values] for name, values in cpu.items()},
     }

@@ -40,7 +40,6 @@ from worker_lib.fences import (
     fence_optimizer_steps,
     open_when_free,
 )
-from worker_lib.intra_op import CoreShare, CoreYield, yield_enabled
 from worker_lib.restore import RestorePlans, load_state, restore_state
 from worker_lib.store.copy import CopyEngine, SaveStripe, Transfer, compile_save
 from worker_lib.store.cuda import (
@@ -163,7 +162,6 @@ class Checkpointer:
     ):
         if on_busy not in ("skip", "wait"):
             raise ValueError(f"on_busy must be 'skip' or 'wait', not {on_busy!r}")
-        yield_cores = yield_enabled()  # checked before anything is made
         self.directory = Path(directory if directory is not None else default_directory())
         self._store = SlotStore(self.directory, slots)
         self._engine = CopyEngine(threads)
@@ -191,8 +189,6 @@ class Checkpointer:
         self._stats_lock = threading.Lock()
         self._step_hook = fence_optimizer_steps(self)
         self._buffers = BufferSnapshot()
-        # With CASTOR_YIELD_CORES=1, torch's intra-op threads make room for a background copy on the CPU.
-        self._yield = CoreYield(yield_cores)
         self._closed = False
 
     @property
@@ -232,7 +228,6 @@ class Checkpointer:
                 writer.abort()
             raise
         issued = None
-        share: CoreShare | None = None
         if writer is None:
             self._give_up = threading.Event()
             write = partial(
@@ -241,19 +236,12 @@ class Checkpointer:
         else:
             if not self._blocking and not needs_host_wait(device_only=direct, host_pending=host_pending):
                 issued = IssuedCopies()
-            if not self._blocking and not marks:  # training on the CPU, whose cores the copy shares
-                share = self._yield.plan(self._engine.threads)
-            copy_threads = share.copy_threads if share is not None else None
-            write = partial(
-                self._write, writer, layout, flat.tree, sources, marks, direct, issued, copy_threads
-            )
+            write = partial(self._write, writer, layout, flat.tree, sources, marks, direct, issued)
         if self._blocking:
             write()
         else:
             self._pending = self._background.submit(write)
             self._issued = issued
-            if share is not None:
-                self._yield.begin(share, self._pending.done)
         self._save_returned(started)
         return True
 
@@ -327,7 +315,6 @@ class Checkpointer:
     def _fence(self) -> None:
         """Training needs the saved state back (an optimizer step): settle, and count the time it blocks in
         `stats.stalled_s`."""
-        self._yield.end()
         if self._pending is None and self._give_up is None:
             return  # the common case: the copy finished during forward and backward
         started = time.perf_counter()
@@ -352,7 +339,6 @@ class Checkpointer:
     def _wait(self) -> None:
         """wait() without the stall accounting: for save(), which counts its whole call, and for restore
         and close, which are not training."""
-        self._yield.end()
         pending, self._pending, self._give_up = self._pending, None, None
         self._issued = None
         if pending is None:
@@ -547,7 +533,6 @@ class Checkpointer:
         marks: Marks,
         direct: bool,
         issued: IssuedCopies | None,
-        copy_threads: int | None = None,
     ) -> None:
         started = time.perf_counter()
         landed: frozenset[int] = frozenset()
@@ -567,9 +552,8 @@ class Checkpointer:
             # A save the optimizer step waits for on the device runs beside training's next step, whose
             # kernels the training thread launches from Python: every copy thread takes the interpreter lock
             # between its hashes, and with as many threads as cores the launches fell behind the GPU (an
-            # H200 host, 16 cores, a 4 GB state: +67 % per iteration with 16 threads, +28 % with 8). A save
-            # beside CPU training copies on the cores torch's threads gave up for it (intra_op.CoreYield).
-            workers = fenced_save_threads(self._engine.threads) if issued is not None else copy_threads
+            # H200 host, 16 cores, a 4 GB state: +67 % per iteration with 16 threads, +28 % with 8).
+            workers = fenced_save_threads(self._engine.threads) if issued is not None else None
             digests = self._engine.copy(layout.stripes, transfers, slot, compiled, workers=workers)
             manifest = Manifest(
                 iteration=writer.iteration,

@@ -2,13 +2,11 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.unit.worker_lib.helpers import Gate
 from worker_lib.store.copy import CopyEngine
 
 _CASTOR_ENV = (
@@ -18,7 +16,6 @@ _CASTOR_ENV = (
     "CASTOR_RESTORE_ITERATION",
     "CASTOR_STORE_TEST_PAUSE_AT",
     "CASTOR_CUDA_DIRECT",
-    "CASTOR_YIELD_CORES",
     "RANK",
     "WORLD_SIZE",
 )
@@ -44,12 +41,3 @@ def engine() -> Iterator[CopyEngine]:
     copy_engine = CopyEngine(threads=2)
     yield copy_engine
     copy_engine.close()
-
-
-@pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
-    """Every background copy waits inside the copy engine until the test sets `gate.release`."""
-    held = Gate(threading.Event(), threading.Event())
-    held.hold(monkeypatch)
-    yield held
-    held.release.set()

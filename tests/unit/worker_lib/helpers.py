@@ -5,39 +5,15 @@ from __future__ import annotations
 import asyncio
 import math
 import multiprocessing
-import threading
-from dataclasses import dataclass
 from multiprocessing.context import ForkServerContext
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
 
-from worker_lib.store import copy as copy_module
 from worker_lib.store.copy import CopyEngine, Extent, plan_stripes
 from worker_lib.store.manifest import Manifest, Stripe, content_digest
 from worker_lib.store.slots import SlotStore
-
-REGRESSION_TIMEOUT_S = 10.0  # only a test whose training wrongly waits for a held copy ever runs into it
-
-
-@dataclass
-class Gate:
-    """Holds every background copy inside the copy engine until `release` is set (the `gate` fixture)."""
-
-    entered: threading.Event
-    release: threading.Event
-
-    def hold(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        copy = copy_module.FlatTransfer.copy
-
-        def held_copy(transfer: copy_module.FlatTransfer, lo: int, hi: int) -> None:
-            self.entered.set()
-            self.release.wait(REGRESSION_TIMEOUT_S)
-            copy(transfer, lo, hi)
-
-        monkeypatch.setattr(copy_module.FlatTransfer, "copy", held_copy)
 
 
 def forkserver() -> ForkServerContext:

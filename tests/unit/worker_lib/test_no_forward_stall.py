@@ -10,15 +10,44 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.unit.worker_lib.helpers import REGRESSION_TIMEOUT_S, Gate, assert_bit_equal
+from tests.unit.worker_lib.helpers import assert_bit_equal
 from worker_lib import Checkpointer
+from worker_lib.store import copy as copy_module
+
+REGRESSION_TIMEOUT_S = 10.0  # only a forward that wrongly waits for the copy ever runs into it
+
+
+@dataclass
+class Gate:
+    """Holds every background copy inside the copy engine until `release` is set."""
+
+    entered: threading.Event
+    release: threading.Event
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    held = Gate(threading.Event(), threading.Event())
+    copy = copy_module.FlatTransfer.copy
+
+    def held_copy(self: copy_module.FlatTransfer, lo: int, hi: int) -> None:
+        held.entered.set()
+        held.release.wait(REGRESSION_TIMEOUT_S)
+        copy(self, lo, hi)
+
+    monkeypatch.setattr(copy_module.FlatTransfer, "copy", held_copy)
+    yield held
+    held.release.set()
 
 
 class Decoder(nn.Module):
