@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -224,19 +224,70 @@ async def test_the_last_finished_reports_at_once_complete_the_job_exactly_once(
     assert done.json()["revision"] == revision + 1, "the job was completed once: one new revision"
 
 
-async def test_a_job_whose_machines_finish_before_its_recovery_closes_completes(
-    client: httpx.AsyncClient,
-) -> None:
+class LeaderSteps:
+    """The leader's recovery steps, held while the test posts reports (`hold`), so that no step runs
+    between them: a step may close a recovery as soon as every machine said "finished" (finished counts as
+    resumed), and the test says which of the two checks (the reports' or the leader's) completes the job."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._running = 0
+        real = RecoveryDriver.step
+
+        async def step(driver: RecoveryDriver, job_id: Any) -> None:
+            await self._open.wait()
+            self._running += 1
+            self._idle.clear()
+            try:
+                await real(driver, job_id)
+            finally:
+                self._running -= 1
+                if not self._running:
+                    self._idle.set()
+
+        monkeypatch.setattr(RecoveryDriver, "step", step)
+
+    async def hold(self) -> None:
+        """No step starts from now on, and the one under way (if any) has ended."""
+        self._open.clear()
+        await self._idle.wait()
+
+    def release(self) -> None:
+        self._open.set()
+
+
+@pytest.fixture
+def leader_steps(monkeypatch: pytest.MonkeyPatch) -> Iterator[LeaderSteps]:
+    steps = LeaderSteps(monkeypatch)
+    yield steps
+    steps.release()  # a test that failed while holding them: the leader stops with the app
+
+
+async def finished_while_recovering(client: httpx.AsyncClient, leader: LeaderSteps) -> tuple[Scenario, int]:
     """Training ends right after a recovery: every machine's "finished" arrives while the job is still
-    recovering (the last "resumed" goes in the background and comes after), so none of them can complete
-    it. The step that closes the recovery does; before, the job stayed running and every agent waited."""
+    recovering (machine 3's "resumed", sent in the background, comes after), so none of them can complete
+    it. Returns with the leader's steps held."""
     job, failure_id = await restored_everywhere(client)
+    await leader.hold()
     for rank in range(MACHINES - 1):
         await job.post(f"/machines/{rank}/progress", resumed(job, rank), 204)
     for rank in range(MACHINES):
         await job.post(f"/machines/{rank}/progress", finished(job, rank), 204)
-    assert (await job.api(""))["state"] == "recovering", "machine 3 has not said it resumed"
     await job.post(f"/machines/{MACHINES - 1}/progress", resumed(job, MACHINES - 1), 204)
+    assert (await job.api(""))["state"] == "recovering", "no step closed the recovery"
+    return job, failure_id
+
+
+async def test_a_job_whose_machines_finish_before_its_recovery_closes_completes(
+    client: httpx.AsyncClient, leader_steps: LeaderSteps
+) -> None:
+    """The step that closes the recovery completes the job; before, it stayed running and every agent
+    waited."""
+    job, failure_id = await finished_while_recovering(client, leader_steps)
+    leader_steps.release()
 
     fetched = await eventually(lambda: completed(job), "the job to complete")
     assert fetched["finished_at"] is not None
@@ -282,20 +333,12 @@ class FailingCompletionChecks:
         return self.calls >= count
 
 
-async def finished_before_the_recovery_closed(client: httpx.AsyncClient) -> Scenario:
-    """Every machine finished; the last "resumed" closes the recovery (see the test above)."""
-    job, _ = await restored_everywhere(client)
-    for rank in range(MACHINES):
-        await job.post(f"/machines/{rank}/progress", finished(job, rank), 204)
-    await job.post(f"/machines/{MACHINES - 1}/progress", resumed(job, MACHINES - 1), 204)
-    return job
-
-
 async def test_a_completion_check_that_fails_after_the_recovery_closed_is_retried(
-    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, leader_steps: LeaderSteps
 ) -> None:
     checks = FailingCompletionChecks(monkeypatch)
-    job = await finished_before_the_recovery_closed(client)
+    job, _ = await finished_while_recovering(client, leader_steps)
+    leader_steps.release()
     await eventually(lambda: checks.made(2), "the leader to check twice")
     assert (await job.api(""))["state"] == "running", "every check so far failed"
     checks.failing = lambda driver: False
@@ -303,12 +346,13 @@ async def test_a_completion_check_that_fails_after_the_recovery_closed_is_retrie
 
 
 async def test_a_new_leader_checks_every_active_job_for_completion(
-    client: httpx.AsyncClient, root_app: FastAPI, monkeypatch: pytest.MonkeyPatch
+    client: httpx.AsyncClient, root_app: FastAPI, monkeypatch: pytest.MonkeyPatch, leader_steps: LeaderSteps
 ) -> None:
     """The leader stopped between closing a recovery and checking the job (here: its checks keep failing):
     a successor checks every active job once, and completes this one."""
     checks = FailingCompletionChecks(monkeypatch)
-    job = await finished_before_the_recovery_closed(client)
+    job, _ = await finished_while_recovering(client, leader_steps)
+    leader_steps.release()
     orchestrator = root_app.state.castor.orchestrator
     await eventually(lambda: checks.made(1), "the closing step's check")
     assert (await job.api(""))["state"] == "running"
