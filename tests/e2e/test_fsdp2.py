@@ -6,7 +6,7 @@ placement group (its ranks from the persistent tier). Each strikes while every r
 iteration (the workload's --holdable), so a test slowed by a loaded host still strikes where it means to.
 After each the job resumes at one iteration on every rank, bit-exact with what was saved there, and it
 finishes bit-exact (every rank's parameter and AdamW-state shards after every iteration) against an
-uninterrupted run of the same program."""
+uninterrupted run of the same program. A second job, on a 2-D HSDP mesh, takes the machine loss."""
 
 from __future__ import annotations
 
@@ -37,13 +37,14 @@ ITERATIONS = 30
 PERSIST_EVERY = 5
 
 
-def command(log_dir: Path, sleep: float, holdable: bool = False) -> list[str]:
+def command(log_dir: Path, sleep: float, holdable: bool = False, shard_group: int = 0) -> list[str]:
     return [
         sys.executable,
         str(WORKLOAD),
         f"--iterations={ITERATIONS}",
         f"--sleep={sleep}",
         f"--log-dir={log_dir}",
+        f"--shard-group={shard_group}",
         *(["--holdable"] if holdable else []),
     ]
 
@@ -112,6 +113,32 @@ def recovery(cluster: LocalCluster, seen: set[int], failures: int) -> list[dict[
     return events
 
 
+def lose_machine_2(cluster: LocalCluster, logs: Path, seen: set[int], after: int) -> int:
+    """Machine 2 is lost (agent, ranks 4 and 5, its memory) once its newest commit past `after` is on its
+    holder: its replacement's ranks restore from the replica on machine 3, its group peer; the others from
+    their own memory, all at the held iteration, which it returns. (Struck without waiting, the replica
+    may be two iterations behind: on this loaded host one round of 8 ranks' shards can take longer than a
+    0.2 s iteration, and a round replicates the newest commit once the previous one is done; CI once saw
+    a loss of 2 that way.)"""
+    wait_until(lambda: newest_iteration(logs) >= after, 240, f"iteration {after}", 0.1)
+    reached = hold(logs)
+    wait_until(
+        lambda: (cluster.job_state().get("replicated_iteration") or -1) >= reached,
+        120,
+        f"iteration {reached} replicated everywhere",
+        0.25,
+    )
+    cluster.kill_machine(cluster.root_machine(2))
+    release(logs)
+    (event,) = recovery(cluster, seen, 1)
+    check_event(event, kind="hardware", tier="peer", replaced=True)
+    tiers = event["details"]["tiers"]
+    assert {r for r, t in tiers.items() if t == "peer"} == ranks_of(2), tiers
+    assert {r for r, t in tiers.items() if t == "local"} == ranks_of(0, 1, 3), tiers
+    assert check_consistent_restore(logs, WORLD, reached, max_lost=0) == reached
+    return reached
+
+
 def test_fsdp2_decoder_on_4x2_resumes_bit_exact_after_a_process_kill_a_machine_loss_and_a_group_loss(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
@@ -140,27 +167,8 @@ def test_fsdp2_decoder_on_4x2_resumes_bit_exact_after_a_process_kill_a_machine_l
     assert set(event["details"]["tiers"].values()) == {"local"}, event["details"]["tiers"]
     restored = check_consistent_restore(logs, WORLD, reached, max_lost=1)
 
-    # 2. Machine 2 is lost (agent, ranks 4 and 5, its memory) once its newest commit is on its holder: its
-    # replacement's ranks restore from the replica on machine 3, its group peer; the others from their own
-    # memory, all at the held iteration. (Struck without waiting, the replica may be two iterations behind:
-    # on this loaded host one round of 8 ranks' shards can take longer than a 0.2 s iteration, and a round
-    # replicates the newest commit once the previous one is done; CI once saw a loss of 2 that way.)
-    wait_until(lambda: newest_iteration(logs) >= restored + 2, 240, f"iteration {restored + 2}", 0.1)
-    reached = hold(logs)
-    wait_until(
-        lambda: (cluster.job_state().get("replicated_iteration") or -1) >= reached,
-        120,
-        f"iteration {reached} replicated everywhere",
-        0.25,
-    )
-    cluster.kill_machine(cluster.root_machine(2))
-    release(logs)
-    (event,) = recovery(cluster, seen, 1)
-    check_event(event, kind="hardware", tier="peer", replaced=True)
-    tiers = event["details"]["tiers"]
-    assert {r for r, t in tiers.items() if t == "peer"} == ranks_of(2), tiers
-    assert {r for r, t in tiers.items() if t == "local"} == ranks_of(0, 1, 3), tiers
-    assert check_consistent_restore(logs, WORLD, reached, max_lost=0) == reached
+    # 2. Machine 2 is lost: its ranks from the replica on machine 3.
+    lose_machine_2(cluster, logs, seen, after=restored + 2)
 
     # 3. Group {2, 3} is lost (machine 2's replacement and machine 3): no memory holds ranks 4..7, which
     # come back from the persistent tier at its newest complete iteration (the root chooses which multiples
@@ -183,5 +191,26 @@ def test_fsdp2_decoder_on_4x2_resumes_bit_exact_after_a_process_kill_a_machine_l
     # The survivors may read the same iteration from their own memory (replication pins older slots).
     assert {tiers[r] for r in ranks_of(0, 1)} <= {"local", "persistent"}, tiers
 
+    cluster.wait_for_job("completed")
+    check_same_as_reference(read_events(logs), reference, ITERATIONS)
+
+
+def test_hsdp_decoder_on_4x2_resumes_bit_exact_after_a_machine_loss(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """HSDP on a 2-D mesh (4 x 2: each machine's two processes shard the model, the four machines replicate
+    it): machine 2's shards come back from its peer's replica, and the job ends bit-exact."""
+    reference_logs = tmp_path / "reference"
+    reference = uninterrupted_run(command(reference_logs, sleep=0, shard_group=PROCS), WORLD, reference_logs)
+    logs = tmp_path / "logs"
+    cluster.start_root(heartbeat_timeout_s="8")
+    cluster.launch_job(
+        command(logs, sleep=0.2, holdable=True, shard_group=PROCS),
+        machines=MACHINES,
+        procs_per_machine=PROCS,
+        replicas=2,
+        persist_every=PERSIST_EVERY,
+    )
+    lose_machine_2(cluster, logs, set(), after=2)
     cluster.wait_for_job("completed")
     check_same_as_reference(read_events(logs), reference, ITERATIONS)

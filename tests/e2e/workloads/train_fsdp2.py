@@ -1,7 +1,7 @@
-"""A tiny GPT-style decoder trained with FSDP2 (`fully_shard` on a 1-D CPU mesh over gloo) and AdamW, with
-the buffers real transformers register: a causal mask (saved in the state dict) and RoPE cos/sin tables
-(non-persistent). Parameters and AdamW states are DTensors sharded on dim 0; Castor saves each rank's
-shards every iteration and restores them in place.
+"""A tiny GPT-style decoder trained with FSDP2 (`fully_shard` over gloo on a 1-D CPU mesh, or with
+--shard-group on a 2-D HSDP mesh) and AdamW, with the buffers real transformers register: a causal mask
+(saved in the state dict) and RoPE cos/sin tables (non-persistent). Parameters and AdamW states are
+DTensors sharded on dim 0; Castor saves each rank's shards every iteration and restores them in place.
 
 Runs under `castor agent`, or standalone (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, CASTOR_SHM_DIR set
 by the caller). Batches depend only on (iteration, rank), so a resumed run computes exactly what an
@@ -96,6 +96,13 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per iteration")
     parser.add_argument("--log-dir", type=Path, required=True)
     parser.add_argument(
+        "--shard-group",
+        type=int,
+        default=0,
+        help="HSDP: shard over groups of this many consecutive ranks (one machine's), replicate across "
+        "them (a 2-D mesh); 0: shard over every rank (1-D)",
+    )
+    parser.add_argument(
         "--holdable",
         action="store_true",
         help="every rank stops after an iteration while <log-dir>/hold exists",
@@ -105,7 +112,11 @@ def main() -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    if args.shard_group:
+        shape = (world_size // args.shard_group, args.shard_group)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     torch.manual_seed(0)  # the same initial model on every rank, before it is sharded
     model = Decoder()
     for block in model.blocks:

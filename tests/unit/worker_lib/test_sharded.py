@@ -8,6 +8,7 @@ by its own test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -263,9 +264,12 @@ def _error(call: Callable[[], object]) -> str:
     return "no error"
 
 
-def worker(rank: int, port: int, shm: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+Scenarios = Callable[[int, Path], dict[str, Any]]  # (rank, a directory all ranks share) -> outcome
+
+
+def worker(rank: int, world: int, port: int, shm: str, scenarios: Scenarios) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         results = scenarios(rank, Path(shm))
     except BaseException:
@@ -288,18 +292,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def outcome() -> Iterator[list[dict[str, Any]]]:
-    shm = Path("/dev/shm") / f"castor-test-sharded-{uuid.uuid4().hex[:8]}"
+@contextlib.contextmanager
+def ranks_ran(scenarios: Scenarios, world: int, name: str) -> Iterator[tuple[Path, list[dict[str, Any]]]]:
+    """`scenarios` (a module-level function) on `world` processes over gloo, each rank's outcome as JSON;
+    yields their shared directory (kept until the end) and the outcomes in rank order."""
+    shm = Path("/dev/shm") / f"castor-test-{name}-{uuid.uuid4().hex[:8]}"
     shm.mkdir(parents=True)
     try:
-        mp.spawn(worker, args=(free_port(), str(shm)), nprocs=WORLD, join=True)
-        results = [json.loads((shm / f"results-{r}.json").read_text()) for r in range(WORLD)]
+        mp.spawn(worker, args=(world, free_port(), str(shm), scenarios), nprocs=world, join=True)
+        results = [json.loads((shm / f"results-{r}.json").read_text()) for r in range(world)]
         for r, result in enumerate(results):
             assert "crashed" not in result, f"rank {r}:\n{result['crashed']}"
-        yield results
+        yield shm, results
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def outcome() -> Iterator[list[dict[str, Any]]]:
+    with ranks_ran(scenarios, WORLD, "sharded") as (_, results):
+        yield results
 
 
 def test_fsdp2_states_restore_in_place_bit_exact(outcome: list[dict[str, Any]]) -> None:
