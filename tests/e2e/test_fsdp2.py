@@ -6,7 +6,8 @@ placement group (its ranks from the persistent tier). Each strikes while every r
 iteration (the workload's --holdable), so a test slowed by a loaded host still strikes where it means to.
 After each the job resumes at one iteration on every rank, bit-exact with what was saved there, and it
 finishes bit-exact (every rank's parameter and AdamW-state shards after every iteration) against an
-uninterrupted run of the same program. A second job, on a 2-D HSDP mesh, takes the machine loss."""
+uninterrupted run of the same program. Two more jobs, each on a 2-D mesh (HSDP, and FSDP2 over tensor
+parallelism), take the machine loss."""
 
 from __future__ import annotations
 
@@ -37,14 +38,15 @@ ITERATIONS = 30
 PERSIST_EVERY = 5
 
 
-def command(log_dir: Path, sleep: float, holdable: bool = False, shard_group: int = 0) -> list[str]:
+def command(log_dir: Path, sleep: float, holdable: bool = False, mesh: tuple[str, ...] = ()) -> list[str]:
+    """`mesh`: the workload's options for a 2-D mesh (none: FSDP2 over every rank)."""
     return [
         sys.executable,
         str(WORKLOAD),
         f"--iterations={ITERATIONS}",
         f"--sleep={sleep}",
         f"--log-dir={log_dir}",
-        f"--shard-group={shard_group}",
+        *mesh,
         *(["--holdable"] if holdable else []),
     ]
 
@@ -195,17 +197,24 @@ def test_fsdp2_decoder_on_4x2_resumes_bit_exact_after_a_process_kill_a_machine_l
     check_same_as_reference(read_events(logs), reference, ITERATIONS)
 
 
-def test_hsdp_decoder_on_4x2_resumes_bit_exact_after_a_machine_loss(
-    cluster: LocalCluster, tmp_path: Path
+@pytest.mark.parametrize(
+    "mesh",
+    [(f"--shard-group={PROCS}",), (f"--tensor-parallel={PROCS}",)],
+    ids=["hsdp", "fsdp-over-tensor-parallel"],
+)
+def test_a_decoder_on_a_4x2_mesh_resumes_bit_exact_after_a_machine_loss(
+    cluster: LocalCluster, tmp_path: Path, mesh: tuple[str, ...]
 ) -> None:
-    """HSDP on a 2-D mesh (4 x 2: each machine's two processes shard the model, the four machines replicate
-    it): machine 2's shards come back from its peer's replica, and the job ends bit-exact."""
+    """A 2-D mesh of 4 machines x 2 processes: HSDP (each machine's two processes shard the model, the
+    machines replicate it), or tensor parallelism inside a machine (each block's MLP split over its two
+    processes) with FSDP2 across the machines (`_StridedShard` placements). Machine 2's shards come back
+    from its peer's replica, and the job ends bit-exact against an uninterrupted run."""
     reference_logs = tmp_path / "reference"
-    reference = uninterrupted_run(command(reference_logs, sleep=0, shard_group=PROCS), WORLD, reference_logs)
+    reference = uninterrupted_run(command(reference_logs, sleep=0, mesh=mesh), WORLD, reference_logs)
     logs = tmp_path / "logs"
     cluster.start_root(heartbeat_timeout_s="8")
     cluster.launch_job(
-        command(logs, sleep=0.2, holdable=True, shard_group=PROCS),
+        command(logs, sleep=0.2, holdable=True, mesh=mesh),
         machines=MACHINES,
         procs_per_machine=PROCS,
         replicas=2,

@@ -1,7 +1,8 @@
-"""A tiny GPT-style decoder trained with FSDP2 (`fully_shard` over gloo on a 1-D CPU mesh, or with
---shard-group on a 2-D HSDP mesh) and AdamW, with the buffers real transformers register: a causal mask
-(saved in the state dict) and RoPE cos/sin tables (non-persistent). Parameters and AdamW states are
-DTensors sharded on dim 0; Castor saves each rank's shards every iteration and restores them in place.
+"""A tiny GPT-style decoder trained with FSDP2 (`fully_shard` over gloo: on a 1-D CPU mesh; with --shard-group
+on a 2-D HSDP mesh; with --tensor-parallel on a 2-D mesh whose second dimension splits the MLPs) and AdamW,
+with the buffers real transformers register: a causal mask (saved in the state dict) and RoPE cos/sin
+tables (non-persistent). Parameters and AdamW states are DTensors sharded on dim 0; Castor saves each rank's
+shards every iteration and restores them in place.
 
 Runs under `castor agent`, or standalone (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, CASTOR_SHM_DIR set
 by the caller). Batches depend only on (iteration, rank), so a resumed run computes exactly what an
@@ -26,6 +27,7 @@ from e2e_workload import EventLog, state_digest  # a sibling module (see its doc
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from worker_lib import Checkpointer
 from worker_lib.examples.train_mlp import end_process
@@ -103,6 +105,13 @@ def main() -> None:
         "them (a 2-D mesh); 0: shard over every rank (1-D)",
     )
     parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=0,
+        help="split each block's MLP over groups of this many consecutive ranks (tensor parallel), and shard "
+        "with FSDP2 across them (a 2-D mesh); 0: no tensor parallelism",
+    )
+    parser.add_argument(
         "--holdable",
         action="store_true",
         help="every rank stops after an iteration while <log-dir>/hold exists",
@@ -112,13 +121,20 @@ def main() -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
-    if args.shard_group:
+    torch.manual_seed(0)  # the same initial model on every rank, before it is sharded
+    model = Decoder()
+    batch_seed = rank  # the ranks of a tensor-parallel group need the same batch
+    if args.tensor_parallel:
+        shape = (world_size // args.tensor_parallel, args.tensor_parallel)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        for block in model.blocks:
+            parallelize_module(block.mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        mesh, batch_seed = mesh["dp"], rank // args.tensor_parallel
+    elif args.shard_group:
         shape = (world_size // args.shard_group, args.shard_group)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    torch.manual_seed(0)  # the same initial model on every rank, before it is sharded
-    model = Decoder()
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -134,7 +150,7 @@ def main() -> None:
             digest=state_digest(model, optimizer),
         )
         for iteration in range(start, args.iterations):
-            generator = torch.Generator().manual_seed(10_000 * iteration + rank)
+            generator = torch.Generator().manual_seed(10_000 * iteration + batch_seed)
             tokens = torch.randint(VOCAB, (4, CONTEXT + 1), generator=generator)
             logits = model(tokens[:, :-1])
             loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
