@@ -339,7 +339,7 @@ class Agent:
                 self._stop_checks()  # the restore verifies what it reads; leave it the memory bandwidth
                 if iteration is not None and self.machine.server is not None:
                     # From now on, not once restored: a faster peer's restored iteration may come first.
-                    self.machine.server.rolled_back = (generation, iteration)
+                    self.machine.server.learn_rollback((generation, iteration))
                 try:
                     restored = await self._restore(directive)
                 except Exception as exc:

@@ -212,6 +212,27 @@ def manifest_mac(key: bytes, session: bytes, op: str, rank: int, manifest_json: 
     return hmac.new(key, header + manifest_json, hashlib.sha256).hexdigest()
 
 
+def _put_op(rolled_back: Version | None) -> str:
+    """The operation a put's MAC names: with the sender's rollback in it, so that it cannot be altered."""
+    return "put" if rolled_back is None else f"put after rollback {rolled_back[0]}:{rolled_back[1]}"
+
+
+def _rollback_of(request: dict[str, Any]) -> Version | None:
+    """The rollback a put request says its sender restored, checked for shape (its MAC checks the rest)."""
+    raw = request.get("rolled_back")
+    if raw is None:
+        return None
+    if (
+        not isinstance(raw, list)
+        or len(raw) != 2
+        or not all(type(v) is int and v >= 0 for v in raw)  # bool is no int here
+    ):
+        raise DataPlaneError(
+            f"rolled_back must be [generation, iteration], not {raw!r}", code="invalid_request"
+        )
+    return raw[0], raw[1]
+
+
 def _signed_manifest(key: bytes, session: bytes, op: str, rank: int, manifest: Manifest) -> dict[str, str]:
     text = manifest.to_json()
     return {"manifest": text.decode("ascii"), "mac": manifest_mac(key, session, op, rank, text)}
@@ -262,9 +283,11 @@ class PeerConnection:
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def put(self, rank: int, manifest: Manifest, data: memoryview) -> None:
+    def put(
+        self, rank: int, manifest: Manifest, data: memoryview, rolled_back: Version | None = None
+    ) -> None:
         """Push `rank`'s checkpoint; returns once the peer verified and committed it."""
-        if self.send_put(rank, manifest, data) == "sent":
+        if self.send_put(rank, manifest, data, rolled_back=rolled_back) == "sent":
             self.finish_put()
 
     def send_put(
@@ -274,6 +297,7 @@ class PeerConnection:
         data: memoryview,
         superseded: Callable[[], bool] = lambda: False,
         pace: Callable[[int], int] | None = None,
+        rolled_back: Version | None = None,
     ) -> Literal["sent", "stale", "superseded"]:
         """The part of a put that reads `data`: the request, then every stripe. "stale": the peer already
         holds this checkpoint or a newer one. "superseded": `superseded()` turned true between stripes, or
@@ -281,9 +305,14 @@ class PeerConnection:
         peer then drops the partial replica and keeps its previous one). After "sent", `finish_put()` waits
         for the peer's verdict while the caller's slot is already free again. `pace(n)`, when given, is asked
         before each piece with the bytes left of the stripe and answers how many to send now (0: ask again;
-        worker_lib/agent/pacing.py: the job's replication policy)."""
-        signed = _signed_manifest(self.key, self.session, "put", rank, manifest)
-        send_message(self.sock, {"op": "put", "rank": rank, **signed})
+        worker_lib/agent/pacing.py: the job's replication policy). `rolled_back`: (plan generation, iteration)
+        of this machine's last restore, which a holder that has not restored yet learns from it
+        (DataPlaneServer._held_instead)."""
+        signed = _signed_manifest(self.key, self.session, _put_op(rolled_back), rank, manifest)
+        request: dict[str, Any] = {"op": "put", "rank": rank, **signed}
+        if rolled_back is not None:
+            request["rolled_back"] = list(rolled_back)
+        send_message(self.sock, request)
         try:
             _expect_ok(self.sock)
         except DataPlaneError as exc:
@@ -563,6 +592,7 @@ class DataPlaneServer:
         # earlier generation past that iteration is of the history the recovery abandoned, newer in number
         # only, and the restored iteration replaces it.
         self.rolled_back: Version | None = None
+        self._rollback_lock = threading.Lock()
         self.accepts_replica_of = accepts_replica_of
         self.on_replica = on_replica
         self.max_unauthenticated = max_unauthenticated
@@ -734,7 +764,8 @@ class DataPlaneServer:
     def _put(self, sock: socket.socket, session: bytes, rank: int, request: dict[str, Any]) -> None:
         # Refusals come before any data is sent, so the stream stays framed.
         try:
-            manifest = _authentic_manifest(request, self.key, session, "put", rank)
+            offered_rollback = _rollback_of(request)
+            manifest = _authentic_manifest(request, self.key, session, _put_op(offered_rollback), rank)
         except DataPlaneError as exc:
             log.error("refused a replica of rank %d: %s", rank, exc)
             self._refuse(sock, exc)
@@ -760,6 +791,12 @@ class DataPlaneServer:
             return
         # One writer per rank's replica store at a time, and never an older checkpoint over a newer one of
         # the same history (a slow, superseded transfer arriving last must not roll the replica back).
+        # A sender that restored in a newer plan than this machine knows of: this machine restores in that
+        # plan too (its agent has not got the directive yet), at the same iteration (a plan restores one
+        # iteration for every rank). Learnt now, its restored iteration is taken in place of a newer replica
+        # of the abandoned history, instead of being refused as stale and held nowhere here.
+        if offered_rollback is not None:
+            self.learn_rollback(offered_rollback)
         with self._rank_locks.setdefault(rank, threading.Lock()):
             held = self._held_instead(rank, manifest)
             if held is not None:
@@ -782,6 +819,13 @@ class DataPlaneServer:
         self.counters.replicas_received += 1
         send_message(sock, {"ok": True, "iteration": manifest.iteration})
         self.on_replica(rank, manifest)
+
+    def learn_rollback(self, rolled_back: Version) -> None:
+        """A recovery restored iteration `rolled_back[1]` as plan generation `rolled_back[0]`: this machine's
+        own restore, or a peer's that restored in a newer plan. The newest plan's stands."""
+        with self._rollback_lock:  # the agent's restore and the connections' threads
+            if self.rolled_back is None or rolled_back > self.rolled_back:
+                self.rolled_back = rolled_back
 
     def _held_instead(self, rank: int, offered: Manifest) -> Manifest | None:
         """The replica of `rank` held here that makes `offered` stale (as new or newer, of the current

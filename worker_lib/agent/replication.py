@@ -238,6 +238,7 @@ class _Sender:
                     data,
                     superseded=lambda: replicator._must_let_go(current, rank),
                     pace=lambda wanted: pacer.grant(wanted, lambda: unsent_bytes(connection.sock)),
+                    rolled_back=replicator._rolled_back,
                 )
             finally:
                 pacer.finished()

@@ -28,6 +28,7 @@ from worker_lib.agent.dataplane import (
     DataPlaneError,
     DataPlaneServer,
     PeerConnection,
+    _expect_ok,
     _recv_into,
     _server_handshake,
     _signed_manifest,
@@ -288,6 +289,31 @@ def test_after_a_rollback_the_same_iteration_number_is_replicated_again(
         holdings.close()
 
 
+def test_a_replicator_tells_its_holders_of_the_rollback_it_restored(
+    shm: Path, receiver: DataPlaneServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After generation 2 restored iteration 4 here, every replica this machine sends says so: a holder
+    whose own agent has not restored yet learns the rollback from it (see the test below)."""
+    holdings = Holdings(shm / "sender")
+    replicator = Replicator(
+        holdings, data_plane_key(TOKEN), JOB, [1], lambda machine: ("127.0.0.1", receiver.port)
+    ).start()
+    try:
+        for generation, iteration in ((1, 4), (1, 5), (2, 5)):
+            if generation == 2:
+                replicator.pause()
+                replicator.resume(restored=4, digests={}, generation=2)
+            monkeypatch.setenv("CASTOR_GENERATION", str(generation))
+            with Checkpointer(holdings.directory("local", 0), blocking=True) as checkpointer:
+                checkpointer.save(iteration, {"w": torch.full((16,), float(iteration))})
+            replicator.notice_commit(0, iteration)
+            assert replicator.flush([0], timeout_s=30)
+            assert receiver.rolled_back == (None if generation == 1 else (2, 4))
+    finally:
+        replicator.stop()
+        holdings.close()
+
+
 def test_after_a_rollback_the_restored_iteration_replaces_a_newer_replica_of_the_abandoned_history(
     shm: Path, receiver: DataPlaneServer
 ) -> None:
@@ -308,7 +334,7 @@ def test_after_a_rollback_the_restored_iteration_replaces_a_newer_replica_of_the
     store = receiver.holdings.replica_store(0)
     assert [m.iteration for m in store.committed()] == [3, 1]
 
-    receiver.rolled_back = (2, 2)  # the holder's agent restored iteration 2 as generation 2
+    receiver.learn_rollback((2, 2))  # the holder's agent restored iteration 2 as generation 2
     with (
         sender.open_read(0, iteration=2) as (manifest, data),
         PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer,
@@ -319,6 +345,44 @@ def test_after_a_rollback_the_restored_iteration_replaces_a_newer_replica_of_the
             assert peer.send_put(0, abandoned, data3) == "stale", "the abandoned history never comes back"
     assert store.committed()[0].digest == manifest.digest
     assert [m.iteration for m in store.committed()] == [2, 1]
+    sender.close()
+
+
+def test_a_holder_that_has_not_restored_yet_learns_the_rollback_from_the_offer(
+    shm: Path, receiver: DataPlaneServer
+) -> None:
+    """The same holder, but its agent has not got the new plan's directive yet (so it knows of no rollback)
+    when a faster peer, already restored as generation 2 at iteration 2, offers it that iteration. The offer
+    says so, under its MAC: the holder takes iteration 2 in place of the abandoned 3 and knows the rollback
+    from then on; its own restore, later, says the same. Before, it answered "stale" and held no copy of 2.
+    A rollback field altered on the way fails the MAC, and nothing is learnt from it."""
+    sender = Holdings(shm / "sender")
+    sender.prepare_local([0], 4)
+    save_checkpoints(sender.directory("local", 0), [1, 2, 3])
+    key = data_plane_key(TOKEN)
+    store = receiver.holdings.replica_store(0)
+    with PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer:
+        for iteration in (1, 3):
+            with sender.open_read(0, iteration=iteration) as (manifest, data):
+                peer.put(0, manifest, data)
+    assert receiver.rolled_back is None
+
+    with sender.open_read(0, iteration=2) as (manifest, data):
+        with PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer:
+            signed = _signed_manifest(key, peer.session, "put", 0, manifest)
+            forged = {"op": "put", "rank": 0, **signed, "rolled_back": [2, 2]}  # MAC'd without it
+            send_message(peer.sock, forged)
+            with pytest.raises(DataPlaneError) as refused:
+                _expect_ok(peer.sock)
+            assert refused.value.code == "manifest_unauthenticated"
+        assert receiver.rolled_back is None and [m.iteration for m in store.committed()] == [3, 1]
+
+        with PeerConnection("127.0.0.1", receiver.port, key, JOB) as peer:
+            peer.put(0, manifest, data, rolled_back=(2, 2))
+    assert receiver.rolled_back == (2, 2)
+    assert [m.iteration for m in store.committed()] == [2, 1]
+    receiver.learn_rollback((1, 9))  # an older plan's never replaces a newer one's
+    assert receiver.rolled_back == (2, 2)
     sender.close()
 
 
