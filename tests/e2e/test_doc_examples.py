@@ -9,9 +9,11 @@ uninterrupted run's by the manifest's content digest."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
@@ -23,7 +25,9 @@ import pytest
 from tests.e2e.cluster import REPO
 from worker_lib.store.slots import SlotStore
 
-pytestmark = pytest.mark.slow
+RUN_TIMEOUT_S = 180  # one torchrun of 2 processes: about 5-15 s here
+# Three runs per test, each bounded: the suite's 300 s per test would stop one whose runs were merely slow.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * RUN_TIMEOUT_S + 60)]
 
 GUIDE = REPO / "docs" / "training.md"
 WORLD = 2
@@ -60,14 +64,36 @@ def job_names() -> Iterator[list[str]]:
 
 
 def run(program: str, job: str, directory: Path) -> None:
+    """The program under torchrun, as a user starts it: no agent, none of Castor's variables but the job's
+    name. Its workers run in sessions of their own, so a run past RUN_TIMEOUT_S is stopped whole."""
     script = directory / f"program-{uuid.uuid4().hex[:6]}.py"
     script.write_text(program)
-    env = {**os.environ, "CASTOR_JOB": job, "PYTHONPATH": str(REPO)}
-    for name in ("CASTOR_SHM_DIR", "CASTOR_AGENT_NOTIFY", "CASTOR_RESTORE_ITERATION", "RANK", "WORLD_SIZE"):
-        env.pop(name, None)
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("CASTOR_") and k not in ("RANK", "WORLD_SIZE")
+    }
+    env.update(CASTOR_JOB=job, PYTHONPATH=str(REPO))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
-    done = subprocess.run([*command, str(script)], cwd=directory, env=env, capture_output=True, timeout=300)
-    assert done.returncode == 0, done.stderr.decode()[-4000:]
+    torchrun = subprocess.Popen(
+        [*command, str(script)], cwd=directory, env=env, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        _, stderr = torchrun.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        stop_workers(torchrun.pid)  # while torchrun lives: its pid and its children's are still theirs
+        torchrun.kill()
+        torchrun.communicate()
+        raise
+    assert torchrun.returncode == 0, stderr.decode()[-4000:]
+
+
+def stop_workers(torchrun_pid: int) -> None:
+    """Kill whatever torchrun left: its process group, and its workers' (each starts a session of its own)."""
+    children = subprocess.run(
+        ["pgrep", "-P", str(torchrun_pid)], capture_output=True, text=True
+    ).stdout.split()
+    for pid in [torchrun_pid, *map(int, children)]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def last_digests(job: str) -> dict[int, tuple[int, str]]:

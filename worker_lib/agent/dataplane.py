@@ -57,7 +57,9 @@ from worker_lib.store.slots import SlotStore
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "castor-dataplane/1"
+# 2: a put's MAC names the sender's rollback (_put_op). Agents of another version fail the handshake, naming
+# both, instead of refusing every put after a recovery as unauthenticated.
+PROTOCOL = "castor-dataplane/2"
 _HEADER = struct.Struct("!I")
 _MAX_MESSAGE = 64 << 20  # manifests of states with very many tensors stay far below this
 # Handshake frames are a few hundred bytes: nothing larger is read (or allocated) from a stranger.
@@ -838,9 +840,10 @@ class DataPlaneServer:
             held = self.holdings.replica_store(rank).committed()
         except CheckpointCorruptError:
             return None
-        current = [m for m in held if not abandoned(version(m), self.rolled_back)]
+        rolled_back = self.rolled_back  # one reading: another connection may teach it a newer one
+        current = [m for m in held if not abandoned(version(m), rolled_back)]
         newest = max(current, key=version, default=None)
-        if abandoned(version(offered), self.rolled_back):
+        if abandoned(version(offered), rolled_back):
             return newest or (held[0] if held else offered)
         return newest if newest is not None and version(newest) >= version(offered) else None
 
