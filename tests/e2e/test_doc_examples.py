@@ -59,8 +59,11 @@ def job_names() -> Iterator[list[str]]:
     """Job names for the runs' default shared-memory directories (/dev/shm/castor-<uid>/<job>), removed."""
     names: list[str] = []
     yield names
+    base = Path("/dev/shm") / f"castor-{os.getuid()}"
     for name in names:
-        shutil.rmtree(Path("/dev/shm") / f"castor-{os.getuid()}" / name, ignore_errors=True)
+        shutil.rmtree(base / name, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        base.rmdir()  # unless something else has a job there
 
 
 def run(program: str, job: str, directory: Path) -> None:
