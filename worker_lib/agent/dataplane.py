@@ -791,14 +791,14 @@ class DataPlaneServer:
                 log.error("refused a replica: %s", exc)
             self._refuse(sock, exc)
             return
-        # One writer per rank's replica store at a time, and never an older checkpoint over a newer one of
-        # the same history (a slow, superseded transfer arriving last must not roll the replica back).
         # A sender that restored in a newer plan than this machine knows of: this machine restores in that
         # plan too (its agent has not got the directive yet), at the same iteration (a plan restores one
         # iteration for every rank). Learnt now, its restored iteration is taken in place of a newer replica
         # of the abandoned history, instead of being refused as stale and held nowhere here.
         if offered_rollback is not None:
             self.learn_rollback(offered_rollback)
+        # One writer per rank's replica store at a time, and never an older checkpoint over a newer one of
+        # the same history (a slow, superseded transfer arriving last must not roll the replica back).
         with self._rank_locks.setdefault(rank, threading.Lock()):
             held = self._held_instead(rank, manifest)
             if held is not None:

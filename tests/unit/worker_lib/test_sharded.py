@@ -112,6 +112,23 @@ def perturb(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
                 _local(value).add_(1.0)
 
 
+def restored_both_ways(
+    checkpointer: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rebuild: Callable[[], tuple[nn.Module, torch.optim.Optimizer]],
+) -> tuple[dict[str, torch.Tensor], nn.Module, torch.optim.Optimizer]:
+    """The newest checkpoint restored into the live model and optimizer after changing them (their
+    snapshot then), and into a freshly built pair (returned as they are)."""
+    checkpointer.wait()  # before changing saved tensors outside an optimizer step
+    perturb(model, optimizer)
+    checkpointer.restore({"model": model, "optimizer": optimizer})
+    in_place = snapshot(model, optimizer)
+    fresh_model, fresh_optimizer = rebuild()
+    checkpointer.restore({"model": fresh_model, "optimizer": fresh_optimizer})
+    return in_place, fresh_model, fresh_optimizer
+
+
 def scenarios(rank: int, shm: Path) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -209,12 +226,9 @@ def scenarios(rank: int, shm: Path) -> dict[str, Any]:
                 train_step(other_model, other_optimizer, step)
                 checkpointer.save(step, {"model": other_model, "optimizer": other_optimizer})
             expected = snapshot(other_model, other_optimizer)
-            checkpointer.wait()  # before changing saved tensors outside an optimizer step
-            perturb(other_model, other_optimizer)
-            checkpointer.restore({"model": other_model, "optimizer": other_optimizer})
-            in_place = snapshot(other_model, other_optimizer)
-            fresh_model, fresh_optimizer = builder(other_mesh)
-            checkpointer.restore({"model": fresh_model, "optimizer": fresh_optimizer})
+            in_place, fresh_model, fresh_optimizer = restored_both_ways(
+                checkpointer, other_model, other_optimizer, lambda b=builder, m=other_mesh: b(m)
+            )
         results[name] = [
             sorted({str(p.placements) for p in other_model.parameters()}),  # type: ignore[attr-defined]
             differences(expected, in_place),

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tests.unit.worker_lib.test_dcp import bit_differences, load_alone
-from tests.unit.worker_lib.test_sharded import Tiny, differences, perturb, ranks_ran, snapshot
+from tests.unit.worker_lib.test_sharded import Tiny, differences, ranks_ran, restored_both_ways, snapshot
 from worker_lib.export import export_shards
 from worker_lib.store.slots import SlotStore
 
@@ -94,12 +94,9 @@ def scenarios(rank: int, shm: Path) -> dict[str, Any]:
                 torch.save(whole_state(model, optimizer), shm / f"{name}-whole.pt")
             else:
                 whole_state(model, optimizer)  # the all-gathers need every rank
-            checkpointer.wait()  # before changing saved tensors outside an optimizer step
-            perturb(model, optimizer)
-            checkpointer.restore({"model": model, "optimizer": optimizer})
-            in_place = snapshot(model, optimizer)
-            fresh_model, fresh_optimizer = builder(mesh)
-            checkpointer.restore({"model": fresh_model, "optimizer": fresh_optimizer})
+            in_place, fresh_model, fresh_optimizer = restored_both_ways(
+                checkpointer, model, optimizer, lambda b=builder, m=mesh: b(m)
+            )
             fresh = snapshot(fresh_model, fresh_optimizer)
             train_step(model, optimizer, SAVED + 1)
             train_step(fresh_model, fresh_optimizer, SAVED + 1)
