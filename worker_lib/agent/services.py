@@ -24,7 +24,7 @@ from worker_lib.agent.holdings import SLOTS, Holdings, local_slots, manifest_gen
 from worker_lib.agent.pacing import replication_pacer
 from worker_lib.agent.priority import REPLICATION_NICE
 from worker_lib.agent.replication import Replicator, aligned_rounds
-from worker_lib.api.shared import Peer, RankPlacement
+from worker_lib.api.shared import MAX_CHECKPOINTS_PER_MINUTE, Peer, RankPlacement
 from worker_lib.api.worker import DirectiveOut, HeartbeatResponse, RegisterResponse, ReplicationAlignment
 from worker_lib.client import RootClient, RootRejected, RootUnavailable, UnexpectedAnswer
 from worker_lib.errors import CheckpointNotFoundError
@@ -335,9 +335,9 @@ class MachineServices:
         held = self.holdings.summary()
         stalls = self.stalls()
         # Commits per minute over the last minute's commits (not their count: a machine that started a
-        # few seconds ago is not checkpointing slowly).
+        # few seconds ago is not checkpointing slowly), at most what the root accepts.
         rates = [
-            60 * (len(times) - 1) / (times[-1] - times[0])
+            min(60 * (len(times) - 1) / (times[-1] - times[0]), MAX_CHECKPOINTS_PER_MINUTE)
             for times in self.commits.values()
             if len(times) >= 2 and times[-1] > times[0]
         ]

@@ -39,7 +39,36 @@ CountKey = Annotated[int, Field(ge=0, le=INT32_MAX)]
 ByteCount = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
 
 
-Rate = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
+# Durations in seconds (lags, ages, stalls): finite and at most about 31 years, so that sums and rounding of
+# them on the root stay finite.
+MAX_SECONDS = 1e9
+
+
+Rate = Annotated[float, Field(strict=True, ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+
+
+# A checkpoint frequency (commits per minute). The root divides by it (the iteration time, 60 / rate) and
+# multiplies by it (how far the fastest rank runs ahead of a persist announcement), so a finite but absurd
+# value (1e21, or 5e-324 whose interval is infinite) would become an iteration beyond the database's
+# columns or an infinite time. Nothing real comes near either bound: the agent clamps to the upper one
+# (two commits a nanosecond apart), and its rate is over the last minute, so never below one a minute.
+MAX_CHECKPOINTS_PER_MINUTE = 1e7
+
+
+MIN_CHECKPOINTS_PER_MINUTE = 1e-6  # one every two years; 0 (none) is allowed
+
+
+def _not_vanishing(value: float) -> float:
+    if 0 < value < MIN_CHECKPOINTS_PER_MINUTE:
+        raise ValueError(f"must be 0 or at least {MIN_CHECKPOINTS_PER_MINUTE:g} checkpoints per minute")
+    return value
+
+
+CheckpointRate = Annotated[
+    float,
+    Field(strict=True, ge=0, le=MAX_CHECKPOINTS_PER_MINUTE, allow_inf_nan=False),
+    AfterValidator(_not_vanishing),
+]
 
 
 Port = Annotated[int, Field(strict=True, ge=1, le=65535)]

@@ -13,6 +13,7 @@ from worker_lib.api.shared import (
     MAX_JSON_BYTES,
     MAX_JSON_DEPTH,
     ByteCount,
+    CheckpointRate,
     Count,
     CountKey,
     JsonObject,
@@ -136,7 +137,7 @@ class CheckpointSummary(BaseModel):
         description="Commits no replication round sent: a round replicates one iteration and skips those "
         "committed while it was under way.",
     )
-    per_minute: Rate | None = Field(None, description="Effective checkpoint frequency.")
+    per_minute: CheckpointRate | None = Field(None, description="Effective checkpoint frequency.")
     replicated: Count = Field(0, description="Checkpoints peers verified and committed.")
     replication_lag_s: Rate | None = Field(
         None, description="From the newest replicated commit to the peer's verified replica."

@@ -77,6 +77,16 @@ class CheckpointStall:
     saves: int
 
 
+def iteration_seconds(checkpoints_per_minute: float | None) -> float | None:
+    """The iteration time the effective checkpoint frequency means (a checkpoint every iteration, as the
+    recovery accounting takes it); None when unknown, or when it gives no finite time (a frequency stored
+    before the API bounded it)."""
+    if not checkpoints_per_minute or not 0 < checkpoints_per_minute < math.inf:
+        return None
+    seconds = 60.0 / checkpoints_per_minute
+    return seconds if math.isfinite(seconds) else None
+
+
 def checkpoint_stall(summaries: Iterable[Mapping[str, object]]) -> CheckpointStall | None:
     """The job's checkpoint stall from the newest heartbeat summary of each of its machines (every machine
     that ran it, replaced ones too: a rank's figures are summed over them): the rank with the most seconds.

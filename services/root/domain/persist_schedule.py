@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.root.domain.recovery import on_timeline
+from worker_lib.api.shared import MAX_CHECKPOINTS_PER_MINUTE
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,10 @@ def newest_reported(summaries: Iterable[Mapping[str, Any]]) -> int | None:
 
 
 def fastest_rate(summaries: Iterable[Mapping[str, Any]]) -> float | None:
-    """The largest commits-per-minute any machine reported."""
+    """The largest commits-per-minute any machine reported (at most what the API accepts: a summary stored
+    before it was bounded must not announce an iteration beyond the database's columns)."""
     rates = [
-        float(rate)
+        min(float(rate), MAX_CHECKPOINTS_PER_MINUTE)
         for s in summaries
         if isinstance(rate := s.get("per_minute"), int | float) and not isinstance(rate, bool) and rate > 0
     ]

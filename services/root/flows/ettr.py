@@ -13,7 +13,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.root import schemas
 from services.root.db.models import FailureState, Job
 from services.root.domain import phases
-from services.root.domain.ettr import FailureRecord, MeasuredEttr, PhaseSpan, checkpoint_stall, measure_ettr
+from services.root.domain.ettr import (
+    FailureRecord,
+    MeasuredEttr,
+    PhaseSpan,
+    checkpoint_stall,
+    iteration_seconds,
+    measure_ettr,
+)
 from services.root.web import queries
 
 FINISHED = (FailureState.RECOVERED, FailureState.UNRECOVERABLE)
@@ -53,7 +60,7 @@ def job_ettr(
 ) -> MeasuredEttr:
     now = now or datetime.now(UTC)
     # The iteration time as the recovery accounting takes it: from the effective checkpoint frequency.
-    iteration_s = 60.0 / job.checkpoints_per_minute if job.checkpoints_per_minute else None
+    iteration_s = iteration_seconds(job.checkpoints_per_minute)
     return measure_ettr(
         started_at=job.started_at,
         ended_at=job.finished_at or now,

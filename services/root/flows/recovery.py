@@ -42,6 +42,7 @@ from services.root.db.models import (
     utcnow,
 )
 from services.root.domain import persisted, recovery_states
+from services.root.domain.ettr import iteration_seconds
 from services.root.domain.recovery import MemoryCopy, PersistedShard, plan_recovery
 from services.root.domain.recovery_states import RecoveryState
 from services.root.errors import Conflict, NotFound
@@ -551,7 +552,7 @@ def _finish_recovery(job: Job, plan: RecoveryPlan, events: list[FailureEvent], n
     """Every rank completed an iteration after the restore (`now`: when the last one reported it): the
     failures are recovered."""
     started = min(e.detected_at for e in events) if events else plan.created_at
-    iteration_s = 60.0 / job.checkpoints_per_minute if job.checkpoints_per_minute else 0.0
+    iteration_s = iteration_seconds(job.checkpoints_per_minute) or 0.0
     lost = max((e.iterations_lost or 0) for e in events) if events else 0
     for event in events:
         event.restored_at = event.restored_at or now

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 from typing import Any
 
 from jinja2 import Environment
 
+from services.root.domain.ettr import iteration_seconds
+
 DASH = "—"
 
 
 def duration(seconds: float | None) -> str:
-    if seconds is None:
+    if seconds is None or not math.isfinite(seconds):
         return DASH
     if seconds < 10:
         return f"{seconds:.2f} s" if seconds < 1 else f"{seconds:.1f} s"
@@ -72,9 +75,8 @@ def frequency(per_minute: float | None) -> str:
 
 def interval(per_minute: float | None) -> str:
     """The checkpoint interval an effective frequency means."""
-    if not per_minute:
-        return ""
-    return "every " + duration(60.0 / per_minute)
+    seconds = iteration_seconds(per_minute)
+    return "" if seconds is None else "every " + duration(seconds)
 
 
 def size(nbytes: int | None) -> str:

@@ -58,6 +58,10 @@ async def test_query_and_path_numbers_out_of_range(client: httpx.AsyncClient) ->
         ("heartbeat", {"summary": {"committed": HUGE}}, "committed"),
         ("heartbeat", {"summary": {"local": {"0": HUGE}}}, "local"),
         ("heartbeat", {"summary": {"per_minute": "Infinity"}}, "per_minute"),
+        # Finite but absurd: an announced iteration beyond the database's columns, an infinite interval.
+        ("heartbeat", {"summary": {"per_minute": 1e21}}, "per_minute"),
+        ("heartbeat", {"summary": {"per_minute": 5e-324}}, "per_minute"),
+        ("heartbeat", {"summary": {"replication_age_s": 1e300}}, "replication_age_s"),
         ("progress", {"generation": HUGE, "event": "resumed"}, "generation"),
         ("progress", {"generation": 1, "event": "resumed", "iteration": HUGE}, "iteration"),
         ("exits", {"local_rank": 0, "global_rank": HUGE, "exit_code": 1}, "global_rank"),

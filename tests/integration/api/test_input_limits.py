@@ -10,13 +10,14 @@ import json
 import logging
 import re
 import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI
 
-from services.root.db.models import FailureEvent
+from services.root.db.models import FailureEvent, Job
 from services.root.flows import jobs as job_flows
 from tests.integration.api.test_jobs import assert_error
 from tests.integration.api.test_worker import register, registration
@@ -115,14 +116,21 @@ async def test_lone_surrogates_in_text_fields_are_refused(client: httpx.AsyncCli
 async def test_details_stored_before_the_limits_still_read(
     root_app: FastAPI, client: httpx.AsyncClient
 ) -> None:
-    """Rows written before the limits (300 levels deep, NaN on SQLite) never make a read fail."""
+    """Rows written before the limits (300 levels deep, NaN on SQLite, a checkpoint frequency whose interval
+    is infinite) never make a read fail."""
     job = await create_job(client, machines=2)
     bad: dict[str, Any] = {"deep": nested(300)}
     async with root_app.state.castor.database.session() as session:
         event = FailureEvent(job_id=uuid.UUID(str(job["id"])), rank=0, cause="old", details=bad)
         session.add(event)
+        row = await session.get(Job, uuid.UUID(str(job["id"])))
+        assert row is not None
+        row.checkpoints_per_minute = 5e-324  # 60 / 5e-324 is infinite
+        row.started_at = datetime.now(UTC) - timedelta(hours=1)
         await session.flush()
         failure_id = event.id
+    fetched = await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())
+    assert fetched.status_code == 200, fetched.text
     listed = await client.get(f"/api/v1/jobs/{job['id']}/failures", headers=admin())
     assert listed.status_code == 200, listed.text
     one = await client.get(f"/api/v1/jobs/{job['id']}/failures/{failure_id}", headers=admin())
