@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -310,6 +310,29 @@ async def test_machines_restored_at_the_last_iteration_finish_without_resuming_a
     failure = await job.api(f"/failures/{failure_id}")
     assert failure["state"] == "recovered" and failure["resumed_at"] is not None, failure
     assert len(await job.api("/failures")) == 1, "no machine was declared lost"
+
+
+async def test_a_machine_that_only_finished_ends_the_recovery_at_its_report(
+    client: httpx.AsyncClient,
+) -> None:
+    """A machine restored at the last iteration says only "finished", after the others resumed: the
+    recovery ends at its report, not at the last "resumed" (before, the failure's resumed_at was the
+    others' last report, earlier than the recovery's real end)."""
+    job, failure_id = await restored_everywhere(client)
+    for rank in range(MACHINES - 1):
+        await job.post(f"/machines/{rank}/progress", resumed(job, rank), 204)
+    others_resumed = datetime.now(UTC)
+    await asyncio.sleep(0.05)  # the clock moves on between the others' reports and the last machine's
+    await job.post(f"/machines/{MACHINES - 1}/progress", finished(job, MACHINES - 1), 204)
+
+    async def recovered() -> dict[str, Any] | None:
+        found: dict[str, Any] = await job.api(f"/failures/{failure_id}")
+        return found if found["state"] == "recovered" else None
+
+    failure = await eventually(recovered, "the failure to be recovered")
+    last = datetime.fromisoformat(failure["details"]["resumed_reported_at"][str(MACHINES - 1)])
+    assert last > others_resumed
+    assert datetime.fromisoformat(failure["resumed_at"]) == last, failure
 
 
 class FailingCompletionChecks:

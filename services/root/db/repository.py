@@ -511,18 +511,28 @@ async def mark_machine_if_collecting(
     return found
 
 
+# A progress report's machine column (the generation it reached) and the times its progress row keeps.
+# "finished" counts as "resumed" (a machine restored at the last iteration has none left to run and says
+# only "finished"), so its time is the row's resumed time unless a "resumed" came first.
+_PROGRESS_COLUMNS = {
+    "restored": ("restored_generation", ("restored_at", "restore")),
+    "resumed": ("resumed_generation", ("resumed_at",)),
+    "finished": ("finished_generation", ("resumed_at",)),
+}
+
+
 @functools.cache
-def _progress_statements(dialect: str, resumed: bool) -> tuple[Any, Any]:
-    """A "restored" (or `resumed`) report's statements on bound parameters: the live machine's UPDATE, and
-    the progress row's upsert (on Postgres fed by that UPDATE as a CTE, so one statement does both)."""
-    column = "resumed_generation" if resumed else "restored_generation"
+def _progress_statements(dialect: str, report: str) -> tuple[Any, Any]:
+    """A `report`'s ("restored", "resumed", "finished") statements on bound parameters: the live machine's
+    UPDATE, and the progress row's upsert (on Postgres fed by that UPDATE as a CTE, so one statement does
+    both)."""
+    column, reported = _PROGRESS_COLUMNS[report]
     marked = (
         update(Machine)
         .where(*_live_machine_bound())
         .values({column: bindparam("b_generation")})
         .returning(Machine.id)
     )
-    reported = ("resumed_at",) if resumed else ("restored_at", "restore")
     names = ("job_id", "generation", "rank", *reported)
     progress = RankProgress.__table__.c
     bound = {name: bindparam(f"p_{name}", type_=progress[name].type) for name in names}
@@ -541,25 +551,23 @@ async def mark_progress(
     rank: int,
     instance_id: str,
     generation: int,
-    *,
-    restored_at: datetime | None = None,
-    resumed_at: datetime | None = None,
+    report: Literal["restored", "resumed", "finished"],
+    at: datetime,
     restore: dict[str, Any] | None = None,
 ) -> int | None:
-    """A "restored" (`restored_at`, `restore`) or "resumed" (`resumed_at`) report: the live machine's
-    `*_generation` column and its progress row for `generation` (the rank's report times and restore
-    details, one row per job, generation and rank: see _on_progress_conflict). On Postgres one statement
-    (the machine's UPDATE as a CTE feeding the progress upsert, so the row is written only for a live
-    machine); on SQLite, which has no data-modifying CTE, the two statements of one transaction. The
+    """A "restored" (with its `restore` details), "resumed" or "finished" report that arrived `at`: the live
+    machine's `*_generation` column and its progress row for `generation` (the rank's report times and
+    restore details, one row per job, generation and rank: see _on_progress_conflict). On Postgres one
+    statement (the machine's UPDATE as a CTE feeding the progress upsert, so the row is written only for a
+    live machine); on SQLite, which has no data-modifying CTE, the two statements of one transaction. The
     machine's id (its progress row's, on Postgres), or None when no live machine matched."""
-    resumed = resumed_at is not None
-    marked, upsert = _progress_statements(connection.dialect.name, resumed)
+    marked, upsert = _progress_statements(connection.dialect.name, report)
     parameters: dict[str, Any] = {"b_job_id": job_id, "b_rank": rank, "b_instance_id": instance_id}
     parameters |= {"b_generation": generation, "p_job_id": job_id, "p_generation": generation, "p_rank": rank}
-    if resumed:
-        parameters["p_resumed_at"] = resumed_at
+    if report == "restored":
+        parameters |= {"p_restored_at": at, "p_restore": restore if restore is not None else {}}
     else:
-        parameters |= {"p_restored_at": restored_at, "p_restore": restore if restore is not None else {}}
+        parameters["p_resumed_at"] = at
     if connection.dialect.name == "postgresql":
         landed: int | None = (await connection.execute(upsert, parameters)).scalar_one_or_none()
         return landed
@@ -587,7 +595,8 @@ def _on_progress_conflict(statement: Any, reported: Sequence[str]) -> Any:
 async def last_progress(
     session: AsyncSession, job_id: uuid.UUID, generation: int, *, resumed: bool
 ) -> datetime | None:
-    """When the last machine's first "restored" (or `resumed`) report for `generation` arrived."""
+    """When the last machine's first "restored" (or `resumed`: "resumed" or "finished") report for
+    `generation` arrived."""
     column = RankProgress.resumed_at if resumed else RankProgress.restored_at
     query = select(func.max(column)).where(
         RankProgress.job_id == job_id, RankProgress.generation == generation

@@ -507,7 +507,8 @@ def _give_up(session: AsyncSession, job: Job, events: list[FailureEvent], now: d
 
 # How the API and the pages show a recovery's progress reports on its failure events (the keys their
 # details carried before the reports got rows of their own, migration 0008): machine rank -> when its
-# "restored" and "resumed" reports arrived (ISO time), and the details of its restore.
+# "restored" and "resumed" reports arrived (ISO time; a "finished" before any "resumed" counts as one),
+# and the details of its restore.
 RESTORED_AT = "restored_reported_at"
 RESUMED_AT = "resumed_reported_at"
 RESTORE = "restore"
@@ -621,12 +622,13 @@ async def _live_machine_of(session: AsyncSession, job_id: uuid.UUID, rank: int, 
 async def record_progress(
     database: Database, job_id: uuid.UUID, rank: int, report: schemas.ProgressReport
 ) -> None:
-    """An agent's progress through the current plan. "restored" and "resumed" write this machine's row and
-    its progress row for the generation in one statement (Postgres; two on SQLite) that locks nothing
-    shared and reads no job row, no failure event (the pages and the leader read the progress rows).
-    "finished" writes the machine's row, and then completes the job when every live machine finished: a
-    conditional UPDATE of the job row, so of several last reports at once exactly one completes it.
-    """
+    """An agent's progress through the current plan: this machine's row and its progress row for the
+    generation, in one statement (Postgres; two on SQLite) that locks nothing shared and reads no job row,
+    no failure event (the pages and the leader read the progress rows). After "finished" commits, the job
+    completes when every live machine finished: a conditional UPDATE of the job row, so of several last
+    reports at once exactly one completes it. A "finished" is also the machine's resumed time, unless it
+    said "resumed" first: a machine restored at the last iteration says only "finished", and the recovery
+    ends at the last machine's report."""
     if report.event == "restore_failed":
         async with database.session() as session:
             job = await repo.get_job(session, job_id)
@@ -634,26 +636,17 @@ async def record_progress(
                 raise NotFound(f"job {job_id} does not exist", code="job_not_found")
             await _restore_failed(session, job, rank, report)
         return
-    now = utcnow()
     async with database.single_statement() as connection:
-        if report.event == "restored":
-            marked = await repo.mark_progress(
-                connection,
-                job_id,
-                rank,
-                report.instance_id,
-                report.generation,
-                restored_at=now,
-                restore=report.details,
-            )
-        elif report.event == "resumed":
-            marked = await repo.mark_progress(
-                connection, job_id, rank, report.instance_id, report.generation, resumed_at=now
-            )
-        else:
-            marked = await repo.mark_machine(
-                connection, job_id, rank, report.instance_id, finished_generation=report.generation
-            )
+        marked = await repo.mark_progress(
+            connection,
+            job_id,
+            rank,
+            report.instance_id,
+            report.generation,
+            report.event,
+            utcnow(),
+            restore=report.details if report.event == "restored" else None,
+        )
     if marked is None:
         async with database.session() as session:
             await _live_machine_of(session, job_id, rank, report.instance_id)  # says why (404, 409)
