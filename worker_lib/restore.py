@@ -60,8 +60,10 @@ def load_state(state: Any, target: Any) -> None:
     """Load a restored `state` into `target`, a structure like the one that was saved.
 
     Modules and optimizers get `load_state_dict`, tensors are copied in place, dicts, lists and tuples are
-    walked by key and position; plain values in `target` are left alone (read them from `state`).
+    walked by key and position; plain values in `target` are left alone (read them from `state`). The
+    optimizers' parameter groups are checked before anything is loaded.
     """
+    _walk(state, target, "state", (), _OptimizerChecks())
     _walk(state, target, "state", (), _Loader())
 
 
@@ -312,6 +314,36 @@ class _Loader:
         target.load_state_dict(state)
 
 
+class _OptimizerChecks:
+    """What load_state checks before it loads anything: the optimizers' parameter groups."""
+
+    def tensor(self, state: Any, target: torch.Tensor, path: str) -> None:
+        pass
+
+    def module(self, state: Any, target: nn.Module, path: str, keys: Keys) -> None:
+        pass
+
+    def optimizer(self, state: Any, target: torch.optim.Optimizer, path: str, keys: Keys) -> None:
+        _check_param_groups(state, target, path)
+
+
+def _check_param_groups(state: Any, target: torch.optim.Optimizer, path: str) -> None:
+    """load_state_dict's own checks of the parameter groups, made before anything is loaded: it runs after
+    the model's tensors are copied, and a refusal then would leave the model restored and the optimizer
+    not."""
+    saved_groups = state.get("param_groups") if isinstance(state, dict) else None
+    if not isinstance(saved_groups, list | tuple) or not all(isinstance(g, dict) for g in saved_groups):
+        raise TypeError(f"{path}: the checkpoint has {_describe(state)} where the target has an optimizer")
+    saved_sizes = [len(group.get("params", ())) for group in saved_groups]
+    live_sizes = [len(group["params"]) for group in target.param_groups]
+    if saved_sizes != live_sizes:
+        raise ValueError(
+            f"{path}: the checkpoint's optimizer has {len(saved_sizes)} parameter group(s) of {saved_sizes} "
+            f"parameters, this one {len(live_sizes)} of {live_sizes}: build the optimizer with the same "
+            "parameter groups as the run that saved it"
+        )
+
+
 class _Targets:
     """Collects where each checkpoint tensor goes (checking shapes) and which optimizers to load."""
 
@@ -371,6 +403,7 @@ class _Targets:
             self.tensor(state[key], tensor, f"{path}[{key!r}]")
 
     def optimizer(self, state: Any, target: torch.optim.Optimizer, path: str, keys: Keys) -> None:
+        _check_param_groups(state, target, path)
         self.optimizers.append((target, keys))
         if target.state:
             self._optimizer_in_place(state, target)
@@ -387,12 +420,7 @@ class _Targets:
         saved_groups, saved_state = state.get("param_groups"), state.get("state")
         if not isinstance(saved_groups, list | tuple) or not isinstance(saved_state, dict):
             return
-        live_groups = target.param_groups
-        if len(saved_groups) != len(live_groups) or any(
-            not isinstance(saved, dict) or len(saved.get("params", ())) != len(live["params"])
-            for saved, live in zip(saved_groups, live_groups, strict=True)
-        ):
-            return  # load_state_dict refuses it, and nothing must have been copied by then
+        live_groups = target.param_groups  # the same number and sizes as the saved ones (checked above)
         # The saved parameter ids map to live parameters by position, as in load_state_dict.
         params = {
             saved_id: param

@@ -275,6 +275,38 @@ def test_a_mismatched_target_is_refused_before_anything_is_copied(shm_dir: Path)
     assert all(torch.equal(a, b) for a, b in zip(after, untouched, strict=True))
 
 
+def test_an_optimizer_with_other_parameter_groups_is_refused_before_the_model_is_touched(
+    shm_dir: Path,
+) -> None:
+    """The optimizer's groups are checked with the other targets: before, its load_state_dict refused them
+    only after the model had been restored, leaving the model at the checkpoint and the optimizer not."""
+    model, optimizer = make_model(seed=0)
+    train(model, optimizer, range(2))
+    live, _ = make_model(seed=1)
+    train(live, torch.optim.Adam(live.parameters()), range(1))
+    decayed = [p for p in live.parameters() if p.dim() > 1]
+    others = [p for p in live.parameters() if p.dim() <= 1]
+    split = torch.optim.Adam([{"params": decayed, "weight_decay": 0.1}, {"params": others}], lr=1e-2)
+    untouched = [raw_bytes(t).clone() for t in live.state_dict().values()]
+    with Checkpointer(shm_dir) as checkpointer:
+        checkpointer.save(1, {"model": model, "optimizer": optimizer})
+        with pytest.raises(
+            ValueError,
+            match=r"^state\['optimizer'\]: the checkpoint's optimizer has 1 parameter group\(s\) of \[6\] "
+            r"parameters, this one 2 of \[2, 4\]",
+        ):
+            checkpointer.restore(into={"model": live, "optimizer": split})
+        restored = checkpointer.restore()
+    assert restored is not None
+    after = [raw_bytes(t) for t in live.state_dict().values()]
+    assert all(torch.equal(a, b) for a, b in zip(after, untouched, strict=True))
+    assert not split.state
+    with pytest.raises(ValueError, match="parameter group"):
+        load_state(restored.state, {"model": live, "optimizer": split})
+    after = [raw_bytes(t) for t in live.state_dict().values()]
+    assert all(torch.equal(a, b) for a, b in zip(after, untouched, strict=True))
+
+
 def test_restores_into_the_saved_state_stay_exact_and_verified(shm_dir: Path) -> None:
     """A restore into the very state this process saved skips matching its targets one by one and, from
     the second on, reuses its copies: each still puts back exactly the saved bytes, refuses a changed
