@@ -187,6 +187,10 @@ class Checkpointer:
         self._give_up: threading.Event | None = None  # set: the pending save stops waiting for its slot
         self._stats = CheckpointerStats()
         self._stats_lock = threading.Lock()
+        # save() and every wait for the pending save, one at a time: dcp.async_save calls save() from DCP's
+        # thread while the training thread's optimizer step may be waiting for the previous copy, and that
+        # save, seeing nothing pending, took the slot the copy was still writing.
+        self._serial = threading.RLock()
         self._step_hook = fence_optimizer_steps(self)
         self._buffers = BufferSnapshot()
         self._closed = False
@@ -204,6 +208,10 @@ class Checkpointer:
         save keeps trying in the background until training needs the state again (the next optimizer step
         or save), and is skipped only then: it returns True and the skip shows in `stats.saves_skipped`.
         """
+        with self._serial:
+            return self._save(iteration, state)
+
+    def _save(self, iteration: int, state: Any) -> bool:
         self._check_open()
         if type(iteration) is not int or iteration < 0:
             raise ValueError(f"iteration must be a non-negative int, not {iteration!r}")
@@ -319,15 +327,16 @@ class Checkpointer:
             return  # the common case: the copy finished during forward and backward
         started = time.perf_counter()
         try:
-            # Every copy reading the live state runs on the device: once the background thread has queued
-            # them (it does so first), the step's stream waits for them there and the host goes on;
-            # checksums and commit finish in the background.
-            fence = self._issued.wait() if self._issued is not None else None
-            if fence is not None:
-                fence.order_device()
-                self._update(steps_fenced_on_device=self.stats.steps_fenced_on_device + 1)
-            else:
-                self._settle()
+            with self._serial:
+                # Every copy reading the live state runs on the device: once the background thread has
+                # queued them (it does so first), the step's stream waits for them there and the host goes
+                # on; checksums and commit finish in the background.
+                fence = self._issued.wait() if self._issued is not None else None
+                if fence is not None:
+                    fence.order_device()
+                    self._update(steps_fenced_on_device=self.stats.steps_fenced_on_device + 1)
+                else:
+                    self._settle()
         finally:
             self._stalled(started)
 
@@ -339,19 +348,20 @@ class Checkpointer:
     def _wait(self) -> None:
         """wait() without the stall accounting: for save(), which counts its whole call, and for restore
         and close, which are not training."""
-        pending, self._pending, self._give_up = self._pending, None, None
-        self._issued = None
-        if pending is None:
-            return
-        started = time.perf_counter()
-        try:
-            pending.result()
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(f"saving a checkpoint failed: {exc!r}") from exc
-        finally:
-            self._update(last_wait_s=time.perf_counter() - started)
+        with self._serial:  # a save from another thread waits until the pending one is done
+            pending, self._pending, self._give_up = self._pending, None, None
+            self._issued = None
+            if pending is None:
+                return
+            started = time.perf_counter()
+            try:
+                pending.result()
+            except CheckpointError:
+                raise
+            except Exception as exc:
+                raise CheckpointError(f"saving a checkpoint failed: {exc!r}") from exc
+            finally:
+                self._update(last_wait_s=time.perf_counter() - started)
 
     def _settle(self) -> None:
         """Training needs the saved state again: wait for the last save's copy, but give up a save that is

@@ -7,8 +7,10 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -56,6 +58,51 @@ def test_an_optimizer_step_right_after_save_waits_for_the_copy(shm_dir: Path, sl
     assert restored is not None
     assert_bit_equal(restored.state["model"], before)
     assert not torch.equal(model.weight, before["weight"])
+
+
+def test_a_save_from_another_thread_waits_for_the_copy_an_optimizer_step_is_waiting_for(
+    shm_dir: Path, slow_copies: None
+) -> None:
+    """dcp.async_save calls save() from DCP's thread. Before, while the training thread's optimizer step
+    waited for the previous copy, that save found nothing pending and took the slot the copy was still
+    writing (its manifest invalidated: the preferred one), so two writes shared it."""
+    model = nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.ones(4, 64)).sum().backward()
+    staged = {"model": {key: value.clone() for key, value in model.state_dict().items()}}  # DCP's copy
+    with Checkpointer(shm_dir) as checkpointer:
+        writing = threading.Event()  # set while a background write runs
+        overlapped: list[bool] = []
+        write, open_write = checkpointer._write, checkpointer._store.open_write
+
+        def tracked_write(*args: Any) -> None:
+            writing.set()
+            try:
+                write(*args)
+            finally:
+                writing.clear()
+
+        def tracked_open_write(*args: Any, **kwargs: Any) -> Any:
+            overlapped.append(writing.is_set())
+            return open_write(*args, **kwargs)
+
+        checkpointer._write = tracked_write  # type: ignore[method-assign]
+        checkpointer._store.open_write = tracked_open_write  # type: ignore[method-assign]
+        checkpointer.save(1, {"model": model})
+        assert writing.wait(10)
+        step = threading.Thread(target=optimizer.step)  # the training thread, waiting for the copy
+        step.start()
+        deadline = time.monotonic() + 10
+        while checkpointer._pending is not None and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the step's wait has taken the pending save
+        assert writing.is_set(), "the copy was still running when the other thread saved"
+        checkpointer.save(2, staged)  # DCP's thread
+        step.join()
+        checkpointer.wait()
+        restored = checkpointer.restore(iteration=2)
+    assert overlapped == [False, False]
+    assert restored is not None
+    assert_bit_equal(restored.state["model"], staged["model"])
 
 
 def test_a_forward_that_updates_buffers_after_save_leaves_the_saved_values(
