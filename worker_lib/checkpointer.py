@@ -222,7 +222,7 @@ class Checkpointer:
         # blocking save copies everything before it returns and needs no snapshot.
         tensors, storages = flat.tensors, storage_addresses(flat.tensors)
         if not self._blocking:
-            tensors, storages = self._buffers.capture(tensors, flat.modules, storages)
+            tensors, storages = self._buffers.capture(tensors, flat.modules, storages, flat.group_tensors)
         layout = self._layout_for(tensors, flat.keys, storages)
         writer = self._store.open_write(iteration, layout.data_bytes, self._on_busy)
         if writer is None and self._blocking:

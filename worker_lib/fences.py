@@ -64,7 +64,9 @@ def open_when_free(
 
 
 class BufferSnapshot:
-    """Copies of the saved modules' buffers taken inside save(), so that no forward waits for the copy.
+    """Copies of the saved modules' buffers taken inside save(), so that no forward waits for the copy (and
+    of the tensors in an optimizer's parameter groups: a learning-rate scheduler sets a tensor `lr` in
+    place, outside the optimizer step).
 
     A forward changes buffers in place (BatchNorm running statistics; DistributedDataParallel overwrites them
     with rank 0's first, with `broadcast_buffers`), while parameters change only in the optimizer step,
@@ -83,11 +85,16 @@ class BufferSnapshot:
         self._views: list[tuple[tuple[object, ...], torch.Tensor, list[torch.Tensor]]] = []
 
     def capture(
-        self, tensors: list[torch.Tensor], modules: Sequence[nn.Module], storages: list[int]
+        self,
+        tensors: list[torch.Tensor],
+        modules: Sequence[nn.Module],
+        storages: list[int],
+        also: Sequence[int] = (),
     ) -> tuple[list[torch.Tensor], list[int]]:
-        """`tensors` with those that live in a buffer's storage replaced by views of a fresh copy, and the
-        storage address of each (`storages`: those of `tensors`, see layout.storage_addresses)."""
-        if not modules:
+        """`tensors` with those that live in a buffer's storage (or in the storage of a tensor of `also`,
+        indices into `tensors`) replaced by views of a fresh copy, and the storage address of each
+        (`storages`: those of `tensors`, see layout.storage_addresses)."""
+        if not modules and not also:
             return tensors, storages
         owned = {
             _storage_key(local)
@@ -96,6 +103,7 @@ class BufferSnapshot:
             # A sharded buffer's local tensor is what the state holds.
             if type(local := getattr(buffer, "_local_tensor", buffer)) is torch.Tensor and local.numel()
         }
+        owned.update(_storage_key(tensors[i]) for i in also if tensors[i].numel())
         if not owned:
             return tensors, storages
         addresses = {address for _, address in owned}

@@ -43,6 +43,10 @@ class FlatState:
     # Tensors that were detached from autograd outside a module (an optimizer's state that requires grad):
     # a restore fills such a target only through the slow path's checks.
     detached_outside_modules: bool = False
+    # Indices of the tensors in optimizers' parameter groups (a tensor `lr`, as compiled and capturable
+    # optimizers use): a scheduler changes them in place outside the optimizer step, so save() snapshots
+    # them.
+    group_tensors: list[int] = field(default_factory=list)
 
 
 def flatten(state: object, memo: FlattenMemo | None = None) -> FlatState:
@@ -269,7 +273,15 @@ class _Encoder:
             finally:
                 self._in_modules -= 1
         if isinstance(value, torch.optim.Optimizer):
-            return {"optimizer": self._encode_dict(value.state_dict(), path)}
+            state_dict = value.state_dict()
+            base = len(self._flat.tensors)
+            node = {"optimizer": self._encode_dict(state_dict, path)}
+            groups = state_dict.get("param_groups", ())
+            in_groups = {id(v) for group in groups for v in group.values() if isinstance(v, torch.Tensor)}
+            if in_groups:
+                found = self._flat.tensors[base:]
+                self._flat.group_tensors += [base + i for i, t in enumerate(found) if id(t) in in_groups]
+            return node
         if isinstance(value, dict):
             return self._encode_dict(value, path)
         if type(value) in (list, tuple):

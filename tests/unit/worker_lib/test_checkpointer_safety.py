@@ -119,6 +119,28 @@ def test_a_forward_that_updates_buffers_after_save_leaves_the_saved_values(
     assert not torch.equal(model[1].running_mean, before["1.running_mean"])
 
 
+def test_a_scheduler_step_after_save_leaves_the_saved_tensor_learning_rate(
+    shm_dir: Path, slow_copies: None
+) -> None:
+    """A tensor `lr` (compiled and capturable optimizers) is set in place by the scheduler, outside the
+    optimizer step that waits for the copy: save() snapshots it (before, the copy read the new value)."""
+    model = nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)
+    model(torch.ones(4, 64)).sum().backward()
+    optimizer.step()
+    with Checkpointer(shm_dir) as checkpointer:
+        for iteration in (1, 2):  # the second save reuses the first one's side copies
+            saved = optimizer.param_groups[0]["lr"].clone()
+            checkpointer.save(iteration, {"optimizer": optimizer})
+            scheduler.step()  # lr.fill_(lr * 0.5) while the copy runs
+            checkpointer.wait()
+            restored = checkpointer.restore()
+            assert restored is not None
+            assert torch.equal(restored.state["optimizer"]["param_groups"][0]["lr"], saved)
+            assert not torch.equal(optimizer.param_groups[0]["lr"], saved)
+
+
 def test_distributed_data_parallel_buffer_sync_after_save_leaves_the_saved_values(
     shm_dir: Path, slow_copies: None, tmp_path: Path
 ) -> None:
