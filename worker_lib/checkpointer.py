@@ -466,7 +466,7 @@ class Checkpointer:
             flat = flatten(into, self._memo)
         except Exception:  # the matching target by target names what is wrong
             return None
-        if flat.detached_outside_modules or flat.tree != manifest.tree:
+        if flat.detached_outside_modules or flat.extra_state or flat.tree != manifest.tree:
             return None
         if signature(flat.tensors, flat.keys) != layout[0]:
             return None

@@ -51,7 +51,7 @@ from worker_lib.store.cuda import to_device
 from worker_lib.store.integrity import check_region, corrupt_error
 from worker_lib.store.layout import SPAN_ALIGN, dtype_from_name, dtype_name
 from worker_lib.store.manifest import JsonValue, Manifest, TensorEntry
-from worker_lib.store.tree import PLAIN_TYPES, FlatState, unflatten
+from worker_lib.store.tree import EXTRA_STATE_SUFFIX, PLAIN_TYPES, FlatState, unflatten
 
 Keys = tuple[Any, ...]
 
@@ -129,6 +129,8 @@ def restore_state(
     else:
         optimizers = targets.optimizers
     state = decode()
+    for module, keys in targets.modules:
+        module.load_state_dict(_lookup(state, keys))
     for optimizer, keys in optimizers:
         optimizer.load_state_dict(_lookup(state, keys))
     return partial(_same, state)
@@ -345,13 +347,16 @@ def _check_param_groups(state: Any, target: torch.optim.Optimizer, path: str) ->
 
 
 class _Targets:
-    """Collects where each checkpoint tensor goes (checking shapes) and which optimizers to load."""
+    """Collects where each checkpoint tensor goes (checking shapes) and which optimizers and modules to load
+    with load_state_dict."""
 
     def __init__(self, manifest: Manifest):
+        self._manifest = manifest
         self._entries = manifest.tensors
         self.tensors: dict[int, torch.Tensor] = {}
         self.dtensors: dict[int, Any] = {}  # live DTensors whose local shards are filled in place
         self.optimizers: list[tuple[torch.optim.Optimizer, Keys]] = []
+        self.modules: list[tuple[nn.Module, Keys]] = []  # modules with extra state (see module())
 
     def tensor(self, state: Any, target: torch.Tensor, path: str) -> None:
         DTensor = dtensor_type()
@@ -399,6 +404,16 @@ class _Targets:
                 f"{path}: the checkpoint does not match the module: missing {sorted(own.keys() - saved)}, "
                 f"unexpected {sorted(saved - own.keys())}"
             )
+        if any(key.endswith(EXTRA_STATE_SUFFIX) for key in own):
+            # Extra state (get_extra_state: FP8 scaling factors, say) is put back by set_extra_state, which
+            # only load_state_dict calls: the state_dict holds a copy of it, and filling that would change
+            # nothing. The module's tensors are checked here like the others; it is loaded once decoded.
+            checks = _Targets(self._manifest)
+            for key, tensor in own.items():
+                if not key.endswith(EXTRA_STATE_SUFFIX):
+                    checks.tensor(state[key], tensor, f"{path}[{key!r}]")
+            self.modules.append((target, keys))
+            return
         for key, tensor in own.items():
             self.tensor(state[key], tensor, f"{path}[{key!r}]")
 

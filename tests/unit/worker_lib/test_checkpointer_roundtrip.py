@@ -307,6 +307,46 @@ def test_an_optimizer_with_other_parameter_groups_is_refused_before_the_model_is
     assert all(torch.equal(a, b) for a, b in zip(after, untouched, strict=True))
 
 
+class WithExtraState(nn.Module):
+    """A layer with extra state, as Transformer Engine's FP8 layers keep their scaling history: returned by
+    get_extra_state as a fresh tensor (`as_tensor`) or a dict, put back only by set_extra_state."""
+
+    def __init__(self, as_tensor: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.as_tensor = as_tensor
+        self.history = [1.0, 2.0]
+
+    def get_extra_state(self) -> Any:
+        return torch.tensor(self.history) if self.as_tensor else {"history": list(self.history)}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.history = state.tolist() if self.as_tensor else list(state["history"])
+
+
+@pytest.mark.parametrize("as_tensor", [True, False], ids=["tensor", "dict"])
+def test_a_module_s_extra_state_is_restored_through_set_extra_state(shm_dir: Path, as_tensor: bool) -> None:
+    """Before, restore(into=...) filled the state_dict's copy of a tensor extra state (set_extra_state was
+    never called: restored in name only) and failed on a dict one with an AttributeError."""
+    model = WithExtraState(as_tensor)
+    weight = model.linear.weight.detach().clone()
+    with Checkpointer(shm_dir) as checkpointer:
+        for iteration in (1, 2):  # the second restore goes into the very state this process saved
+            checkpointer.save(iteration, {"model": model})
+            checkpointer.wait()
+            model.history = [7.0, 9.0]
+            with torch.no_grad():
+                model.linear.weight.add_(1.0)
+            restored = checkpointer.restore(into={"model": model})
+            assert restored is not None
+            assert model.history == [1.0, 2.0]
+            assert torch.equal(model.linear.weight, weight)
+        fresh = WithExtraState(as_tensor)
+        fresh.history = [5.0]
+        assert checkpointer.restore(into={"model": fresh}) is not None
+    assert fresh.history == [1.0, 2.0] and torch.equal(fresh.linear.weight, weight)
+
+
 def test_restores_into_the_saved_state_stay_exact_and_verified(shm_dir: Path) -> None:
     """A restore into the very state this process saved skips matching its targets one by one and, from
     the second on, reuses its copies: each still puts back exactly the saved bytes, refuses a changed
