@@ -49,10 +49,13 @@ async def get_job(
     """The job; `for_update`: its row locked until the transaction ends, against every other writer of it.
     On Postgres that is FOR NO KEY UPDATE (its id never changes): an insert of a row that refers to the job
     (a registration's machine) checks its foreign key with FOR KEY SHARE, which FOR UPDATE would block.
-    `skip_locked` (with `for_update`): None at once, not a wait, when another transaction holds the row."""
+    `skip_locked` (with `for_update`): None at once, not a wait, when another transaction holds the row.
+    A locked read refreshes a job this session loaded before (populate_existing): the row may have changed
+    while the lock was awaited, and the identity map would otherwise hand back the stale object."""
     query = select(Job).where(Job.id == job_id)
     if for_update:
         query = query.with_for_update(key_share=True, skip_locked=skip_locked)
+        query = query.execution_options(populate_existing=True)
     return (await session.execute(query)).scalar_one_or_none()
 
 

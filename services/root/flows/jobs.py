@@ -19,7 +19,7 @@ from services.root.domain.placement import (
     plan_placement,
     recovery_probabilities,
 )
-from services.root.errors import Conflict
+from services.root.errors import Conflict, NotFound
 from services.root.flows import ettr as ettr_flows
 from services.root.flows.directives import FINISHED_STATES, directive_changed
 from services.root.tokens import issue_worker_token
@@ -83,7 +83,11 @@ def _plan(machines: int, replicas: int, strategy: Any) -> tuple[Placement, dict[
 
 async def stop_job(session: AsyncSession, job: Job) -> None:
     """Stop a job for good: its agents stop training and exit (the directive says finished), the leader
-    stops watching it, and its history stays readable."""
+    stops watching it, and its history stays readable. Under the job row's lock, read afresh: a leader's
+    step that holds it may be changing the state and the directive's revision, and a stop computed from
+    the row as read before would overwrite them (a revision the agents had already seen: never acted on)."""
+    if await repo.get_job(session, job.id, for_update=True) is None:
+        raise NotFound(f"job {job.id} does not exist", code="job_not_found")
     if job.state in FINISHED_STATES:
         raise Conflict(f"job {job.name!r} has already {job.state}", code="job_finished")
     job.state, job.finished_at = JobState.STOPPED, utcnow()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
+from services.root.db import repository as repo
 from tests.integration.conftest import admin, bearer, create_job
 
 
@@ -127,3 +130,29 @@ async def test_duplicate_name_conflicts_and_keeps_the_first(client: httpx.AsyncC
     assert_error(response, 409, "job_exists")
     kept = (await client.get(f"/api/v1/jobs/{first['id']}", headers=admin())).json()
     assert kept["machines"] == 4, "the existing job is untouched"
+
+
+async def test_a_stop_while_the_leader_holds_the_job_row_publishes_a_newer_directive(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    """A stop that read the job before a leader's step committed a new directive (its revision r + 1) used
+    to write r + 1 again: agents that had seen r + 1 never heard "finished". It now reads the row under
+    its lock."""
+    database = root_app.state.castor.database
+    if database.is_sqlite:
+        pytest.skip("SQLite has no row locks: one writer at a time")
+    job = await create_job(client)
+    job_id = uuid.UUID(str(job["id"]))
+    async with database.session() as session:
+        row = await repo.get_job(session, job_id, for_update=True)
+        assert row is not None
+        before = row.directive_revision
+        stop = asyncio.create_task(client.post(f"/api/v1/jobs/{job_id}/stop", headers=admin()))
+        await asyncio.sleep(0.3)  # the stop has read the job and waits for the row
+        assert not stop.done()
+        row.directive_revision += 1  # the leader's step: a new directive
+    response = await stop
+    assert response.status_code == 200 and response.json()["state"] == "stopped", response.text
+    async with database.session() as session:
+        row = await repo.get_job(session, job_id)
+        assert row is not None and row.directive_revision == before + 2
