@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from worker_lib.api.shared import (
     INT32_MAX,
@@ -28,6 +28,16 @@ MAX_MACHINES = 100_000
 MAX_PROCS_PER_MACHINE = 64
 
 
+def _env_name(name: str) -> str:
+    # The processes would fail to start with any of these (os.execve refuses them), long after the 201.
+    if not name or "=" in name:
+        raise ValueError(f"{name!r} is not an environment variable name (empty, or contains '=')")
+    return name
+
+
+EnvName = Annotated[Text, AfterValidator(_env_name)]
+
+
 class LaunchSpec(BaseModel):
     """How the local cloud operator starts a machine of this job: `castor agent ... -- <command>`."""
 
@@ -37,7 +47,7 @@ class LaunchSpec(BaseModel):
         min_length=1, description='The training command, e.g. ["python", "train.py"].'
     )
     cwd: Text | None = Field(None, description="Working directory of the training processes.")
-    env: dict[Text, Text] = Field(default_factory=dict, description="Extra environment variables.")
+    env: dict[EnvName, Text] = Field(default_factory=dict, description="Extra environment variables.")
     warm_start: bool = Field(
         True,
         description="Start (and restart) training processes from warm interpreters with torch already "

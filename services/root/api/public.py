@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
@@ -71,6 +72,13 @@ async def create_job(
             f"(CASTOR_LOCAL_MAX_MACHINES); this job asks for {body.machines}: start its machines "
             "outside Castor (no launch spec) or raise the limit",
             code="launch_too_large",
+        )
+    cwd = body.launch.cwd if body.launch is not None else None
+    if cwd is not None and not pathlib.Path(cwd).is_dir():  # noqa: ASYNC240 (one stat of a local path)
+        raise Invalid(
+            f"launch.cwd {cwd!r} is not a directory on this host, where the local operator "
+            "starts the job's machines",
+            code="launch_cwd_missing",
         )
     job, token = await job_flows.create_job(db, body)
     info = JobInfo(job.id, job.name, job.num_machines, job.launch)

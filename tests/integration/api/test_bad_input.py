@@ -4,6 +4,7 @@ nothing already saved changes."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,6 +25,10 @@ BEYOND_INT32 = 2**31
         ({"persist_every": HUGE}, "persist_every"),
         ({"launch": {"command": ["python", "train\x00.py"]}}, "command"),
         ({"launch": {"command": ["python"], "env": {"A": "b\x00"}}}, "env"),
+        # Names the processes could never start with (os.execve refuses them): before, a 201 and a job
+        # pending for ever.
+        ({"launch": {"command": ["python"], "env": {"A=B": "1"}}}, "env"),
+        ({"launch": {"command": ["python"], "env": {"": "1"}}}, "env"),
     ],
 )
 async def test_job_fields_out_of_range(client: httpx.AsyncClient, fields: dict[str, Any], field: str) -> None:
@@ -98,3 +103,18 @@ async def test_registration_refuses_nul_characters(client: httpx.AsyncClient) ->
     assert "instance_id" in error["message"] and "NUL" in error["message"]
     machines = (await client.get(f"/api/v1/jobs/{job['id']}/machines", headers=admin())).json()
     assert machines == []
+
+
+async def test_a_launch_directory_that_does_not_exist_is_refused(
+    client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    body = {
+        "name": "nowhere",
+        "machines": 2,
+        "launch": {"command": ["python"], "cwd": str(tmp_path / "gone")},
+    }
+    error = assert_error(
+        await client.post("/api/v1/jobs", json=body, headers=admin()), 422, "launch_cwd_missing"
+    )
+    assert "gone" in error["message"]
+    assert (await client.get("/api/v1/jobs", headers=admin())).json()["total"] == 0
