@@ -335,6 +335,36 @@ async def test_a_machine_that_only_finished_ends_the_recovery_at_its_report(
     assert datetime.fromisoformat(failure["resumed_at"]) == last, failure
 
 
+def restore_failed(job: Scenario, rank: int, generation: int) -> dict[str, Any]:
+    details = {"error": "the source stopped answering"}
+    return {"instance_id": job.instances[rank], "generation": generation, "event": "restore_failed"} | {
+        "details": details
+    }
+
+
+async def test_a_restore_failure_counts_only_for_the_current_plan(client: httpx.AsyncClient) -> None:
+    """A machine whose source died reports that its restore of plan 2 failed after plan 3 (the recovery
+    from that source's loss) began: before, it counted as plan 3 failing and began plan 4. Of the current
+    plan it is a failure of its own; after the job ended it is ignored."""
+    job, _ = await restored_everywhere(client)
+    await job.kill_process(2)
+    await job.plan(3, "collecting")
+    failures = len(await job.api("/failures"))
+    await job.post("/machines/0/progress", restore_failed(job, 0, 2), 204)
+    assert len(await job.api("/failures")) == failures
+    await job.post("/machines/0/progress", restore_failed(job, 0, 3), 204)
+    found = await job.api("/failures")
+    assert len(found) == failures + 1
+    assert any("could not restore: the source stopped answering" in f["cause"] for f in found)
+    plans = [p["generation"] for p in await job.api("/recovery-plans")]
+    assert max(plans) >= 3
+
+    ended = await running_job(client, 2, prefix="e")
+    assert (await client.post(f"/api/v1/jobs/{ended.id}/stop", headers=admin())).status_code == 200
+    await ended.post("/machines/0/progress", restore_failed(ended, 0, 1), 204)
+    assert await ended.api("/failures") == []
+
+
 class FailingCompletionChecks:
     """The leader's completion check after a step's commit, failing for the drivers `failing` says (a
     database error between the two), counting the calls. The reports' own checks are left alone."""

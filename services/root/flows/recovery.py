@@ -46,7 +46,7 @@ from services.root.domain.ettr import iteration_seconds
 from services.root.domain.recovery import MemoryCopy, PersistedShard, plan_recovery
 from services.root.domain.recovery_states import RecoveryState
 from services.root.errors import Conflict, NotFound
-from services.root.flows.directives import directive_changed
+from services.root.flows.directives import FINISHED_STATES, directive_changed
 from services.root.flows.failures import machine_lost
 from services.root.flows.machines import live_machine_at
 from services.root.flows.persistence import tier_of
@@ -661,9 +661,23 @@ async def record_progress(
 
 async def _restore_failed(session: AsyncSession, job: Job, rank: int, report: schemas.ProgressReport) -> None:
     """A source could not deliver: a failure of its own, recorded under the job row's lock as the other
-    writers of a job's failure events do (rare: not a hot path)."""
-    await repo.get_job(session, job.id, for_update=True)
+    writers of a job's failure events do (rare: not a hot path). Only for the job's current plan: a restore
+    of a plan a newer one replaced (its source died and the newer recovery covers that) would count as
+    that recovery failing and restart the job again, and a finished job has nothing to recover."""
+    await repo.get_job(session, job.id, for_update=True)  # refreshed under the lock
     machine = await live_machine_at(session, job, rank, report.instance_id)
+    head = await repo.latest_plan_head(session, job.id)
+    current = head.generation if head is not None else None
+    if job.state in FINISHED_STATES or current != report.generation:
+        log.info(
+            "job %s: machine %d could not restore plan %d; ignored (the job is %s at plan %s)",
+            job.name,
+            rank,
+            report.generation,
+            job.state,
+            current,
+        )
+        return
     now = utcnow()
     session.add(
         FailureEvent(

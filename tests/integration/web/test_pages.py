@@ -144,12 +144,13 @@ async def test_user_controlled_text_is_escaped(signed_in: httpx.AsyncClient) -> 
     await scenario.register([f"i-{attack}", 'i-"><img src=x onerror=alert(2)>'])
     await scenario.heartbeat(5)
     failure_id = await scenario.kill_process(0)
+    await scenario.plan(2, "collecting")
     # A restore that failed with an error message that is HTML: the cause of an unknown failure.
     await scenario.post(
         "/machines/1/progress",
         {
             "instance_id": scenario.instances[1],
-            "generation": 1,
+            "generation": 2,
             "event": "restore_failed",
             "details": {"error": "<img src=x onerror=alert(3)>"},
         },
