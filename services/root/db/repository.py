@@ -115,9 +115,15 @@ async def live_inventories(session: AsyncSession, job_id: uuid.UUID) -> dict[int
     return {int(rank): inventory or {} for rank, inventory in (await session.execute(query)).all()}
 
 
-async def newest_summary_iterations(session: AsyncSession, job_id: uuid.UUID) -> list[int]:
-    """Every machine's (replaced ones included) newest heartbeat summary's local iterations."""
-    query = select(Machine.summary).where(Machine.job_id == job_id)
+async def newest_summary_iterations(
+    session: AsyncSession, job_id: uuid.UUID, failed: Collection[int] = ()
+) -> list[int]:
+    """The newest heartbeat summary's local iterations of every live machine and of the replaced machines
+    `failed` (ids): not of those replaced in earlier recoveries, whose last summaries are of a history the
+    job has since rolled back from."""
+    query = select(Machine.summary).where(
+        Machine.job_id == job_id, (Machine.state != MachineState.REPLACED) | Machine.id.in_(list(failed))
+    )
     return [
         int(iteration)
         for (summary,) in (await session.execute(query)).all()

@@ -432,7 +432,7 @@ async def _decide(
             for checkpoint, shard in await repo.persisted_shards(session, job.id)
         ],
         resumed_from=await repo.resumed_from(session, job.id),
-        reached=await _reached(session, job, holdings),
+        reached=await _reached(session, job, holdings, events),
     )
     by_rank = {m.rank: m for m in live}
     plan.iteration = decision.iteration
@@ -444,7 +444,9 @@ async def _decide(
     tiers = {str(s.rank): s.tier for s in decision.sources}
     for event in events:
         event.tier = decision.slowest_tier or "none"
-        event.iterations_lost = decision.iterations_lost
+        # At most what its column holds: a restart from scratch after iteration 2**31 - 1 loses one more.
+        lost = decision.iterations_lost
+        event.iterations_lost = min(lost, schemas.INT32_MAX) if lost is not None else None
         event.details = {
             **event.details,
             "plan_generation": plan.generation,
@@ -481,11 +483,16 @@ def _source_json(source: Any, by_rank: dict[int, Machine]) -> dict[str, Any]:
 
 
 async def _reached(
-    session: AsyncSession, job: Job, holdings: list[tuple[Machine, dict[str, Any]]]
+    session: AsyncSession,
+    job: Job,
+    holdings: list[tuple[Machine, dict[str, Any]]],
+    events: list[FailureEvent],
 ) -> int | None:
     """The newest iteration any rank committed before the failure: inventories of the survivors
-    (`holdings`: each live machine's) and the last heartbeat of every machine, the failed ones included."""
-    newest = await repo.newest_summary_iterations(session, job.id)
+    (`holdings`: each live machine's) and the last heartbeat of every live machine and of the machines of
+    this recovery's failures (replaced by now)."""
+    failed = [e.machine_id for e in events if e.machine_id is not None]
+    newest = await repo.newest_summary_iterations(session, job.id, failed)
     newest += [int(h["iteration"]) for _, h in holdings if h.get("tier") == "local"]
     return max(newest) if newest else None
 

@@ -25,6 +25,7 @@ from services.root.db.models import PersistedCheckpoint, PersistedShard
 from services.root.domain import recovery_states
 from services.root.domain.recovery_states import RecoveryState
 from services.root.flows.failures import machine_lost
+from services.root.schemas import INT32_MAX
 from services.root.settings import Settings
 from tests.integration.conftest import ADMIN_TOKEN, create_job, fresh_client
 from tests.integration.web.scenario import Scenario, eventually
@@ -298,3 +299,59 @@ async def test_an_inventory_report_that_waits_is_answered_with_the_machines_next
     assert directive["revision"] > params["after"] and directive["iteration"] == 5
     assert {s["rank"] for s in directive["sources"]} == {0}, "machine 0's own ranks' sources only"
     # Recorded before it waited: the plan that answered it needed machine 0's report too.
+
+
+async def test_iterations_lost_ignore_machines_replaced_in_an_earlier_recovery(
+    client: httpx.AsyncClient, tight_app: FastAPI
+) -> None:
+    """Machine 1 got to iteration 150 and was lost; the job went back to 5 on a replacement. When the next
+    failure hits at iteration 10, 5 iterations are lost: before, the lost machine's last summary (150, a
+    history the job rolled back from) made it 145."""
+    scenario = await two_machines(client)
+    summary = {"local": {"1": 150}, "committed": 151, "skipped": 0}
+    await scenario.post("/machines/1/heartbeat", {"instance_id": "i-1", "summary": summary}, 200)
+    async with tight_app.state.castor.database.session() as session:
+        job = await repo.get_job(session, uuid.UUID(scenario.id), for_update=True)
+        assert job is not None
+        machine = next(m for m in await repo.live_machines(session, job.id) if m.rank == 1)
+        await machine_lost(session, job, machine, "stopped heartbeating (test)")
+    await report_inventories(scenario, 2, [0])
+    await scenario.post("/machines", {"instance_id": "i-1b", "address": "127.0.0.1", "data_port": 7101}, 200)
+    scenario.instances = ["i-0", "i-1b"]
+    await scenario.post(
+        "/machines/1/inventory", {"instance_id": "i-1b", "generation": 2, "holdings": []}, 204
+    )
+    await scenario.plan(2, "ready")
+    for event in ("restored", "resumed"):
+        for rank, instance in enumerate(scenario.instances):
+            body = {"instance_id": instance, "generation": 2, "event": event}
+            await scenario.post(f"/machines/{rank}/progress", body, 204)
+    await eventually(lambda: _job_in_state(scenario, "running"), "the job to run again")
+    first = (await scenario.api("/failures"))[0]
+    assert first["iterations_lost"] == 145, first  # this one did lose them
+
+    await scenario.heartbeat(10)
+    failure_id = await scenario.kill_process(0)
+    await report_inventories(scenario, 3, [0, 1])
+    await scenario.plan(3, "ready")
+    failure = await scenario.api(f"/failures/{failure_id}")
+    assert failure["iterations_lost"] == 5, failure
+
+
+async def test_a_restart_from_scratch_after_the_last_countable_iteration_is_planned(
+    client: httpx.AsyncClient,
+) -> None:
+    """Nothing to restore after iteration 2**31 - 1: 2**31 iterations lost, one more than the column
+    holds (on Postgres the leader's step failed at every pass and the recovery never got a plan)."""
+    scenario = await two_machines(client)
+    for rank, instance in enumerate(scenario.instances):
+        summary = {"local": {str(rank): INT32_MAX}, "committed": INT32_MAX, "skipped": 0}
+        await scenario.post(f"/machines/{rank}/heartbeat", {"instance_id": instance, "summary": summary}, 200)
+    failure_id = await scenario.kill_process(1)
+    await scenario.plan(2, "collecting")
+    for rank, instance in enumerate(scenario.instances):
+        body = {"instance_id": instance, "generation": 2, "holdings": []}
+        await scenario.post(f"/machines/{rank}/inventory", body, 204)
+    plan = await scenario.plan(2, "ready")
+    assert plan["iteration"] is None, plan
+    assert (await scenario.api(f"/failures/{failure_id}"))["iterations_lost"] == INT32_MAX
