@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI
-from sqlalchemy import select
+from sqlalchemy import Select, delete, select
+from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.root.db.models import Job
+from services.root.db import repository as repo
+from services.root.db.models import Job, PersistedCheckpoint
 from tests.integration.api.test_worker import register, report_persisted
 from tests.integration.conftest import admin, create_job
 from tests.integration.test_progress_reports import statements_of
@@ -71,3 +75,44 @@ async def test_reports_at_once_complete_the_checkpoint(client: httpx.AsyncClient
     await report_persisted(client, job, 1, 10, 1, "ten1")
     found = (await client.get(f"/api/v1/jobs/{job['id']}/checkpoints", headers=admin())).json()
     assert [(s["rank"], s["digest"]) for s in found[0]["shards"]] == [(r, f"ten{r}") for r in range(MACHINES)]
+
+
+class _ExpiresBeforeTheLookup:
+    """A session whose persisted checkpoint is deleted (another report's expiry, committed) right before
+    persisted_checkpoint_id looks up the row its insert conflicted with."""
+
+    def __init__(self, session: AsyncSession, expire: Callable[[], Awaitable[None]]) -> None:
+        self._session, self._expire = session, expire
+        self.bind = session.bind
+        self.expired = False
+
+    async def execute(self, statement: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(statement, Select) and not self.expired:
+            self.expired = True
+            await self._expire()
+        return await self._session.execute(statement, *args, **kwargs)
+
+
+async def test_a_checkpoint_expired_between_its_insert_and_its_lookup_is_recorded_anew(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    """Before, the lookup found nothing and the report failed with a 500 (NoResultFound)."""
+    database = root_app.state.castor.database
+    if database.is_sqlite:
+        pytest.skip("SQLite serializes writers: no deletion can land between the two statements")
+    job_id = uuid.UUID(str((await registered(client))["id"]))
+    async with database.session() as session:
+        first = await repo.persisted_checkpoint_id(session, job_id, 10, "s3://b/ten")
+
+    async def expire() -> None:
+        async with database.session() as other:
+            await other.execute(delete(PersistedCheckpoint).where(PersistedCheckpoint.id == first))
+
+    async with database.session() as session:
+        racing = _ExpiresBeforeTheLookup(session, expire)
+        found = await repo.persisted_checkpoint_id(racing, job_id, 10, "s3://b/ten")  # type: ignore[arg-type]
+        assert racing.expired
+    async with database.session() as session:
+        query = select(PersistedCheckpoint.id).where(PersistedCheckpoint.job_id == job_id)
+        rows = (await session.execute(query)).scalars().all()
+    assert found != first and list(rows) == [found]

@@ -1032,20 +1032,26 @@ async def persisted_checkpoint_id(
 ) -> int:
     """The id of the job's persisted checkpoint of `iteration`, created if missing (its unique key: of
     several first reports at once one inserts it), its location set if it differs. Locks no row but a new
-    one's, and the existing one's only when its location changes."""
-    inserted = await session.execute(
+    one's, and the existing one's only when its location changes. An existing one that another report's
+    expiry deletes between the two statements is inserted anew (each statement reads what has committed)."""
+    insert = (
         _insert_for(session)(PersistedCheckpoint)
         .values(job_id=job_id, iteration=iteration, location=location)
         .on_conflict_do_nothing()
         .returning(PersistedCheckpoint.id)
     )
-    found: int | None = inserted.scalar_one_or_none()
-    if found is not None:
-        return found
     query = select(PersistedCheckpoint.id).where(
         PersistedCheckpoint.job_id == job_id, PersistedCheckpoint.iteration == iteration
     )
-    checkpoint_id: int = (await session.execute(query)).scalar_one()
+    for _ in range(3):  # a deletion between the two statements each time: never twice in practice
+        inserted: int | None = (await session.execute(insert)).scalar_one_or_none()
+        if inserted is not None:
+            return inserted
+        checkpoint_id: int | None = (await session.execute(query)).scalar_one_or_none()
+        if checkpoint_id is not None:
+            break
+    else:
+        raise RuntimeError(f"persisted checkpoint {iteration} of job {job_id} kept vanishing while recorded")
     await session.execute(
         update(PersistedCheckpoint)
         .where(PersistedCheckpoint.id == checkpoint_id, PersistedCheckpoint.location != location)
