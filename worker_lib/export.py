@@ -260,13 +260,28 @@ def _native_items(manifest: Manifest, tensor: Callable[[int], Callable[[], torch
             out.append(_Item(write, tensor(ref.index), entry.nbytes, (fqn, path)))
             return
         buffer = io.BytesIO()
-        torch.save(value, buffer)  # what DCP does with a non-tensor value (read back by its planner)
+        # What DCP does with a value it does not traverse (read back by its planner): a tuple, tensors in
+        # it included, is one pickled value.
+        torch.save(_with_tensors(value, tensor, fqn), buffer)
         raw = buffer.getvalue()
         write = WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO, BytesIOWriteData(len(raw)))
         out.append(_Item(write, lambda raw=raw: raw, len(raw), (fqn, path)))  # type: ignore[misc]
 
     traverse_state_dict(state, visit, keep_traversing=lambda v: isinstance(v, torch.Tensor | Ref | _Shard))
     return out
+
+
+def _with_tensors(value: Any, tensor: Callable[[int], Callable[[], torch.Tensor]], fqn: str) -> Any:
+    """`value` (a part of the decoded tree DCP treats as one value) with the tensors it refers to."""
+    if isinstance(value, Ref):
+        return tensor(value.index)().clone()  # its own storage: views of one region pickle as one
+    if isinstance(value, _Shard):
+        raise CheckpointError(f"{fqn}: a DTensor inside a tuple cannot be exported (DCP pickles it whole)")
+    if isinstance(value, dict):
+        return {key: _with_tensors(item, tensor, fqn) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_with_tensors(item, tensor, fqn) for item in value)
+    return value
 
 
 def _saved_world_size(manifest: Manifest) -> int | None:

@@ -332,15 +332,21 @@ def test_export_of_a_plain_checkpointer_save(tmp_path: Path) -> None:
         train(model, optimizer, 2)
         expected = {key: value.clone() for key, value in model.state_dict().items()}
         with Checkpointer(directory) as checkpointer:
-            checkpointer.save(5, {"model": model, "optimizer": optimizer, "epoch": 4})
+            # A tuple of tensors is one value to DCP (pickled whole): before, the export pickled the
+            # placeholders of its tensors instead of them.
+            rng = (torch.arange(3.0), [torch.tensor([7]), "seed"])
+            checkpointer.save(5, {"model": model, "optimizer": optimizer, "epoch": 4, "rng": rng})
             checkpointer.wait()
             export_dcp(checkpointer, tmp_path / "out")
         fresh, _ = build(9)
-        state = {"model": fresh.state_dict(), "epoch": 0}
+        state = {"model": fresh.state_dict(), "epoch": 0, "rng": None}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(tmp_path / "out")))
         assert bit_differences(expected, fresh.state_dict()) == []
         assert state["epoch"] == 4
+        loaded = state["rng"]
+        assert isinstance(loaded, tuple) and torch.equal(loaded[0], rng[0])
+        assert torch.equal(loaded[1][0], rng[1][0]) and loaded[1][1] == "seed"
     finally:
         shutil.rmtree(directory, ignore_errors=True)
