@@ -15,7 +15,7 @@ from services.root.db import repository as repo
 from services.root.db.models import FailureEvent, JobState
 from services.root.errors import Invalid, NotFound, error_responses
 from services.root.flows import jobs as job_flows
-from services.root.flows import recovery
+from services.root.flows import persistence, recovery
 from services.root.schemas.shared import readable_json
 
 # Lists come a page at a time. The defaults are large enough that a job of ordinary size comes whole in one
@@ -264,22 +264,12 @@ async def list_persisted_checkpoints(
 ) -> list[schemas.PersistedCheckpointOut]:
     """Checkpoints in the persistent tier, newest first; complete when every rank's shard is there. A page
     at a time (X-Total-Count, and a Link rel="next" while older ones remain)."""
-    world_size = job.num_machines * job.procs_per_machine
     found, total = await repo.persisted_page(db, job.id, limit=limit + 1, before_iteration=before_iteration)
     more, found = len(found) > limit, found[:limit]
     _page_headers(
         request, response, total, {"limit": limit, "before_iteration": found[-1].iteration} if more else None
     )
-    return [
-        schemas.PersistedCheckpointOut(
-            iteration=c.iteration,
-            location=c.location,
-            created_at=c.created_at,
-            complete=len(c.shards) == world_size,
-            shards=[schemas.PersistedShardOut.model_validate(s) for s in c.shards],
-        )
-        for c in found
-    ]
+    return await persistence.checkpoints_out(db, job, found)
 
 
 def _page_headers(

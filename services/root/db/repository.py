@@ -891,6 +891,7 @@ class CheckpointLine(NamedTuple):
     created_at: datetime
     shards: int
     nbytes: int
+    generations: frozenset[int]  # of the training that wrote its shards
 
 
 async def checkpoint_lines(
@@ -904,27 +905,34 @@ async def checkpoint_lines(
         .limit(limit)
         .subquery()
     )
+    # Counted per generation of the shards (one row per checkpoint and generation, few of them): whether a
+    # checkpoint is complete depends on which of them are on the current timeline.
     query = (
         select(
             PersistedCheckpoint.iteration,
             PersistedCheckpoint.location,
             PersistedCheckpoint.created_at,
+            PersistedShard.generation,
             func.count(PersistedShard.id),
             func.coalesce(func.sum(PersistedShard.nbytes), 0),
         )
         .join(newest, newest.c.id == PersistedCheckpoint.id)
         .outerjoin(PersistedShard, PersistedShard.checkpoint_id == PersistedCheckpoint.id)
         .group_by(PersistedCheckpoint.id, PersistedCheckpoint.iteration, PersistedCheckpoint.location)
-        .group_by(PersistedCheckpoint.created_at)
+        .group_by(PersistedCheckpoint.created_at, PersistedShard.generation)
         .order_by(PersistedCheckpoint.iteration.desc())
     )
     count = select(func.count()).select_from(PersistedCheckpoint).where(PersistedCheckpoint.job_id == job_id)
     total = int((await session.execute(count)).scalar_one())
-    lines = [
-        CheckpointLine(iteration, location, created_at, int(shards), int(nbytes))
-        for iteration, location, created_at, shards, nbytes in (await session.execute(query)).all()
-    ]
-    return lines, total
+    lines: dict[int, CheckpointLine] = {}
+    for iteration, location, created_at, generation, shards, nbytes in (await session.execute(query)).all():
+        line = lines.get(iteration) or CheckpointLine(iteration, location, created_at, 0, 0, frozenset())
+        lines[iteration] = line._replace(
+            shards=line.shards + int(shards),
+            nbytes=line.nbytes + int(nbytes),
+            generations=line.generations | ({int(generation)} if generation is not None else set()),
+        )
+    return list(lines.values()), total
 
 
 def needs_judging(lapsed_before: datetime | None) -> ColumnElement[bool]:

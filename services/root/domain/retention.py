@@ -8,7 +8,7 @@ of the checkpoints a recovery can actually use, and the one a recovery just roll
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from services.root.domain.recovery import on_timeline
@@ -29,6 +29,20 @@ def is_complete(
         and on_timeline(checkpoint.iteration, checkpoint.shard_generations[rank], resumed_from)
         for rank in range(world_size)
     )
+
+
+def is_complete_counted(
+    iteration: int,
+    *,
+    shards: int,
+    generations: Iterable[int],
+    world_size: int,
+    resumed_from: Mapping[int, int | None],
+) -> bool:
+    """is_complete from a count of the checkpoint's shards and the generations that wrote them: a rank has
+    at most one shard of a checkpoint, so every rank has one on the current timeline when there are
+    `world_size` and every generation among them is on it."""
+    return shards == world_size and all(on_timeline(iteration, g, resumed_from) for g in generations)
 
 
 def expired(

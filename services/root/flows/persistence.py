@@ -10,6 +10,7 @@ What the root deletes at expiry is computed the same way and scoped to the job's
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -17,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.root import schemas
 from services.root.db import repository as repo
 from services.root.db.database import Database
-from services.root.db.models import Job
+from services.root.db.models import Job, PersistedCheckpoint
 from services.root.domain import persisted
 from services.root.domain.retention import StoredCheckpoint, expired, is_complete
 from services.root.errors import Forbidden, Invalid, NotFound
@@ -171,3 +172,27 @@ async def _expire(
         )
         await session.delete(checkpoint)
     return prefixes
+
+
+async def checkpoints_out(
+    session: AsyncSession, job: Job, checkpoints: Sequence[PersistedCheckpoint]
+) -> list[schemas.PersistedCheckpointOut]:
+    """The API's view of persisted checkpoints (their shards loaded): complete when every rank's shard is
+    there on the current timeline, as retention counts them (a shard of a history the job rolled back from
+    does not complete a checkpoint of the new one)."""
+    world_size = job.num_machines * job.procs_per_machine
+    resumed_from = await repo.resumed_from(session, job.id) if checkpoints else {}
+    return [
+        schemas.PersistedCheckpointOut(
+            iteration=c.iteration,
+            location=c.location,
+            created_at=c.created_at,
+            complete=is_complete(
+                StoredCheckpoint(c.iteration, {s.rank: s.generation for s in c.shards}),
+                world_size=world_size,
+                resumed_from=resumed_from,
+            ),
+            shards=[schemas.PersistedShardOut.model_validate(s) for s in c.shards],
+        )
+        for c in checkpoints
+    ]

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from tests.integration.conftest import create_job
+from tests.integration.conftest import ADMIN_TOKEN, create_job
 from tests.integration.web.scenario import Scenario
 
 K = 10
@@ -85,3 +85,26 @@ async def test_a_rollback_before_the_target_chooses_one_of_the_new_history_past_
     chosen = await persist_schedule(scenario)
     assert chosen["generation"] == 2 and chosen["iteration"] % K == 0
     assert chosen["iteration"] > restored
+
+
+async def test_shards_of_two_histories_do_not_make_a_complete_checkpoint(client: httpx.AsyncClient) -> None:
+    """Rank 0 uploaded the target in generation 1; generation 2 went back before it, and rank 1 uploaded
+    the same iteration of the new history. Every rank has a shard, but of two histories: before, the API,
+    the job page and so `castor checkpoints export` called it complete."""
+    scenario, target = await persisting(client)
+    await report_persisted(scenario, 0, target, 1)
+    await scenario.heartbeat(target + 1)
+    await scenario.kill_process(1)
+    await scenario.recover(target - 3)
+    await report_persisted(scenario, 1, target, 2)
+
+    checkpoints = await scenario.api("/checkpoints")
+    assert [(c["iteration"], len(c["shards"]), c["complete"]) for c in checkpoints] == [(target, 2, False)]
+    await client.post("/login", data={"token": ADMIN_TOKEN, "next": "/"})
+    page = await client.get(f"/jobs/{scenario.id}")
+    assert page.status_code == 200
+    assert 'class="badge state-recovering">partial</span> 2/2' in page.text
+
+    await report_persisted(scenario, 0, target, 2)  # rank 0 uploads the new history's too
+    checkpoints = await scenario.api("/checkpoints")
+    assert [(c["iteration"], c["complete"]) for c in checkpoints] == [(target, True)]

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.root import schemas
 from services.root.db import repository as repo
 from services.root.db.models import Job, Machine, MachineState, PlanStatus
+from services.root.domain.retention import is_complete_counted
 from services.root.flows import jobs as job_flows
 from services.root.web import charts, queries
 from services.root.web.contexts.common import (
@@ -148,10 +149,7 @@ class CheckpointRow:
     shards: int
     world_size: int
     nbytes: int
-
-    @property
-    def complete(self) -> bool:
-        return self.shards == self.world_size
+    complete: bool  # every rank's shard is there, on the current timeline (domain.retention)
 
 
 @dataclass(frozen=True)
@@ -375,6 +373,7 @@ async def job_page(
     )
     world_size = job.num_machines * job.procs_per_machine
     lines, total_checkpoints = await repo.checkpoint_lines(session, job.id, limit=CHECKPOINT_LIMIT)
+    resumed_from = await repo.resumed_from(session, job.id) if lines else {}
     checkpoints = [
         CheckpointRow(
             iteration=c.iteration,
@@ -383,6 +382,13 @@ async def job_page(
             shards=c.shards,
             world_size=world_size,
             nbytes=c.nbytes,
+            complete=is_complete_counted(
+                c.iteration,
+                shards=c.shards,
+                generations=c.generations,
+                world_size=world_size,
+                resumed_from=resumed_from,
+            ),
         )
         for c in lines
     ]
