@@ -71,12 +71,16 @@ from worker_lib.agent.states import (
 from worker_lib.agent.watchdog import HangPolicy, HangWatch
 from worker_lib.api.shared import PlanSource
 from worker_lib.api.worker import DirectiveOut
-from worker_lib.client import RootClient, RootError, RootRejected, RootUnavailable
+from worker_lib.client import RootClient, RootError, RootRejected, RootUnavailable, UnexpectedAnswer
 from worker_lib.errors import CheckpointNotFoundError
 from worker_lib.persistent import object_store
 
 # For tests only: no background check, so that a plan names a corrupt copy and its restore is the check.
 NO_BACKGROUND_CHECK_ENV = "CASTOR_TEST_NO_BACKGROUND_CHECK"
+
+# How long the directive loop waits before asking again after an answer that was not the root's API (a
+# proxy's error page with a 200): the client retries only transport errors and 5xx by itself.
+UNEXPECTED_ANSWER_RETRY_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -395,6 +399,10 @@ class Agent:
             except RootUnavailable as exc:
                 log.warning("no directive from the root (%s); training continues", exc)
                 continue
+            except UnexpectedAnswer as exc:  # not the root's API (a proxy's page): asked again, not fatal
+                log.warning("the directive poll got something else than the root's API (%s); retrying", exc)
+                await asyncio.sleep(UNEXPECTED_ANSWER_RETRY_S)
+                continue
             except RootRejected as exc:
                 if exc.code == "job_not_found":
                     self._decide_now(JobDeleted())
@@ -568,7 +576,7 @@ class Agent:
     async def _progress(self, generation: int, event: str, details: dict[str, Any]) -> None:
         try:
             await self.machine.report_progress(generation, event, details)
-        except (RootUnavailable, RootRejected) as exc:
+        except RootError as exc:
             log.error("could not report %s for generation %d: %s", event, generation, exc)
             self._stop_if_replaced(exc)
 
@@ -617,7 +625,7 @@ class Agent:
                 error=ended.error,
                 generation=ended.generation,
             )
-        except (RootUnavailable, RootRejected) as exc:
+        except RootError as exc:
             log.error("could not report the exit of rank %d: %s", ended.global_rank, exc)
             self._stop_if_replaced(exc)
 
@@ -630,6 +638,6 @@ class Agent:
             log.warning("the last checkpoints did not reach every peer in time")
         try:
             await self.machine.report_progress(generation, "finished")
-        except (RootUnavailable, RootRejected) as exc:
+        except RootError as exc:
             log.error("could not report that training finished: %s; exiting", exc)
             self._finish(0)

@@ -19,7 +19,7 @@ from typing import Any
 import aetcd
 
 from worker_lib.api.worker import HeartbeatResponse
-from worker_lib.client import RootClient, RootRejected, RootUnavailable
+from worker_lib.client import RootClient, RootRejected, RootUnavailable, UnexpectedAnswer
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ async def rest_heartbeats(
             log.warning("heartbeat refused: %s", exc)
         except RootUnavailable as exc:
             log.info("heartbeat not delivered: %s", exc)
+        except UnexpectedAnswer as exc:  # a proxy's page, a root of another version: tried again
+            log.warning("heartbeat answered with something else than the root's API: %s", exc)
         if wake is None:
             await asyncio.sleep(interval_s)
             continue

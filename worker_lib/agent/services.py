@@ -500,7 +500,7 @@ class MachineServices:
                 # This machine's share: itself and every peer it sends replicas to.
                 directive = await self.client.directive(after=-1, wait_s=0, machine=self.machine_rank)
                 self.directive_answered(directive, long_poll=False)
-            except (RootUnavailable, RootRejected) as exc:
+            except (RootUnavailable, RootRejected, UnexpectedAnswer) as exc:
                 log.info("could not refresh the peers' addresses: %s", exc)
 
 
