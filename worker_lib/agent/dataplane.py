@@ -66,6 +66,7 @@ _MAX_MESSAGE = 64 << 20  # manifests of states with very many tensors stay far b
 MAX_PREAUTH_MESSAGE = 4 << 10
 MAX_UNAUTHENTICATED = 16  # connections in the handshake at once; more are closed at accept
 HANDSHAKE_TIMEOUT_S = 5.0
+ACCEPT_RETRY_S = 0.1  # after accept() failed: out of descriptors or memory, for a moment
 REPLICA_BYTES_MAX_ENV = "CASTOR_REPLICA_BYTES_MAX"
 _RECV_CHUNK = 8 << 20
 _RECV_BATCH = 512 << 10  # bytes a receiving thread waits for per wake-up (see _recv_into)
@@ -108,7 +109,10 @@ def recv_message(
         raise DataPlaneError(
             f"control message of {length} bytes exceeds the {limit} byte limit", code="message_too_large"
         )
-    message = json.loads(_recv_exact(sock, length, deadline))
+    try:
+        message = json.loads(_recv_exact(sock, length, deadline))
+    except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested thousands deep
+        raise DataPlaneError(f"control message is not JSON: {type(exc).__name__}") from None
     if not isinstance(message, dict):
         raise DataPlaneError("control message is not a JSON object")
     return message
@@ -196,7 +200,9 @@ def _server_handshake(
     answer = recv_message(sock, MAX_PREAUTH_MESSAGE, deadline)
     client_nonce = bytes.fromhex(str(answer.get("nonce", "")))
     expected = _proof(key, b"client", server_nonce, client_nonce)
-    if len(client_nonce) != 32 or not hmac.compare_digest(str(answer.get("proof", "")), expected):
+    # Compared as bytes: compare_digest refuses str with characters beyond ASCII (a stranger's proof).
+    proof = str(answer.get("proof", "")).encode()
+    if len(client_nonce) != 32 or not hmac.compare_digest(proof, expected.encode()):
         on_failure()  # counted before the peer hears about it
         send_message(sock, {"ok": False, "code": "authentication_failed", "error": "authentication failed"})
         return None
@@ -566,6 +572,7 @@ class ServerCounters:
     auth_failures: int = 0
     handshakes_dropped: int = 0  # oversized frames, deadline passed, malformed hello answers
     connections_refused: int = 0  # closed at accept: too many peers in the handshake already
+    accept_errors: int = 0  # accept() failed (out of descriptors or memory): tried again
 
 
 class DataPlaneServer:
@@ -643,8 +650,16 @@ class DataPlaneServer:
         while not self._closing.is_set():
             try:
                 sock, peer = self._listener.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._closing.is_set():
+                    return  # close() shut the listener
+                # Out of descriptors or memory (EMFILE, ENOBUFS), or a connection that failed before it was
+                # accepted: this machine must go on serving its checkpoints, or every restore that reads
+                # from it fails. Said, and tried again shortly.
+                self.counters.accept_errors += 1
+                log.warning("the data plane could not accept a connection (%s); trying again", exc)
+                self._closing.wait(ACCEPT_RETRY_S)
+                continue
             thread = threading.Thread(
                 target=self._serve, args=(sock, peer), name=f"castor-dataplane-{peer[1]}", daemon=True
             )

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
+import json
 import logging
 import shutil
 import socket
@@ -126,6 +128,59 @@ def test_a_stranger_announcing_a_large_frame_is_dropped_before_anything_is_alloc
     assert MAX_PREAUTH_MESSAGE <= 8 << 10
     with PeerConnection("127.0.0.1", receiver.port, KEY, JOB) as peer:
         assert peer.inventory() == []
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        json.dumps(
+            {"nonce": "00" * 32, "proof": "\u00e9" * 64}
+        ).encode(),  # beyond ASCII: compare_digest raised
+        b"[" * 3000
+        + b"]" * 1000,  # nested thousands deep, within the 4 KiB frame: json raised RecursionError
+    ],
+    ids=["non-ascii-proof", "deep-json"],
+)
+def test_a_stranger_s_malformed_hello_answer_is_counted_and_the_server_goes_on(
+    receiver: DataPlaneServer, answer: bytes
+) -> None:
+    """Before, these escaped the handshake's error handling: the thread died with a traceback and nothing
+    was counted."""
+    assert len(answer) <= MAX_PREAUTH_MESSAGE
+    with socket.create_connection(("127.0.0.1", receiver.port)) as stranger:
+        recv_message(stranger)
+        stranger.sendall(struct.pack("!I", len(answer)) + answer)
+        assert closed_by_peer(stranger)
+    counters = receiver.counters
+    assert counters.auth_failures + counters.handshakes_dropped == 1
+    with PeerConnection("127.0.0.1", receiver.port, KEY, JOB) as peer:
+        assert peer.inventory() == []
+
+
+def test_the_data_plane_goes_on_accepting_after_accept_fails(
+    receiver: DataPlaneServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of descriptors or buffers for a moment (EMFILE, ENOBUFS): before, the accept loop ended silently,
+    the listening socket stayed open, and every fetch from this machine timed out in its handshake."""
+    listener = receiver._listener
+    failures = iter([OSError(errno.ENOBUFS, "No buffer space available"), OSError(errno.EMFILE, "Too many")])
+
+    class Failing:
+        def accept(self) -> tuple[socket.socket, tuple[str, int]]:
+            failure = next(failures, None)
+            if failure is not None:
+                raise failure
+            return listener.accept()
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(listener, name)
+
+    monkeypatch.setattr(receiver, "_listener", Failing())
+    with socket.create_connection(("127.0.0.1", receiver.port)):
+        pass  # wakes the blocked accept(); the next one fails twice
+    with PeerConnection("127.0.0.1", receiver.port, KEY, JOB) as peer:
+        assert peer.inventory() == []
+    assert receiver.counters.accept_errors == 2
 
 
 # -- (b) unauthenticated connections: how many, how long ----------------------------------------------------
