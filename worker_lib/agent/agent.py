@@ -19,10 +19,10 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from worker_lib.agent import stacks
 from worker_lib.agent.address import default_address
@@ -83,6 +83,19 @@ NO_BACKGROUND_CHECK_ENV = "CASTOR_TEST_NO_BACKGROUND_CHECK"
 UNEXPECTED_ANSWER_RETRY_S = 1.0
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def all_settled(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """asyncio.gather that returns or raises (the first error, by position) only once every awaitable has
+    ended: a restore's fetches run in threads that cannot be cancelled, and one still writing a local store
+    when the next plan's restore starts would share its slot with that restore's writer."""
+    results = await asyncio.gather(*awaitables, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return cast(list[T], results)
 
 
 @dataclass
@@ -536,7 +549,7 @@ class Agent:
             details = {"tier": source.tier, "seconds": round(seconds, 3), "source": source.source_rank}
             return str(rank), details
 
-        return dict(await asyncio.gather(*(restore_rank(r) for r in self.machine.local_ranks())))
+        return dict(await all_settled(restore_rank(r) for r in self.machine.local_ranks()))
 
     def _fetch_from_peer(self, rank: int, iteration: int, source: PlanSource) -> None:
         if source.address is None or source.data_port is None:
