@@ -261,7 +261,7 @@ class Holdings:
             with store.open_read(manifest.iteration) as (current, data):
                 if current.digest != manifest.digest:
                     return OVERWRITTEN
-                verify(current, data, self._copy_engine())
+                verify(current, data, self.copy_engine())
         except CheckpointNotFoundError:
             return OVERWRITTEN
         except CheckpointCorruptError as exc:
@@ -344,7 +344,7 @@ class Holdings:
                     out[key][rank] = newest.iteration
         return out
 
-    def _copy_engine(self) -> CopyEngine:
+    def copy_engine(self) -> CopyEngine:
         with self._lock:  # inventories can run on two threads at once; one pool is enough
             if self._engine is None:
                 self._engine = CopyEngine()

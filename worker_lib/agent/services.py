@@ -27,8 +27,9 @@ from worker_lib.agent.replication import Replicator, aligned_rounds
 from worker_lib.api.shared import MAX_CHECKPOINTS_PER_MINUTE, Peer, RankPlacement
 from worker_lib.api.worker import DirectiveOut, HeartbeatResponse, RegisterResponse, ReplicationAlignment
 from worker_lib.client import RootClient, RootRejected, RootUnavailable, UnexpectedAnswer
-from worker_lib.errors import CheckpointNotFoundError
+from worker_lib.errors import CheckpointCorruptError, CheckpointNotFoundError
 from worker_lib.persistent import ObjectStore, object_store, shard_key
+from worker_lib.store.integrity import verify
 from worker_lib.store.manifest import Manifest
 from worker_lib.store.slots import storage_filesystem
 
@@ -595,6 +596,14 @@ class Uploads:
         target = None if generation is None else (iteration, generation)
         try:
             manifest, data = await asyncio.to_thread(self._stage, rank, iteration, generation)
+        except CheckpointCorruptError as exc:
+            self.failed += 1
+            log.error(
+                "rank %d iteration %d is not uploaded: its copy here is corrupt (%s)", rank, iteration, exc
+            )
+            if target is not None and self.target == target:
+                self.missed = target  # the root announces another iteration
+            return
         except CheckpointNotFoundError:
             # Overwritten before we got to it (the training is faster than the upload), or a commit of
             # another history: on the schedule, a rank that committed past the target missed it.
@@ -666,6 +675,10 @@ class Uploads:
                 staging = self._staging[rank] = bytearray(manifest.data_bytes)
             view = memoryview(staging)[: manifest.data_bytes]
             view[:] = data  # one memcpy, then the slot is the training process's again
+        # What is uploaded is checked against the manifest's checksums (about 17 ms a GiB from cache): the
+        # root counts an uploaded shard toward a complete checkpoint, and retention may then delete older
+        # good ones, so a copy corrupt in memory must not get there.
+        verify(manifest, view, self.services.holdings.copy_engine())
         return manifest, view
 
     async def close(self) -> None:

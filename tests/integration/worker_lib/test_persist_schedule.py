@@ -185,3 +185,55 @@ async def test_every_rank_persists_the_announced_iterations_and_each_completes(
     assert directive["persist"]["every"] == K and current % K == 0
     assert current > max(i for i, ranks in shards.items() if ranks == [0, 1])
     assert sum(u.failed for _, u, _, _ in machines) == 0
+
+
+class RecordingStore:
+    """A persistent tier and a root that record what reaches them."""
+
+    def __init__(self) -> None:
+        self.puts: list[str] = []
+        self.reports: list[dict[str, Any]] = []
+
+    async def put(self, key: str, manifest: Manifest, data: memoryview) -> PersistedShard:
+        self.puts.append(key)
+        return PersistedShard(key, f"file:///{key}", manifest.digest, manifest.data_bytes)
+
+    async def report_persisted(self, rank: int, body: dict[str, Any]) -> None:
+        self.reports.append(body)
+
+
+async def test_a_copy_corrupt_in_memory_is_not_uploaded(shm: Path) -> None:
+    """Before, a local copy corrupted after its commit was uploaded and reported with the manifest's digest:
+    counted toward a complete checkpoint (retention could then delete older good ones), found only by the
+    restore that needed it."""
+    from tests.integration.worker_lib.test_dataplane import flip_a_bit
+
+    holdings = Holdings(shm / "m0")
+    store = RecordingStore()
+    registration = SimpleNamespace(
+        persist_every=K, job_id=uuid.uuid4(), persistent=SimpleNamespace(prefix="castor")
+    )
+    services = SimpleNamespace(
+        holdings=holdings,
+        registration=registration,
+        registered=registration,
+        client=store,
+        identity=SimpleNamespace(instance_id="i-0"),
+        machine_rank=0,
+        local_ranks=lambda: [0],
+    )
+    uploads = Uploads(services)  # type: ignore[arg-type]
+    uploads._store = store  # type: ignore[assignment]
+    with Checkpointer(holdings.directory("local", 0), blocking=True) as checkpointer:
+        for iteration in (K, 2 * K):
+            assert checkpointer.save(iteration, {"w": torch.full((256,), float(iteration))})
+    flip_a_bit(holdings.directory("local", 0), K)
+    try:
+        for iteration in (K, 2 * K):
+            uploads.notice_commit(0, iteration)
+            await asyncio.gather(*uploads._running.values())
+    finally:
+        await uploads.close()
+        holdings.close()
+    assert uploads.failed == 1 and uploads.uploaded == 1
+    assert [r["iteration"] for r in store.reports] == [2 * K] and len(store.puts) == 1
