@@ -149,15 +149,19 @@ def build(
     values: dict[str, Any], costs_override: sim.RecoveryCosts | None = None
 ) -> tuple[sim.SimInputs, sim.RecoveryCosts, sim.Setting]:
     """SimInputs, costs and setting from the merged values."""
-    setting_kw = {name: kind(values[flag]) for flag, (name, kind) in SETTING_FLAGS.items() if flag in values}
-    setting = sim.Setting(**setting_kw)
-    input_kw: dict[str, Any] = {
-        name: kind(values[flag]) for flag, (name, kind) in INPUT_FLAGS.items() if flag in values
-    }
-    if "failures_per_day" in values:
-        machines = int(input_kw.get("machines", sim.SimInputs.machines))
-        input_kw["failures_per_machine_day"] = float(values["failures_per_day"]) / machines
-    try:
+    try:  # a value of the wrong kind (a config file's "1,000") or out of range is a usage error
+        setting_kw = {
+            name: kind(values[flag]) for flag, (name, kind) in SETTING_FLAGS.items() if flag in values
+        }
+        setting = sim.Setting(**setting_kw)
+        input_kw: dict[str, Any] = {
+            name: kind(values[flag]) for flag, (name, kind) in INPUT_FLAGS.items() if flag in values
+        }
+        if "failures_per_day" in values:
+            machines = int(input_kw.get("machines", sim.SimInputs.machines))
+            if machines < 1:
+                raise ValueError("machines must be at least 1")
+            input_kw["failures_per_machine_day"] = float(values["failures_per_day"]) / machines
         inputs, costs = sim.castor_inputs(setting, **input_kw)
     except (TypeError, ValueError) as exc:
         raise SimulateError(str(exc)) from None

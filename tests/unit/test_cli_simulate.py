@@ -75,6 +75,10 @@ def test_yaml_config_and_flags(capsys: pytest.CaptureFixture[str], tmp_path: Pat
         (["--sweep", "machines=a"], "values must be numbers"),
         (["--machines", "4", "--replicas", "5"], "replicas must be between 1 and machines"),
         (["--hardware-fraction", "2"], "hardware_fraction must be between 0 and 1"),
+        # Before, tracebacks (ZeroDivisionError).
+        (["--network-gbps", "0"], "network_gbps must be positive"),
+        (["--iteration-s", "0"], "iteration_s and network_gbps must be positive"),
+        (["--machines", "0", "--failures-per-day", "5"], "machines must be at least 1"),
     ],
 )
 def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
@@ -87,6 +91,9 @@ def test_bad_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     config.write_text("machines: 16\ncolour: blue\n")
     code, _, err = run(capsys, "--config", str(config))
     assert code == 2 and "unknown keys colour" in err
+    config.write_text('machines: "1,000"\n')  # before, a traceback (ValueError from int())
+    code, _, err = run(capsys, "--config", str(config))
+    assert code == 2 and "1,000" in err and err.count("\n") == 1
 
 
 def test_recorded_failures_become_phase_records() -> None:

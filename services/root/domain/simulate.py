@@ -493,6 +493,13 @@ class Setting:
     gpus_per_machine: int = 8
     network_gbps: float = 100.0
 
+    def __post_init__(self) -> None:
+        # The costs divide by the iteration time and the link's bandwidth.
+        if not (self.iteration_s > 0 and self.network_gbps > 0):
+            raise ValueError("iteration_s and network_gbps must be positive")
+        if self.gb_per_gpu < 0 or self.gpus_per_machine < 1:
+            raise ValueError("gb_per_gpu must not be negative and gpus_per_machine must be at least 1")
+
 
 def scaled_costs(
     setting: Setting, measured: dict[str, float] | None = None
