@@ -40,9 +40,12 @@ def checkpoints_export(client: CliClient, args: argparse.Namespace) -> int:
             f"iteration {chosen.iteration} of job {job['name']} is incomplete (ranks {ranks} only)"
         )
     target = Path(args.to)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise CliError(f"{target} exists and is not an empty directory")
-    target.mkdir(parents=True, exist_ok=True)
+    try:
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise CliError(f"{target} exists and is not an empty directory")
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a parent that is a file, no permission
+        raise CliError(f"cannot write the export to {target}: {exc}") from None
     shards = sorted(chosen.shards, key=lambda s: s.rank)
     if [s.rank for s in shards] != list(range(len(shards))):
         raise CliError(f"iteration {chosen.iteration}: the shards' ranks are not 0..{len(shards) - 1}")
@@ -82,6 +85,14 @@ def checkpoints_export(client: CliClient, args: argparse.Namespace) -> int:
         )
     except (CheckpointError, OSError) as exc:
         raise CliError(f"exporting iteration {chosen.iteration}: {exc}") from None
+    except ImportError as exc:  # an S3 tier without the s3 extra (aioboto3)
+        raise CliError(f"exporting iteration {chosen.iteration}: {exc}; pip install 'castor[s3]'") from None
+    except Exception as exc:
+        # The S3 client's own errors (no credentials, access denied, an endpoint that does not answer)
+        # are the user's to fix: said in one line, not as a traceback.
+        if not type(exc).__module__.startswith(("botocore", "aiobotocore")):
+            raise
+        raise CliError(f"exporting iteration {chosen.iteration} from {chosen.location}: {exc}") from None
     finally:
         bar.stop()
     document = {

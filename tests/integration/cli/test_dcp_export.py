@@ -121,3 +121,7 @@ def test_export_refuses_an_iteration_not_persisted_and_a_used_directory(
     (tmp_path / "used" / "file").write_text("x")
     used = castor(root, "checkpoints", "export", job["name"], "--to", str(tmp_path / "used"))
     assert used.returncode == 1 and "is not an empty directory" in used.stderr
+    # A directory that cannot be made (its parent is a file): before, a traceback.
+    unmade = castor(root, "checkpoints", "export", job["name"], "--to", str(tmp_path / "used" / "file" / "x"))
+    assert unmade.returncode == 1 and "cannot write the export to" in unmade.stderr
+    assert "Traceback" not in unmade.stderr
