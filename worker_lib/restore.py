@@ -129,11 +129,19 @@ def restore_state(
     else:
         optimizers = targets.optimizers
     state = decode()
-    for module, keys in targets.modules:
-        module.load_state_dict(_lookup(state, keys))
+    for module, keys, extra in targets.extra_states:
+        _set_extra_states(module, _lookup(state, keys), extra)
     for optimizer, keys in optimizers:
         optimizer.load_state_dict(_lookup(state, keys))
     return partial(_same, state)
+
+
+def _set_extra_states(module: nn.Module, state: dict[str, Any], keys: list[str]) -> None:
+    """Give each submodule of `module` whose extra state is among `keys` (state_dict keys) its saved value,
+    as load_state_dict would; the module's tensors were filled in place."""
+    for key in keys:
+        owner = key[: -len(EXTRA_STATE_SUFFIX)].rstrip(".")
+        module.get_submodule(owner).set_extra_state(state[key])
 
 
 def _same(value: Any) -> Any:
@@ -351,12 +359,13 @@ class _Targets:
     with load_state_dict."""
 
     def __init__(self, manifest: Manifest):
-        self._manifest = manifest
         self._entries = manifest.tensors
         self.tensors: dict[int, torch.Tensor] = {}
         self.dtensors: dict[int, Any] = {}  # live DTensors whose local shards are filled in place
         self.optimizers: list[tuple[torch.optim.Optimizer, Keys]] = []
-        self.modules: list[tuple[nn.Module, Keys]] = []  # modules with extra state (see module())
+        # Modules with extra state, the keys of their state in the tree and their extra-state keys (see
+        # module()).
+        self.extra_states: list[tuple[nn.Module, Keys, list[str]]] = []
 
     def tensor(self, state: Any, target: torch.Tensor, path: str) -> None:
         DTensor = dtensor_type()
@@ -404,18 +413,14 @@ class _Targets:
                 f"{path}: the checkpoint does not match the module: missing {sorted(own.keys() - saved)}, "
                 f"unexpected {sorted(saved - own.keys())}"
             )
-        if any(key.endswith(EXTRA_STATE_SUFFIX) for key in own):
-            # Extra state (get_extra_state: FP8 scaling factors, say) is put back by set_extra_state, which
-            # only load_state_dict calls: the state_dict holds a copy of it, and filling that would change
-            # nothing. The module's tensors are checked here like the others; it is loaded once decoded.
-            checks = _Targets(self._manifest)
-            for key, tensor in own.items():
-                if not key.endswith(EXTRA_STATE_SUFFIX):
-                    checks.tensor(state[key], tensor, f"{path}[{key!r}]")
-            self.modules.append((target, keys))
-            return
+        extra = [key for key in own if key.endswith(EXTRA_STATE_SUFFIX)]
         for key, tensor in own.items():
-            self.tensor(state[key], tensor, f"{path}[{key!r}]")
+            if key not in extra:
+                self.tensor(state[key], tensor, f"{path}[{key!r}]")
+        if extra:
+            # Extra state (get_extra_state: FP8 scaling factors, say) is put back by set_extra_state: the
+            # state_dict holds a copy of it, and filling that would change nothing. Once decoded.
+            self.extra_states.append((target, keys, extra))
 
     def optimizer(self, state: Any, target: torch.optim.Optimizer, path: str, keys: Keys) -> None:
         _check_param_groups(state, target, path)
