@@ -61,11 +61,19 @@ def test_an_optimizer_step_right_after_save_waits_for_the_copy(shm_dir: Path, sl
 
 
 def test_a_save_from_another_thread_waits_for_the_copy_an_optimizer_step_is_waiting_for(
-    shm_dir: Path, slow_copies: None
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """dcp.async_save calls save() from DCP's thread. Before, while the training thread's optimizer step
     waited for the previous copy, that save found nothing pending and took the slot the copy was still
     writing (its manifest invalidated: the preferred one), so two writes shared it."""
+    release = threading.Event()  # the first save's copy is held until the test lets it go
+    copy = copy_module.FlatTransfer.copy
+
+    def held_copy(self: copy_module.FlatTransfer, lo: int, hi: int) -> None:
+        assert release.wait(30)
+        copy(self, lo, hi)
+
+    monkeypatch.setattr(copy_module.FlatTransfer, "copy", held_copy)
     model = nn.Linear(64, 64)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     model(torch.ones(4, 64)).sum().backward()
@@ -95,9 +103,15 @@ def test_a_save_from_another_thread_waits_for_the_copy_an_optimizer_step_is_wait
         deadline = time.monotonic() + 10
         while checkpointer._pending is not None and time.monotonic() < deadline:
             time.sleep(0.001)  # until the step's wait has taken the pending save
-        assert writing.is_set(), "the copy was still running when the other thread saved"
-        checkpointer.save(2, staged)  # DCP's thread
-        step.join()
+        assert checkpointer._pending is None
+        dcp_thread = threading.Thread(target=checkpointer.save, args=(2, staged))
+        dcp_thread.start()
+        deadline = time.monotonic() + 1  # without the fix it takes a slot at once; with it, it waits
+        while len(overlapped) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        release.set()
+        step.join(30)
+        dcp_thread.join(30)
         checkpointer.wait()
         restored = checkpointer.restore(iteration=2)
     assert overlapped == [False, False]
