@@ -36,9 +36,13 @@ def checkpoints_export(client: CliClient, args: argparse.Namespace) -> int:
             )
     if not chosen.complete:
         ranks = sorted(s.rank for s in chosen.shards)
-        raise CliError(
-            f"iteration {chosen.iteration} of job {job['name']} is incomplete (ranks {ranks} only)"
+        generations = sorted({s.generation for s in chosen.shards})
+        why = (
+            f"ranks {ranks} only"
+            if len(generations) == 1
+            else f"its shards are of generations {generations}: some of a history the job rolled back from"
         )
+        raise CliError(f"iteration {chosen.iteration} of job {job['name']} is incomplete ({why})")
     target = Path(args.to)
     try:
         if target.exists() and (not target.is_dir() or any(target.iterdir())):

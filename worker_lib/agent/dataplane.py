@@ -657,7 +657,9 @@ class DataPlaneServer:
                 # accepted: this machine must go on serving its checkpoints, or every restore that reads
                 # from it fails. Said, and tried again shortly.
                 self.counters.accept_errors += 1
-                log.warning("the data plane could not accept a connection (%s); trying again", exc)
+                errors = self.counters.accept_errors
+                if errors & (errors - 1) == 0:  # 1, 2, 4, 8...: said, without flooding the log
+                    log.warning("the data plane could not accept a connection (%s); trying again", exc)
                 self._closing.wait(ACCEPT_RETRY_S)
                 continue
             thread = threading.Thread(

@@ -293,6 +293,9 @@ class PersistedShardOut(BaseModel):
     key: str
     digest: str
     nbytes: int
+    generation: int = Field(
+        1, description="The recovery-plan generation whose training wrote the shard (its history)."
+    )
 
 
 class PersistedCheckpointOut(BaseModel):

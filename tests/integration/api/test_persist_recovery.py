@@ -100,6 +100,7 @@ async def test_shards_of_two_histories_do_not_make_a_complete_checkpoint(client:
 
     checkpoints = await scenario.api("/checkpoints")
     assert [(c["iteration"], len(c["shards"]), c["complete"]) for c in checkpoints] == [(target, 2, False)]
+    assert [(s["rank"], s["generation"]) for s in checkpoints[0]["shards"]] == [(0, 1), (1, 2)]
     await client.post("/login", data={"token": ADMIN_TOKEN, "next": "/"})
     page = await client.get(f"/jobs/{scenario.id}")
     assert page.status_code == 200
