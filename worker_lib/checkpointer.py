@@ -63,7 +63,7 @@ from worker_lib.store.layout import (
 )
 from worker_lib.store.manifest import JsonValue, Manifest, Stripe, content_digest
 from worker_lib.store.slots import OnBusy, SlotStore, SlotWriter
-from worker_lib.store.tree import FlatState, FlattenMemo, flatten, tree_json
+from worker_lib.store.tree import FlatState, FlattenMemo, flatten, has_extra_state, tree_json
 
 __all__ = [
     "BUSY_WAIT_LIMIT_S",
@@ -466,7 +466,9 @@ class Checkpointer:
             flat = flatten(into, self._memo)
         except Exception:  # the matching target by target names what is wrong
             return None
-        if flat.detached_outside_modules or flat.extra_state or flat.tree != manifest.tree:
+        if flat.detached_outside_modules or flat.tree != manifest.tree:
+            return None
+        if any(map(has_extra_state, flat.modules)):  # its extra state goes through set_extra_state
             return None
         if signature(flat.tensors, flat.keys) != layout[0]:
             return None

@@ -355,8 +355,8 @@ def _check_param_groups(state: Any, target: torch.optim.Optimizer, path: str) ->
 
 
 class _Targets:
-    """Collects where each checkpoint tensor goes (checking shapes) and which optimizers and modules to load
-    with load_state_dict."""
+    """Collects where each checkpoint tensor goes (checking shapes), which optimizers to load and which
+    modules' extra state to set."""
 
     def __init__(self, manifest: Manifest):
         self._entries = manifest.tensors

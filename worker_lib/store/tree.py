@@ -30,6 +30,14 @@ from worker_lib.store.manifest import JsonValue
 PLAIN_TYPES = (str, int, float, bool, bytes, type(None))
 # The suffix of a module's extra state in its state_dict (nn.Module.get_extra_state).
 EXTRA_STATE_SUFFIX = "_extra_state"
+
+
+def has_extra_state(module: nn.Module) -> bool:
+    """Whether `module` or a submodule keeps extra state (overrides get_extra_state, as torch decides what
+    its state_dict holds): only set_extra_state puts that back, never a fill of the state_dict's copy."""
+    return any(type(m).get_extra_state is not nn.Module.get_extra_state for m in module.modules())
+
+
 # The plain types that are JSON values as they are (see _encode_plain).
 _JSON_SCALARS = frozenset((str, int, bool, type(None)))
 
@@ -49,9 +57,6 @@ class FlatState:
     # optimizers use): a scheduler changes them in place outside the optimizer step, so save() snapshots
     # them.
     group_tensors: list[int] = field(default_factory=list)
-    # A module's state_dict holds extra state (get_extra_state): a restore puts it back through the
-    # module's load_state_dict (set_extra_state), never by filling the state_dict's copy in place.
-    extra_state: bool = False
 
 
 def flatten(state: object, memo: FlattenMemo | None = None) -> FlatState:
@@ -274,10 +279,7 @@ class _Encoder:
             # its dispatch, tens of microseconds per tensor); encode() takes them outside autograd.
             self._in_modules += 1
             try:
-                state_dict = value.state_dict(keep_vars=True)
-                if not self._flat.extra_state:
-                    self._flat.extra_state = any(key.endswith(EXTRA_STATE_SUFFIX) for key in state_dict)
-                return {"module": self._encode_dict(state_dict, path)}
+                return {"module": self._encode_dict(value.state_dict(keep_vars=True), path)}
             finally:
                 self._in_modules -= 1
         if isinstance(value, torch.optim.Optimizer):

@@ -81,7 +81,7 @@ def iteration_seconds(checkpoints_per_minute: float | None) -> float | None:
     """The iteration time the effective checkpoint frequency means (a checkpoint every iteration, as the
     recovery accounting takes it); None when unknown, or when it gives no finite time (a frequency stored
     before the API bounded it)."""
-    if not checkpoints_per_minute or not 0 < checkpoints_per_minute < math.inf:
+    if checkpoints_per_minute is None or not 0 < checkpoints_per_minute < math.inf:
         return None
     seconds = 60.0 / checkpoints_per_minute
     return seconds if math.isfinite(seconds) else None
