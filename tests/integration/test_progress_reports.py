@@ -57,6 +57,11 @@ async def completed(job: Scenario) -> dict[str, Any] | None:
     return found if found["state"] == "completed" else None
 
 
+async def recovered(job: Scenario, failure_id: int) -> dict[str, Any] | None:
+    found: dict[str, Any] = await job.api(f"/failures/{failure_id}")
+    return found if found["state"] == "recovered" else None
+
+
 async def restored_everywhere(client: httpx.AsyncClient) -> tuple[Scenario, int]:
     """A crashed job (see crashed) whose recovery every machine restored."""
     job, failure_id = await crashed(client)
@@ -121,11 +126,7 @@ async def test_reports_go_through_while_the_job_row_is_locked(
             await asyncio.wait_for(job.post(f"/machines/{rank}/progress", resumed(job, rank), 204), 30)
     await job.post(f"/machines/{MACHINES - 1}/progress", resumed(job, MACHINES - 1), 204)
 
-    async def recovered() -> dict[str, Any] | None:
-        found: dict[str, Any] = await job.api(f"/failures/{failure_id}")
-        return found if found["state"] == "recovered" else None
-
-    failure = await eventually(recovered, "the failure to be recovered")
+    failure = await eventually(lambda: recovered(job, failure_id), "the failure to be recovered")
     details = failure["details"]
     assert (
         sorted(details["restored_reported_at"])
@@ -325,20 +326,18 @@ async def test_a_machine_that_only_finished_ends_the_recovery_at_its_report(
     await asyncio.sleep(0.05)  # the clock moves on between the others' reports and the last machine's
     await job.post(f"/machines/{MACHINES - 1}/progress", finished(job, MACHINES - 1), 204)
 
-    async def recovered() -> dict[str, Any] | None:
-        found: dict[str, Any] = await job.api(f"/failures/{failure_id}")
-        return found if found["state"] == "recovered" else None
-
-    failure = await eventually(recovered, "the failure to be recovered")
+    failure = await eventually(lambda: recovered(job, failure_id), "the failure to be recovered")
     last = datetime.fromisoformat(failure["details"]["resumed_reported_at"][str(MACHINES - 1)])
     assert last > others_resumed
     assert datetime.fromisoformat(failure["resumed_at"]) == last, failure
 
 
 def restore_failed(job: Scenario, rank: int, generation: int) -> dict[str, Any]:
-    details = {"error": "the source stopped answering"}
-    return {"instance_id": job.instances[rank], "generation": generation, "event": "restore_failed"} | {
-        "details": details
+    return {
+        "instance_id": job.instances[rank],
+        "generation": generation,
+        "event": "restore_failed",
+        "details": {"error": "the source stopped answering"},
     }
 
 
