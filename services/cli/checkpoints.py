@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from services.cli import render
@@ -43,16 +46,10 @@ def checkpoints_export(client: CliClient, args: argparse.Namespace) -> int:
             else f"its shards are of generations {generations}: some of a history the job rolled back from"
         )
         raise CliError(f"iteration {chosen.iteration} of job {job['name']} is incomplete ({why})")
-    target = Path(args.to)
-    try:
-        if target.exists() and (not target.is_dir() or any(target.iterdir())):
-            raise CliError(f"{target} exists and is not an empty directory")
-        target.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # a parent that is a file, no permission
-        raise CliError(f"cannot write the export to {target}: {exc}") from None
     shards = sorted(chosen.shards, key=lambda s: s.rank)
     if [s.rank for s in shards] != list(range(len(shards))):
         raise CliError(f"iteration {chosen.iteration}: the shards' ranks are not 0..{len(shards) - 1}")
+    target = Path(args.to)
 
     from worker_lib.errors import CheckpointError
     from worker_lib.export import export_persisted, persisted_store
@@ -76,29 +73,32 @@ def checkpoints_export(client: CliClient, args: argparse.Namespace) -> int:
         )
 
     started = time.monotonic()
-    bar.start()
-    try:
-        store = persisted_store(chosen.location, shards[0].key, endpoint_url=endpoint)
-        metadata = export_persisted(
-            store,
-            [(s.key, s.digest) for s in shards],
-            chosen.iteration,
-            target,
-            scratch=args.scratch or target.resolve().parent,
-            progress=progress,
-        )
-    except (CheckpointError, OSError) as exc:
-        raise CliError(f"exporting iteration {chosen.iteration}: {exc}") from None
-    except ImportError as exc:  # an S3 tier without the s3 extra (aioboto3)
-        raise CliError(f"exporting iteration {chosen.iteration}: {exc}; pip install 'castor[s3]'") from None
-    except Exception as exc:
-        # The S3 client's own errors (no credentials, access denied, an endpoint that does not answer)
-        # are the user's to fix: said in one line, not as a traceback.
-        if not type(exc).__module__.startswith(("botocore", "aiobotocore")):
-            raise
-        raise CliError(f"exporting iteration {chosen.iteration} from {chosen.location}: {exc}") from None
-    finally:
-        bar.stop()
+    with export_directory(target):
+        bar.start()
+        try:
+            store = persisted_store(chosen.location, shards[0].key, endpoint_url=endpoint)
+            metadata = export_persisted(
+                store,
+                [(s.key, s.digest) for s in shards],
+                chosen.iteration,
+                target,
+                scratch=args.scratch or target.resolve().parent,
+                progress=progress,
+            )
+        except (CheckpointError, OSError) as exc:
+            raise CliError(f"exporting iteration {chosen.iteration}: {exc}") from None
+        except ImportError as exc:  # an S3 tier without the s3 extra (aioboto3)
+            raise CliError(
+                f"exporting iteration {chosen.iteration}: {exc}; pip install 'castor[s3]'"
+            ) from None
+        except Exception as exc:
+            # The S3 client's own errors (no credentials, access denied, an endpoint that does not answer)
+            # are the user's to fix: said in one line, not as a traceback.
+            if not type(exc).__module__.startswith(("botocore", "aiobotocore")):
+                raise
+            raise CliError(f"exporting iteration {chosen.iteration} from {chosen.location}: {exc}") from None
+        finally:
+            bar.stop()
     document = {
         "job": job["name"],
         "iteration": chosen.iteration,
@@ -118,3 +118,28 @@ def checkpoints_export(client: CliClient, args: argparse.Namespace) -> int:
             f"storage_reader=FileSystemReader({str(document['directory'])!r})), at any world size."
         )
     return 0
+
+
+@contextlib.contextmanager
+def export_directory(target: Path) -> Iterator[None]:
+    """Make `target`, or check that it is an empty directory, for the export's files. When the export fails
+    or is interrupted, what it wrote is removed again, so that a retry can use the same directory."""
+    try:
+        existed = target.exists()
+        if existed and (not target.is_dir() or any(target.iterdir())):
+            raise CliError(f"{target} exists and is not an empty directory")
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a parent that is a file, no permission
+        raise CliError(f"cannot write the export to {target}: {exc}") from None
+    try:
+        yield
+    except BaseException:
+        if existed:
+            for entry in list(target.iterdir()):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(target, ignore_errors=True)
+        raise
