@@ -82,7 +82,7 @@ async def create_job(
         )
     job, token = await job_flows.create_job(db, body)
     info = JobInfo(job.id, job.name, job.num_machines, job.launch)
-    background.add_task(state.operator.provision, info, token)  # after the commit: agents register at once
+    background.add_task(job_flows.provision_machines, state.database, state.operator, info, token)
     return schemas.JobCreated(**(await job_flows.job_out(db, job)).model_dump(), worker_token=token)
 
 

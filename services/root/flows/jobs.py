@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import subprocess
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -11,8 +13,20 @@ from sqlalchemy import insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.root import schemas
+from services.root.clients import CloudOperator, CloudOperatorError, JobInfo
 from services.root.db import repository as repo
-from services.root.db.models import Job, JobState, PlacementGroupRow, PlanStatus, RecoveryPlan, utcnow
+from services.root.db.database import Database
+from services.root.db.models import (
+    FailureEvent,
+    FailureKind,
+    FailureState,
+    Job,
+    JobState,
+    PlacementGroupRow,
+    PlanStatus,
+    RecoveryPlan,
+    utcnow,
+)
 from services.root.domain.placement import (
     Placement,
     PlacementGroup,
@@ -23,6 +37,8 @@ from services.root.errors import Conflict, NotFound
 from services.root.flows import ettr as ettr_flows
 from services.root.flows.directives import FINISHED_STATES, directive_changed
 from services.root.tokens import issue_worker_token
+
+log = logging.getLogger(__name__)
 
 
 async def create_job(session: AsyncSession, request: schemas.JobCreate) -> tuple[Job, str]:
@@ -93,6 +109,37 @@ async def stop_job(session: AsyncSession, job: Job) -> None:
     job.state, job.finished_at = JobState.STOPPED, utcnow()
     directive_changed(session, job)
     await session.flush()
+
+
+async def provision_machines(database: Database, operator: CloudOperator, job: JobInfo, token: str) -> None:
+    """Start a new job's machines (the local operator runs its launch spec; after the create's commit, so
+    that they can register at once). When they cannot be started (no process can be spawned, the state
+    directory cannot be written), the job fails, the reason on a failure event, and the machines that did
+    start are stopped: before, the job waited in pending for machines that would never come."""
+    try:
+        await operator.provision(job, token)
+        return
+    except (CloudOperatorError, OSError, subprocess.SubprocessError) as exc:
+        why = f"the {operator.name} operator could not start the job's machines: {type(exc).__name__}: {exc}"
+    log.error("job %s: %s", job.name, why)
+    async with database.session() as session:
+        row = await repo.get_job(session, job.id, for_update=True)
+        if row is not None and row.state not in FINISHED_STATES:  # else stopped or deleted meanwhile
+            now = utcnow()
+            session.add(
+                FailureEvent(
+                    job_id=row.id,
+                    kind=FailureKind.UNKNOWN,
+                    state=FailureState.UNRECOVERABLE,
+                    cause=why[:500],
+                    detected_at=now,
+                    classified_at=now,
+                    details={"unrecoverable": why},
+                )
+            )
+            row.state, row.finished_at = JobState.FAILED, now
+            directive_changed(session, row)
+    await operator.release(job)
 
 
 def stored_placement(job: Job, groups: Sequence[PlacementGroupRow]) -> Placement:
