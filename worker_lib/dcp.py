@@ -113,7 +113,8 @@ class CastorWriter(StorageWriter):
     Returns like `Checkpointer.save`: by default the copy runs in the background and is finished before
     the next optimizer step (a Checkpointer made with `blocking=True` returns once committed); call
     `checkpointer.wait()` before changing saved tensors in place anywhere else. With `dcp.async_save`,
-    DCP stages a copy first and the save runs on its thread.
+    DCP stages a copy first and the save runs on its thread. A save skipped by `on_busy="skip"` returns
+    normally too (as a skipped asynchronous save does) and counts in `checkpointer.stats.saves_skipped`.
     """
 
     def __init__(self, checkpointer: Checkpointer, iteration: int | None = None):
