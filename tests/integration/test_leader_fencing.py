@@ -21,7 +21,7 @@ from services.root.clients.local import LocalOperator
 from services.root.db.database import Database
 from services.root.db.migrate import upgrade_async
 from services.root.db.models import LeaderEpoch
-from services.root.orchestration import Deposed, Orchestrator
+from services.root.orchestration import Deposed, Orchestrator, leadership
 from services.root.settings import Settings
 from tests import harness
 
@@ -73,6 +73,32 @@ async def test_a_deposed_leaders_writes_are_refused(database: Database, tmp_path
     assert (await epoch_row(database)).holder == "new"
     async with new.leadership.session() as session:
         (await session.execute(select(LeaderEpoch))).scalar_one().holder = "written by new"
+    assert (await epoch_row(database)).holder == "written by new"
+
+
+async def test_a_new_leader_ends_the_session_of_a_leader_that_froze_mid_transaction(
+    database: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(leadership, "EPOCH_LOCK_WAIT_S", 0.5)
+    old, new = replica(database, tmp_path, "old"), replica(database, tmp_path, "new")
+    await old.leadership.claim_epoch(None)
+    # The old leader's host froze (or died without a FIN) inside a fenced transaction: its session holds the
+    # epoch row FOR SHARE and never commits. Before, the new leader waited for it until TCP keepalive
+    # dropped the session (two hours by default), and no replica led meanwhile.
+    frozen = old.leadership.session()
+    session = await frozen.__aenter__()
+    await asyncio.wait_for(new.leadership.claim_epoch(None), 30)
+    assert new.epoch is not None and old.epoch is not None and new.epoch > old.epoch
+    assert (await epoch_row(database)).holder == "new"
+    # The frozen transaction, if its host comes back, cannot commit: its session was ended.
+    with pytest.raises(DBAPIError):
+        (await session.execute(select(LeaderEpoch))).scalar_one().holder = "written by the frozen"
+        await frozen.__aexit__(None, None, None)
+    with contextlib.suppress(Exception):
+        await frozen.__aexit__(DBAPIError, None, None)
+    assert (await epoch_row(database)).holder == "new"
+    async with new.leadership.session() as fenced:
+        (await fenced.execute(select(LeaderEpoch))).scalar_one().holder = "written by new"
     assert (await epoch_row(database)).holder == "written by new"
 
 

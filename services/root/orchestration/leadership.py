@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator
 
 from sqlalchemy import select, text
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.root.clients.etcd import EtcdCoordinator
@@ -33,6 +33,17 @@ log = logging.getLogger(__name__)
 # for its migrations behind the leader's lock forever.
 ADVISORY_LOCK_KEY = 0x63617374_6F724C44  # "castorLD"
 ADVISORY_CHECK_S = 1.0
+# How long a new leader waits for the transactions in flight that hold the epoch row (milliseconds when
+# their leader is alive) before it ends their sessions (claim_epoch).
+EPOCH_LOCK_WAIT_S = 5.0
+LOCK_NOT_AVAILABLE = "55P03"  # Postgres's SQLSTATE for a lock_timeout that expired
+
+
+def _sqlstate(exc: DBAPIError) -> str | None:
+    for error in (exc.orig, getattr(exc.orig, "__cause__", None)):
+        if (state := getattr(error, "sqlstate", None)) is not None:
+            return str(state)
+    return None
 
 
 class Deposed(Exception):
@@ -102,10 +113,18 @@ class Leadership:
 
     async def claim_epoch(self, revision: int | None) -> None:
         """Raise the fencing epoch (to the etcd revision that elected this replica, or one past the last):
-        from now on the previous leader's transactions are refused. Waits for those in flight."""
+        from now on the previous leader's transactions are refused. Waits for those in flight, up to
+        EPOCH_LOCK_WAIT_S: a transaction that holds the epoch row longer is a previous leader's whose host
+        died or froze mid-transaction. Postgres would keep its session (and the row's lock) until TCP
+        keepalive gives up on it, two hours by Linux's defaults, and no replica could lead meanwhile; its
+        session is ended instead, which is the fencing that transaction was waiting for."""
         for _ in range(5):
             try:
                 async with self.database.session() as session:
+                    if not self.database.is_sqlite:
+                        await session.execute(
+                            text(f"SET LOCAL lock_timeout = {int(EPOCH_LOCK_WAIT_S * 1000)}")
+                        )
                     query = select(LeaderEpoch).where(LeaderEpoch.id == 1).with_for_update()
                     row = (await session.execute(query)).scalar_one_or_none()
                     if row is None:
@@ -115,10 +134,31 @@ class Leadership:
                     row.epoch, row.holder, row.updated_at = epoch, self.candidate, utcnow()
             except IntegrityError:
                 continue  # another replica created the row at the same moment
+            except DBAPIError as exc:
+                if _sqlstate(exc) != LOCK_NOT_AVAILABLE:
+                    raise
+                await self._end_sessions_holding_the_epoch()
+                continue
             self.epoch = epoch
             log.info("leading with epoch %d", epoch)
             return
         raise RuntimeError("could not claim the leadership epoch")
+
+    async def _end_sessions_holding_the_epoch(self) -> None:
+        """End the other sessions whose transactions hold the epoch row (only a leader's fenced transactions
+        take it), so that the epoch can be raised."""
+        query = text(
+            "SELECT pid, pg_terminate_backend(pid) FROM pg_locks "
+            "WHERE relation = 'leader_epoch'::regclass AND granted AND pid <> pg_backend_pid()"
+        )
+        async with self.database.engine.connect() as connection:
+            ended = [row.pid for row in await connection.execute(query)]
+        log.warning(
+            "a previous leader's transaction held the leadership epoch for over %.0f s (its host died or "
+            "froze mid-transaction): ended its database session(s) %s",
+            EPOCH_LOCK_WAIT_S,
+            ended,
+        )
 
     def depose(self, why: str) -> Deposed:
         if self.is_leader:
