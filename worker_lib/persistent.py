@@ -107,6 +107,21 @@ def _verify_stripe(view: memoryview, manifest: Manifest, index: int) -> None:
         )
 
 
+def _write_durably(path: Path, data: bytes | memoryview) -> None:
+    with open(path, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def _fsync_directory(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 class LocalDirStore:
     """A directory as the persistent tier (embedded one-machine mode)."""
 
@@ -125,15 +140,20 @@ class LocalDirStore:
         return PersistedShard(key, location, manifest.digest, manifest.data_bytes)
 
     def _put(self, key: str, manifest: Manifest, data: memoryview) -> None:
+        """Durable before it returns: the root then counts the shard toward a complete checkpoint and
+        retention deletes older ones, so after a power loss (in embedded mode this tier is the one that
+        survives) the newest must be whole. Each file is fsynced before its rename, and each directory
+        after the entries made in it."""
         directory = self._path(key)
+        made = [d for d in (directory, *directory.parents) if not d.exists()]
         directory.mkdir(parents=True, exist_ok=True)
-        with open(directory / "data.bin.tmp", "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
+        for created in reversed(made):  # each new directory's entry in its parent
+            _fsync_directory(created.parent)
+        _write_durably(directory / "data.bin.tmp", data)
         os.replace(directory / "data.bin.tmp", directory / "data.bin")
-        (directory / "manifest.json.tmp").write_bytes(manifest.to_json())
+        _write_durably(directory / "manifest.json.tmp", manifest.to_json())
         os.replace(directory / "manifest.json.tmp", directory / "manifest.json")  # complete only now
+        _fsync_directory(directory)  # both renames
 
     async def get(
         self, key: str, destination: SlotStore, iteration: int | None = None, digest: str | None = None
@@ -220,7 +240,16 @@ class S3Store:
                     )
                     return {"ETag": result["ETag"], "PartNumber": number}
 
-            parts = await asyncio.gather(*(part(n, o) for n, o in enumerate(offsets, start=1)))
+            uploads = [asyncio.ensure_future(part(n, o)) for n, o in enumerate(offsets, start=1)]
+            try:
+                parts = await asyncio.gather(*uploads)
+            except BaseException:
+                # The other parts are stopped and awaited before the abort below: a part that completed
+                # after it would be stored (and billed) as an orphan of an upload that no longer exists.
+                for upload_task in uploads:
+                    upload_task.cancel()
+                await asyncio.gather(*uploads, return_exceptions=True)
+                raise
             await s3.complete_multipart_upload(
                 Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": list(parts)}
             )
