@@ -24,6 +24,7 @@ from sqlalchemy import select
 
 from services.root.app import create_app
 from services.root.clients.etcd import machine_key
+from services.root.db import repository as repo
 from services.root.db.models import LeaderEpoch
 from services.root.flows import recovery
 from services.root.settings import Settings
@@ -136,6 +137,38 @@ async def test_a_silent_machine_is_suspect_and_lost_when_its_peer_fails_then_rei
         assert "heartbeats resumed" in event["details"]["reinstated"]["why"]
         # The recovery its loss opened goes on with it: it reports what it holds like the survivor.
         await scenario.plan(2, "collecting")
+
+
+async def test_a_lost_machine_whose_termination_was_requested_is_not_reinstated(
+    client: httpx.AsyncClient, suspicious_app: FastAPI
+) -> None:
+    """A partitioned machine declared lost, its instance's termination requested (the AWS path records it
+    just before the call), whose heartbeats then resume while it shuts down: reinstated, it took part in the
+    recovery and died in it, and the instance launched in its place was left unused."""
+    scenario = await two_machines(client)
+    async with heartbeating(scenario, [0]):
+        await eventually(lambda: in_state(scenario, 1, "suspect"), "machine 1 to be suspect")
+        await scenario.kill_process(0, 1, GLOO_RESET)
+        assert await machine_state(scenario, 1) == "failed"
+        await eventually(
+            lambda: _replacement_status(scenario, "error"), "the replacement request to be recorded"
+        )
+        database = suspicious_app.state.castor.database
+        async with database.session() as session:
+            job = await repo.get_job(session, uuid.UUID(str(scenario.job["id"])), for_update=True)
+            assert job is not None
+            (event,) = await repo.open_failures(session, job.id)
+            request = event.details["replacement"]
+            intent = {"replacing": "i-1", "terminate_at": "2026-11-30T00:00:00+00:00"}
+            event.details = {**event.details, "replacement": {**request, "intent": intent}}
+        body = {"instance_id": "i-1", "summary": {"local": {"1": 5}}}
+        for _ in range(8):  # the leader judges every 0.2 s or so: many passes see the resumed heartbeats
+            await scenario.post("/machines/1/heartbeat", body, 200)
+            await asyncio.sleep(0.25)
+        assert await machine_state(scenario, 1) == "failed"
+        (event,) = await scenario.api("/failures")
+        assert "reinstated" not in event["details"]
+        assert event["details"]["replacement"]["status"] != "cancelled"
 
 
 async def test_a_peer_failure_of_its_own_leaves_a_slow_suspect_suspect(client: httpx.AsyncClient) -> None:

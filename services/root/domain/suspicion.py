@@ -150,7 +150,7 @@ def reinstatable(
     replaced: bool,
 ) -> bool:
     """A failed machine whose agent heartbeated after it was declared failed, while no replacement has
-    taken its rank: it was alive after all."""
+    taken its rank or gone past the point of no return (`replaced`): it was alive after all."""
     return (
         machine_state == "failed"
         and not replaced

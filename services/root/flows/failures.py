@@ -247,6 +247,21 @@ def reinstate(machine: Machine, why: str, loss: FailureEvent | None = None) -> N
     }
 
 
+# What a replacement's intent records just before the cloud call it names (domain.replacement.Intent; the
+# local operator's started agent): once one is recorded the call may have happened.
+_COMMITTING_CALLS = ("terminate_at", "exit_standby_at", "chosen")
+
+
+def replacement_committed(loss: FailureEvent) -> bool:
+    """Whether the loss's replacement has gone past the point of no return: the cloud was asked to terminate
+    the machine's instance or to bring another into service, or one was launched. Such a machine is not
+    reinstated when its heartbeats resume: it is being terminated, or another machine is about to take its
+    rank (and would find it taken, the instance paid for and unused)."""
+    request = loss.details.get("replacement") or {}
+    intent = request.get("intent") or {}
+    return request.get("status") == "launched" or any(intent.get(call) for call in _COMMITTING_CALLS)
+
+
 def latest_silent_losses(events: Sequence[FailureEvent]) -> dict[int, FailureEvent]:
     """Per machine id, its newest open loss declared for its silence and not reinstated yet: what a heartbeat
     must come after to reinstate it. (An older one, already reinstated, precedes the late heartbeat that

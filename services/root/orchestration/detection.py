@@ -34,6 +34,7 @@ from services.root.flows.failures import (
     latest_silent_losses,
     machine_lost,
     reinstate,
+    replacement_committed,
 )
 from services.root.flows.machines import record_summaries
 from services.root.orchestration.leadership import Deposed, Leadership
@@ -167,7 +168,7 @@ class Detectors:
                         machine.state,
                         machine.last_heartbeat_at,
                         failure.classified_at,
-                        failure.replaced_at is not None,
+                        failure.replaced_at is not None or replacement_committed(failure),
                     ):
                         self._reinstate(
                             job, machine, "its heartbeats resumed before a replacement registered", failure
