@@ -107,6 +107,12 @@ async def stop_job(session: AsyncSession, job: Job) -> None:
     if job.state in FINISHED_STATES:
         raise Conflict(f"job {job.name!r} has already {job.state}", code="job_finished")
     job.state, job.finished_at = JobState.STOPPED, utcnow()
+    # Its open failures end with it: otherwise the pages show them under way for ever, and a replacement
+    # still in flight goes on (record_intent refuses a closed failure's next cloud call).
+    why = "the job was stopped before this failure was recovered"
+    for event in await repo.open_failures(session, job.id):
+        event.state = FailureState.UNRECOVERABLE
+        event.details = {**event.details, "unrecoverable": why}
     directive_changed(session, job)
     await session.flush()
 

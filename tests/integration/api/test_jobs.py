@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from services.root.db import repository as repo
 from tests.integration.conftest import admin, bearer, create_job
+from tests.integration.web.scenario import Scenario
 
 
 def assert_error(response: httpx.Response, status: int, code: str) -> dict[str, object]:
@@ -156,3 +157,19 @@ async def test_a_stop_while_the_leader_holds_the_job_row_publishes_a_newer_direc
     async with database.session() as session:
         row = await repo.get_job(session, job_id)
         assert row is not None and row.directive_revision == before + 2
+
+
+async def test_stopping_a_job_in_recovery_closes_its_open_failures(client: httpx.AsyncClient) -> None:
+    """Before, a stop left them open for ever: under way on the pages, and a replacement in flight went
+    on for a stopped job."""
+    scenario = Scenario(client, await create_job(client, machines=2, replicas=2))
+    await scenario.register(["i-0", "i-1"])
+    await scenario.heartbeat(5)
+    failure_id = await scenario.kill_process(1)
+    (event,) = await scenario.api("/failures")
+    assert event["id"] == failure_id and event["state"] in ("detected", "recovering")
+    response = await client.post(f"/api/v1/jobs/{scenario.id}/stop", headers=admin())
+    assert response.status_code == 200 and response.json()["state"] == "stopped", response.text
+    (event,) = await scenario.api("/failures")
+    assert event["state"] == "unrecoverable"
+    assert event["details"]["unrecoverable"] == "the job was stopped before this failure was recovered"
