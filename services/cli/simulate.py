@@ -532,7 +532,13 @@ def _run(args: argparse.Namespace) -> int:
     for reason in advice.reasons:
         print(f"  {reason}")
     print(
-        "Costs (s): " + ", ".join(f"{k} {v:.3g}" for k, v in asdict(costs).items()) + f"  [{source['costs']}]"
+        "Costs (s): "
+        + ", ".join(
+            f"{k} {v:.3g}"
+            for k, v in asdict(costs).items()
+            if v or k != "restore_persistent_measured_s"  # shown only when a job's record set it
+        )
+        + f"  [{source['costs']}]"
     )
     if args.plot:
         print(f"Chart: {args.plot}")

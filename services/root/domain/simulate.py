@@ -9,16 +9,19 @@ Pure and deterministic: a seed fixes every draw; no I/O. Two models:
   the checkpoint overhead; every iteration's checkpoint is committed locally `local_commit_s` after the
   iteration ends and on its m-1 peers `replicate_s` later (a replication longer than an iteration makes
   the agents skip saves, so replicas come every ceil(replicate_s / iteration) iterations); every K-th
-  iteration is uploaded to the persistent tier, which takes N x checkpoint / remote bandwidth (uploads
-  never overlap: K is raised to what the bandwidth sustains). A failure stops training on every machine
-  (a global rollback). The recovery: detection (+ classification), replacement of hardware-failed machines
-  (a standby if the pool has one, else a new launch; the pool refills by launching), restore from the
-  fastest tier that still holds every rank (local memory, a peer's memory, or the persistent tier when a
-  rank lost every holder, with the placement math of `placement.py`), and restart warm-up. A failure during
-  a recovery joins it: its machines are added to the failed set (so two failures of one placement group
-  send the run to the persistent tier), and restore and warm-up start again once it is detected (and its
-  machine replaced). Lost work is exactly the iterations since the restored checkpoint plus the partial
-  iteration. ETTR = kept iterations x iteration time / period.
+  iteration is uploaded to the persistent tier once committed locally, which takes N x checkpoint / remote
+  bandwidth (uploads never overlap: K is raised to what the bandwidth sustains). A failure stops training on
+  every machine (a global rollback). The recovery: detection (+ classification), replacement of
+  hardware-failed machines (a standby if the pool has one, else a new launch; the pool refills by
+  launching), restore of the newest iteration every rank has, as the recovery planner picks it (local
+  memory, a peer's memory when a machine was replaced, or the persistent tier when a rank lost every holder,
+  with the placement math of `placement.py`, or when the persistent tier's iteration is newer: then costed
+  as the whole job's download), and restart warm-up. The rollback abandons the history after the restored
+  iteration (an upload of it no longer counts). A failure during a recovery joins it: its machines are
+  added to the failed set (so two failures of one placement group send the run to the persistent tier),
+  and restore and warm-up start again once it is detected (and its machine replaced). Lost work is exactly
+  the iterations since the restored checkpoint plus the partial iteration. ETTR = kept iterations x
+  iteration time / period.
 * **Flat model** (`simulate_flat`, the paper's artifact, `examples/SOSP_AE/AE_figures.ipynb`): every failure
   costs a flat wall-clock time (9 min GEMINI, 112 min Strawman, 26 min HighFreq), and checkpointing costs
   a fixed share of the period (HighFreq: 80 s of blocking `torch.save` every 560 s). The paper computes
@@ -89,6 +92,9 @@ class RecoveryCosts:
     restore_persistent_fixed_s: float  # fixed part; the download (N x checkpoint / remote bw) is added
     warmup_software_s: float  # restart to the first iteration under way (that iteration is productive)
     warmup_hardware_s: float
+    # A whole persistent restore as a job recorded it (download included, `costs_from_failures`): used as is,
+    # in place of the fixed part plus the download; 0: not measured.
+    restore_persistent_measured_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -318,14 +324,14 @@ def run_castor(
     it_wall += persist_stall
     rep_every = max(1, math.ceil(inputs.replicate_s / it_wall))
     upload_s = inputs.upload_s
-    restore_persistent = costs.restore_persistent_fixed_s + upload_s
+    restore_persistent = costs.restore_persistent_measured_s or (costs.restore_persistent_fixed_s + upload_s)
     pool = _Pool(inputs.standby_machines, costs.replace_launch_s, costs.replace_standby_s)
     if failures is None:
         failures = draw_failures(inputs, seed)
     result = RunResult(0.0, failures=len(failures))
 
     progress = 0  # iterations kept at the start of the current training segment
-    persisted = 0  # newest iteration complete on the persistent tier (0: the initial state)
+    persisted = 0  # newest iteration of the current history complete on the persistent tier (0: the start)
     seg_start = 0.0  # training (re)started here
     i = 0
     while i < len(failures):
@@ -341,10 +347,11 @@ def run_castor(
         replica_delay = inputs.local_commit_s + inputs.replicate_s
         newest_replica = _newest(progress, current, rep_every, seg_start, it_wall, replica_delay, first.at)
         if k_persist:
-            # Persist points are global multiples of K; an upload still under way at the failure does not
-            # count (conservative: the agents of surviving machines would finish it).
+            # Persist points are global multiples of K, uploaded once committed locally; an upload still
+            # under way at the failure does not count (conservative: the surviving agents would finish it).
             top = (current // k_persist) * k_persist
-            while top > progress and seg_start + (top - progress) * it_wall + upload_s > first.at:
+            persist_delay = inputs.local_commit_s + upload_s
+            while top > progress and seg_start + (top - progress) * it_wall + persist_delay > first.at:
                 top -= k_persist
             if top > progress:
                 persisted = max(persisted, top)
@@ -368,15 +375,23 @@ def run_castor(
                 hw_failed.add(f.machine)
                 ready = max(ready, pool.replace(detected))
             ready = max(ready, detected)
+            # The newest iteration every rank has in memory (None: some rank lost every holder); the
+            # planner takes the persistent tier's instead when it is newer.
+            in_memory: int | None
             if replicas.lost(hw_failed):
-                tier = "persistent"
-                restore = restore_persistent
+                in_memory = None
             elif any_hw:
-                tier = "peer"
-                restore = costs.restore_peer_s
+                in_memory = min(newest_replica, newest_local)
             else:
-                tier = "local"
-                restore = costs.restore_local_s
+                in_memory = newest_local
+            if in_memory is None or (k_persist and persisted > in_memory):
+                tier = "persistent"
+                restored = persisted if k_persist else 0
+                restore = restore_persistent
+            else:
+                tier = "peer" if any_hw else "local"
+                restored = in_memory
+                restore = costs.restore_peer_s if any_hw else costs.restore_local_s
             warmup = costs.warmup_hardware_s if any_hw else costs.warmup_software_s
             end = ready + restore + warmup
             j += 1
@@ -385,10 +400,10 @@ def run_castor(
         result.recoveries += 1
         if tier == "persistent":
             result.from_persistent += 1
-            restored = persisted if k_persist else 0
         else:
             result.from_memory += 1
-            restored = min(newest_replica, newest_local) if tier == "peer" else newest_local
+        # The rollback abandons every iteration after the restored one, uploaded or not.
+        persisted = min(persisted, restored)
 
         # Accounting (capped at the period's end).
         w = result.waste_s
@@ -566,7 +581,9 @@ def costs_from_failures(
 ) -> tuple[RecoveryCosts, dict[str, int]]:
     """Per-phase medians of a job's recorded failures as recovery costs (a phase never observed keeps the
     fallback's value). The resume phase ends with the first iteration after the restore, which is kept
-    work: warm-up = resume - one iteration. Returns the costs and how many failures fed each cost."""
+    work: warm-up = resume - one iteration. A recorded persistent restore includes its download, so it feeds
+    `restore_persistent_measured_s` (the job's whole restore), not the fixed part. Returns the costs and how
+    many failures fed each cost."""
 
     def median(values: list[float]) -> float | None:
         if not values:
@@ -588,7 +605,7 @@ def costs_from_failures(
         "replace_standby_s": pick("hardware", None, "replace"),
         "restore_local_s": pick(None, "local", "restore"),
         "restore_peer_s": pick(None, "peer", "restore"),
-        "restore_persistent_fixed_s": pick(None, "persistent", "restore"),
+        "restore_persistent_measured_s": pick(None, "persistent", "restore"),
         "warmup_software_s": [max(0.0, v - iteration_s) for v in pick("software", None, "resume")],
         "warmup_hardware_s": [max(0.0, v - iteration_s) for v in pick("hardware", None, "resume")],
     }

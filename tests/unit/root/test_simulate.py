@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from services.root.domain.simulate import (
+    DAY_S,
     PAPER_FIGURE15,
     PAPER_SYSTEMS,
     Failure,
@@ -173,7 +174,7 @@ def test_costs_from_recorded_failures_are_per_phase_medians() -> None:
     assert costs.warmup_software_s == 3.0  # median resume 4 s, less the first (kept) iteration
     assert costs.detect_hardware_s == 2.0 and costs.replace_standby_s == 7.0 and costs.restore_peer_s == 4.0
     assert costs.restore_persistent_fixed_s == fallback.restore_persistent_fixed_s  # never observed
-    assert counts["restore_local_s"] == 3 and counts["restore_persistent_fixed_s"] == 0
+    assert counts["restore_local_s"] == 3 and counts["restore_persistent_measured_s"] == 0
 
 
 def test_recommends_two_replicas_and_the_smallest_sustainable_k(
@@ -192,3 +193,107 @@ def test_invalid_inputs_are_rejected() -> None:
         SimInputs(machines=4, replicas=5)
     with pytest.raises(ValueError, match="hardware_fraction"):
         SimInputs(hardware_fraction=1.5)
+
+
+# -- rollbacks: the restored iteration and the persistent tier ----------------------------------------------
+
+# The reviewer's setting: replicas are slow (80 s over 1 Gbit/s, so one every 8 iterations), the persistent
+# tier is fast (0.32 s for the whole job, K=1): after a hardware failure the persistent tier holds a newer
+# iteration than the peers' memory.
+ROLLBACK_INPUTS = SimInputs(
+    machines=4,
+    replicas=2,
+    iteration_s=10.0,
+    checkpoint_gb=10.0,
+    network_gbps=1.0,
+    remote_gbps=1000.0,
+    persist_every=1,
+    checkpoint_overhead=0.0,
+    local_commit_s=0.5,
+    hardware_fraction=1.0,
+    period_days=0.05,
+    seeds=1,
+)
+ROLLBACK_COSTS = RecoveryCosts(
+    detect_software_s=0.1,
+    detect_hardware_s=2.0,
+    replace_standby_s=2.0,
+    replace_launch_s=300.0,
+    restore_local_s=1.0,
+    restore_peer_s=80.0,
+    restore_persistent_fixed_s=1.0,
+    warmup_software_s=2.0,
+    warmup_hardware_s=3.0,
+)
+RECOVERY_CAUSES = ("interrupted", "detection", "replacement", "restore", "warmup")
+
+
+def _kept(inputs: SimInputs, failures: list[Failure], period_s: float) -> int:
+    """Iterations kept at the end of a run of `period_s` (ETTR x period / iteration)."""
+    inputs = replace(inputs, period_days=period_s / DAY_S)
+    result = run_castor(inputs, ROLLBACK_COSTS, 0, Replicas.of(inputs), failures)
+    return round(result.ettr * period_s / inputs.iteration_s)
+
+
+def test_a_hardware_failure_restores_the_persistent_tier_when_it_is_newer_than_the_peers() -> None:
+    """The planner restores the newest iteration every rank has, from any tier: 99 (persisted), not 88 (the
+    newest replica), so the failure at 1000 s loses the partial iteration 100 only."""
+    inputs, replicas = ROLLBACK_INPUTS, Replicas.of(ROLLBACK_INPUTS)
+    assert inputs.replicate_s == 80.0 and inputs.effective_persist_every == 1
+    result = run_castor(inputs, ROLLBACK_COSTS, 0, replicas, [Failure(1000.0, 0, True)])
+    assert result.from_persistent == 1 and result.from_memory == 0
+    assert result.waste_s["restore"] == pytest.approx(1.0 + inputs.upload_s)
+    it = inputs.iteration_wall_s
+    assert result.waste_s["lost_work"] < 2 * it  # the unfinished iteration and the one at the period's end
+
+
+@pytest.mark.parametrize("delay_s", [float(d) for d in range(0, 240, 3)])
+def test_more_failures_never_raise_ettr(delay_s: float) -> None:
+    """A hardware failure, then its placement group lost (machines 0 and 1) `delay_s` later: during the
+    first recovery or shortly after the restart. Before the fix, the second failure raised ETTR (0.9676 ->
+    0.9792 in the reviewer's script)."""
+    inputs, replicas = ROLLBACK_INPUTS, Replicas.of(ROLLBACK_INPUTS)
+    assert replicas.lost({0, 1})
+    first = Failure(1000.0, 0, True)
+    at = first.at + delay_s
+    one = run_castor(inputs, ROLLBACK_COSTS, 0, replicas, [first])
+    more = run_castor(
+        inputs, ROLLBACK_COSTS, 0, replicas, [first, Failure(at, 0, True), Failure(at + 0.5, 1, True)]
+    )
+    assert more.recoveries >= 1
+    assert more.ettr <= one.ettr
+
+
+def test_a_group_loss_after_a_rollback_never_restores_past_the_iteration_reached() -> None:
+    """The rollback abandons the history after the restored iteration: a group lost one iteration after the
+    restart restores at most the iteration reached then (before the fix: 99, uploaded before the rollback to
+    88, with 89 reached)."""
+    inputs = ROLLBACK_INPUTS
+    first = Failure(1000.0, 0, True)
+    one = run_castor(inputs, ROLLBACK_COSTS, 0, Replicas.of(inputs), [first])
+    restarted = first.at + sum(one.waste_s[c] for c in RECOVERY_CAUSES)
+    at = restarted + inputs.iteration_wall_s + 1.0
+    reached = _kept(inputs, [first], at)  # the run stops at `at`: what it had then
+    # The run stops 5 s into the second recovery (detection alone takes 2 s, replacement 2, warm-up 3):
+    # what it keeps is the iteration restored.
+    restored = _kept(inputs, [first, Failure(at, 0, True), Failure(at + 0.5, 1, True)], at + 5.0)
+    assert 0 < restored <= reached
+
+
+def test_a_recorded_persistent_restore_counts_its_download_once() -> None:
+    """`castor simulate --from-job`: the recorded restore phase already includes the download."""
+    record = PhaseRecord(
+        "hardware",
+        "persistent",
+        {"detect": 1.0, "classify": 1.0, "replace": 3.0, "restore": 500.0, "resume": 5.0},
+    )
+    costs, counts = costs_from_failures([record], iteration_s=1.0, fallback=ROLLBACK_COSTS)
+    assert counts["restore_persistent_measured_s"] == 1
+    assert costs.restore_persistent_fixed_s == ROLLBACK_COSTS.restore_persistent_fixed_s
+    inputs = replace(ROLLBACK_INPUTS, remote_gbps=0.1)  # a 3,200 s download, were it added
+    at = 1000.0
+    result = run_castor(
+        inputs, costs, 0, Replicas.of(inputs), [Failure(at, 0, True), Failure(at + 0.5, 1, True)]
+    )
+    assert result.from_persistent == 1
+    assert result.waste_s["restore"] == pytest.approx(500.0)
