@@ -15,6 +15,7 @@ from typing import Any
 
 import aioboto3
 import pytest
+from botocore.exceptions import ClientError
 
 from services.root import schemas
 from services.root.clients import CloudOperatorError, JobInfo, MachineInfo, ReplacementJournal
@@ -42,17 +43,46 @@ class LeaderDied(BaseException):
     handling)."""
 
 
+def aws_error(operation: str, code: str, message: str, status: int = 400) -> ClientError:
+    return ClientError(
+        {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}},
+        operation,
+    )
+
+
+class Answering:
+    """The Auto Scaling client, answering the operations in `errors` with that error instead (what AWS
+    answers and moto does not: moto 5.2.5's ExitStandby checks neither MaxSize nor permissions)."""
+
+    def __init__(self, client: Any, errors: dict[str, ClientError]):
+        self._client, self._errors = client, errors
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._errors:
+
+            async def refused(**params: Any) -> Any:
+                raise self._errors[name]
+
+            return refused
+        return getattr(self._client, name)
+
+
 class Recorded(AwsOperator):
     """The AWS operator, counting its calls that change the group; after `stop_after` returns it dies
     (`LeaderDied`), raises (`raise_after`: the call's answer lost, say) or freezes (`freeze_after`: a
-    leader that stops acting but never exits)."""
+    leader that stops acting but never exits). `errors`: operations AWS answers with an error."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         self.stop_after: str | None = kwargs.pop("stop_after", None)
         self.how: str = kwargs.pop("how", "die")
+        self.errors: dict[str, ClientError] = kwargs.pop("errors", {})
         super().__init__(*args, **kwargs)
         self.calls: list[tuple[str, str]] = []
         self.stopped = asyncio.Event()
+
+    async def _autoscaling(self) -> Any:
+        client = await super()._autoscaling()
+        return Answering(client, self.errors) if self.errors else client
 
     async def _call(self, what: str, operation: str, **params: Any) -> Any:
         answer = await super()._call(what, operation, **params)
@@ -168,6 +198,79 @@ async def test_a_try_that_dies_after_both_standby_calls_is_finished_without_a_ca
     finally:
         await second.close()
     assert done.instance_id == spare and second.calls == []
+
+
+MAX_SIZE = aws_error(
+    "ExitStandby",
+    "ValidationError",
+    "New SetDesiredCapacity value 4 is above max value 3 for the AutoScalingGroup.",
+)
+NO_PERMISSION = aws_error(
+    "ExitStandby", "AccessDenied", "User is not authorized to perform: autoscaling:ExitStandby", 403
+)
+
+
+@pytest.mark.parametrize("refusal", [MAX_SIZE, NO_PERMISSION], ids=["max-size", "no-permission"])
+async def test_a_refused_exit_standby_is_recorded_and_the_failed_instance_terminated_instead(
+    moto_server: harness.Moto, refusal: ClientError, caplog: pytest.LogCaptureFixture
+) -> None:
+    """AWS refuses to move the Standby instance into service (it would raise the desired capacity above the
+    group's MaxSize; no permission): asking again would be refused again, so the refusal is recorded and
+    the same try terminates the failed instance without a decrement and adopts the group's launch."""
+    group = f"castor-{uuid.uuid4().hex[:8]}"
+    instances = await create_group(moto_server, group, 4)
+    machines, spares = instances[:2], sorted(instances[2:])
+    await with_standby(moto_server, group, spares)
+    failed = MachineInfo(rank=1, instance_id=machines[1], address="10.0.0.1")
+    aws = operator(moto_server, group, errors={"exit_standby": refusal})
+    journal = ReplacementJournal(key="failure-3")
+    try:
+        done = await aws.replace(JOB, failed, set(machines), journal)
+    finally:
+        await aws.close()
+    states = lifecycle(await group_instances(moto_server, group))
+    (launched,) = set(states) - set(instances)
+    assert done.instance_id == launched and done.extra == {"standby": False}
+    assert aws.calls == [
+        ("set_instance_health", machines[1]),
+        ("terminate_instance_in_auto_scaling_group", machines[1]),
+    ], "one Standby instance tried, never another; the failed instance terminated once"
+    assert states[spares[0]] == states[spares[1]] == "Standby"
+    code = refusal.response["Error"]["Code"]
+    assert journal.intent["standby"] == spares[0] and journal.intent["terminate_at"]
+    assert journal.intent["exit_standby_refused"].startswith(f"{code}: ")
+    assert spares[0] not in aws._claims, "the refused Standby instance is not held"
+    assert any(f"AWS refused to move standby instance {spares[0]}" in r.message for r in caplog.records)
+    assert await instance_state(moto_server, machines[1]) == "terminated"
+
+
+async def test_a_throttled_exit_standby_is_retried_not_taken_as_a_refusal(moto_server: harness.Moto) -> None:
+    group = f"castor-{uuid.uuid4().hex[:8]}"
+    instances = await create_group(moto_server, group, 3)
+    machines, spare = instances[:2], instances[2]
+    await with_standby(moto_server, group, [spare])
+    failed = MachineInfo(rank=1, instance_id=machines[1], address="10.0.0.1")
+    throttled = aws_error("ExitStandby", "Throttling", "Rate exceeded")
+    first = operator(moto_server, group, errors={"exit_standby": throttled})
+    journal = ReplacementJournal(key="failure-4")
+    try:
+        with pytest.raises(CloudOperatorError, match="Throttling"):
+            await first.replace(JOB, failed, set(machines), journal)
+    finally:
+        await first.close()
+    assert first.calls == [] and "exit_standby_refused" not in journal.intent
+    assert journal.intent["standby"] == spare
+
+    # The retry moves the same Standby instance into service.
+    second = operator(moto_server, group)
+    try:
+        done = await second.replace(
+            JOB, failed, set(machines), ReplacementJournal("failure-4", journal.intent)
+        )
+    finally:
+        await second.close()
+    assert done.instance_id == spare and done.extra == {"standby": True}
+    assert second.calls[0] == ("exit_standby", spare)
 
 
 # -- the recovery driver on Postgres: a new leader continues a replacement in progress --------------------
@@ -342,3 +445,28 @@ async def test_a_replacement_never_hands_out_another_jobs_machine_of_the_same_gr
     assert told and set(instances) <= told[0]
     request = await replacement_of(database, event_id)
     assert request["status"] == "launched" and request["instance"] not in instances
+
+
+async def test_a_recovery_whose_exit_standby_is_refused_launches_a_replacement_instead(
+    database: Database, moto_server: harness.Moto, tmp_path: Path
+) -> None:
+    """Before, every retry asked the same refused ExitStandby again and the job stayed recovering."""
+    group = f"castor-{uuid.uuid4().hex[:8]}"
+    instances = await create_group(moto_server, group, 3)
+    machines, spare = instances[:2], instances[2]
+    await with_standby(moto_server, group, [spare])
+    settings = settings_for(database, tmp_path, moto_server, group)
+    job_id, event_id = await lost_machine(database, settings, machines)
+    aws = operator(moto_server, group, errors={"exit_standby": MAX_SIZE})
+    driver = await replica(database, settings, aws)
+    try:
+        await driver.step(job_id)
+        await settled(driver)
+        request = await replacement_of(database, event_id)
+    finally:
+        await aws.close()
+    states = lifecycle(await group_instances(moto_server, group))
+    (launched,) = set(states) - set(instances)
+    assert request["status"] == "launched" and request["instance"] == launched, request
+    assert request["intent"]["exit_standby_refused"].startswith("ValidationError: New SetDesiredCapacity")
+    assert states[spare] == "Standby"

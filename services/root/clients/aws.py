@@ -47,8 +47,42 @@ from services.root.domain.replacement import (
 log = logging.getLogger(__name__)
 
 # Decisions one try of a replacement makes at most: a Standby instance moved into service, the failed one
-# terminated, the outcome is three; the rest is room for a chosen instance that left the group meanwhile.
+# terminated, the outcome is three; the rest is room for a chosen instance that left the group meanwhile
+# (or that AWS refused to move into service).
 MAX_ACTIONS = 5
+
+# Error codes of an AWS answer that a later call may not get (throttling, a transient or a contended
+# resource): retried, never taken as a refusal. Server errors (5xx) are retried too.
+RETRYABLE_CODES = frozenset(
+    {
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "RequestThrottled",
+        "LimitExceededException",
+        "SlowDown",
+        "PriorRequestNotComplete",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "ResourceContention",
+        "ScalingActivityInProgress",
+        "InternalFailure",
+        "ServiceUnavailable",
+    }
+)
+
+
+class Refused(CloudOperatorError):
+    """AWS answered the call with an error a retry does not change (a validation error such as a group's
+    MaxSize, a missing IAM permission): neither throttling nor a transient or server error."""
+
+    def __init__(self, message: str, code: str, reason: str):
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
 
 
 @dataclass(eq=False)
@@ -126,8 +160,13 @@ class AwsOperator:
         try:
             return await getattr(client, operation)(**params)
         except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code", "")
-            raise CloudOperatorError(f"AWS refused to {what}: {code}: {exc}") from exc
+            error = exc.response.get("Error", {})
+            code, reason = str(error.get("Code", "")), str(error.get("Message", ""))
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 400
+            message = f"AWS refused to {what}: {code}: {exc}"
+            if code in RETRYABLE_CODES or status >= 500:
+                raise CloudOperatorError(message) from exc
+            raise Refused(message, code, reason) from exc
         except (BotoCoreError, OSError) as exc:
             raise CloudOperatorError(f"could not {what}: {type(exc).__name__}: {exc}") from exc
 
@@ -186,12 +225,28 @@ class AwsOperator:
                 self._claims[action.instance] = key
                 intent = intent.exiting_standby(action.instance, _now())
                 await journal.record(intent.to_json())
-                await self._call(
-                    "move a standby instance into service",
-                    "exit_standby",
-                    AutoScalingGroupName=self.asg_name,
-                    InstanceIds=[action.instance],
-                )
+                try:
+                    await self._call(
+                        "move a standby instance into service",
+                        "exit_standby",
+                        AutoScalingGroupName=self.asg_name,
+                        InstanceIds=[action.instance],
+                    )
+                except Refused as exc:
+                    # Asking again would be refused again (and so would another Standby instance): recorded,
+                    # the next decision goes without a Standby instance, and the group launches one.
+                    why = f"{exc.code}: {exc.reason}"[:500]
+                    log.warning(
+                        "replacing %s: AWS refused to move standby instance %s into service (%s); "
+                        "replacing it without a standby instance: the group launches a new one",
+                        intent.replacing,
+                        action.instance,
+                        why,
+                    )
+                    intent = intent.standby_refused(why)
+                    await journal.record(intent.to_json())
+                    if self._claims.get(action.instance) == key:
+                        del self._claims[action.instance]
             else:
                 intent = intent.terminating(_now())
                 await journal.record(intent.to_json())

@@ -51,12 +51,15 @@ class Intent:
     when that one is replaced in turn). `standby`: the Standby instance chosen to take the rank, recorded
     with `exit_standby_at` before it is moved into service. `terminate_at`: when terminating `replacing` was
     requested; without a Standby instance that termination (without decrementing the desired capacity) is
-    the replacement request itself: the group launches the new instance."""
+    the replacement request itself: the group launches the new instance. `exit_standby_refused`: why AWS
+    refused to move `standby` into service (the group's MaxSize, a missing IAM permission: an answer a
+    retry does not change); the replacement then goes without a Standby instance."""
 
     replacing: str
     standby: str | None = None
     exit_standby_at: str | None = None
     terminate_at: str | None = None
+    exit_standby_refused: str | None = None
 
     def to_json(self) -> dict[str, str]:
         return {key: value for key, value in self.__dict__.items() if value is not None}
@@ -75,6 +78,7 @@ class Intent:
             standby=text("standby"),
             exit_standby_at=text("exit_standby_at"),
             terminate_at=text("terminate_at"),
+            exit_standby_refused=text("exit_standby_refused"),
         )
 
     def exiting_standby(self, instance: str, at: str) -> Intent:
@@ -82,6 +86,9 @@ class Intent:
 
     def terminating(self, at: str) -> Intent:
         return replace(self, terminate_at=at)
+
+    def standby_refused(self, why: str) -> Intent:
+        return replace(self, exit_standby_refused=why)
 
 
 @dataclass(frozen=True)
@@ -126,17 +133,26 @@ def decide(
     replacements)."""
     old = group.get(intent.replacing)
     old_in_service = old is not None and old.lifecycle not in LEAVING
+    # The group replaces the failed instance itself (its health check terminates it; Castor requested no
+    # termination): its launch takes the rank. A Standby instance moved into service would raise the desired
+    # capacity and leave the group one instance over it for good.
+    group_replacing = intent.terminate_at is None and old is not None and old.lifecycle.startswith("Terminat")
+    # AWS refused to move the chosen Standby instance into service: a retry, or another Standby instance,
+    # would be refused alike (the group's MaxSize, a missing permission); the group launches one instead.
+    no_standby = group_replacing or intent.exit_standby_refused is not None
     if intent.standby is not None:
         chosen = group.get(intent.standby)
         if chosen is not None and chosen.lifecycle in STANDBY:
-            return ExitStandby(intent.standby)  # recorded, and the call did not land (or not yet)
-        if chosen is not None and chosen.lifecycle not in LEAVING:
+            if not no_standby:
+                return ExitStandby(intent.standby)  # recorded, and the call did not land (or not yet)
+            # Still in Standby, and not to be moved: decided below without it.
+        elif chosen is not None and chosen.lifecycle not in LEAVING:
             # In service (or on its way): the group grew by one, so the failed instance goes with a decrement.
             if old_in_service:
                 return Terminate(intent.replacing, decrement=True)
             return Done(intent.standby, standby=True)
         # The chosen instance left the group meanwhile: decided again below as if none had been chosen.
-    if intent.terminate_at is None and use_standby:
+    if intent.terminate_at is None and use_standby and not no_standby:
         # No launch requested yet: a Standby instance takes the rank in seconds instead of minutes.
         spares = sorted(
             i
@@ -169,7 +185,9 @@ def claimed(details: Iterable[Mapping[str, Any]]) -> set[str]:
         request = request if isinstance(request, Mapping) else {}
         intent = request.get("intent")
         intent = intent if isinstance(intent, Mapping) else {}
-        chosen = (intent.get("standby"), intent.get("chosen"))
+        # A Standby instance AWS refused to move into service stays in the pool: no one holds it.
+        standby = None if intent.get("exit_standby_refused") else intent.get("standby")
+        chosen = (standby, intent.get("chosen"))
         for value in (request.get("instance"), *chosen, detail.get("replaced_by")):
             if isinstance(value, str) and value:
                 held.add(value)

@@ -40,6 +40,9 @@ def group(**states: str) -> dict[str, Member]:
 NOTHING = Intent(OLD)
 STANDBY_CHOSEN = Intent(OLD, standby=SPARE, exit_standby_at=AT)
 TERMINATED = Intent(OLD, terminate_at=AT)
+REFUSED = STANDBY_CHOSEN.standby_refused(
+    "ValidationError: New SetDesiredCapacity value 3 is above max value 2"
+)
 TAKEN = frozenset({PEER, OLD})
 
 
@@ -73,6 +76,27 @@ TAKEN = frozenset({PEER, OLD})
         (TERMINATED, group(new="InService"), TAKEN | {NEW}, AwaitNew(TAKEN | {NEW})),
         # The request was recorded but the call never reached AWS: the same instance, never another.
         (TERMINATED, group(old="InService", spare="Standby"), TAKEN, Terminate(OLD, decrement=False)),
+        # AWS refused to move the chosen Standby instance into service (the group's MaxSize, no IAM
+        # permission): no Standby instance again, not even another one; the failed instance is terminated
+        # without a decrement (the group launches), or the group's launch adopted or waited for.
+        (REFUSED, group(old="InService", spare="Standby"), TAKEN, Terminate(OLD, decrement=False)),
+        (
+            REFUSED,
+            group(old="InService", spare="Standby", new2="Standby"),
+            TAKEN,
+            Terminate(OLD, decrement=False),
+        ),
+        (REFUSED.terminating(AT), group(old="Terminating", spare="Standby"), TAKEN, AwaitNew(TAKEN)),
+        (REFUSED.terminating(AT), group(spare="Standby", new="InService"), TAKEN, Done(NEW, standby=False)),
+        # ... unless the group shows it in service after all (an earlier attempt of the call landed).
+        (REFUSED, group(old="InService", spare="InService"), TAKEN, Terminate(OLD, decrement=True)),
+        # The group is replacing the failed instance itself (its own health check terminates it, Castor
+        # requested no termination): its launch takes the rank, no Standby instance is moved into service
+        # (the group would stay one instance over its desired capacity).
+        (NOTHING, group(old="Terminating/Unhealthy", spare="Standby", new="Pending"), TAKEN, AwaitNew(TAKEN)),
+        (NOTHING, group(old="Terminating:Wait", spare="Standby"), TAKEN, AwaitNew(TAKEN)),
+        (NOTHING, group(old="Terminated", spare="Standby", new="InService"), TAKEN, Done(NEW, standby=False)),
+        (STANDBY_CHOSEN, group(old="Terminating", spare="Standby"), TAKEN, AwaitNew(TAKEN)),
     ],
 )
 def test_decide(intent: Intent, members: dict[str, Member], taken: frozenset[str], expected: Action) -> None:
@@ -87,6 +111,8 @@ def test_without_standby_use_the_failed_instance_is_terminated() -> None:
 def test_the_intent_round_trips_through_the_event_details() -> None:
     intent = Intent(OLD, standby=SPARE, exit_standby_at=AT, terminate_at=AT)
     assert Intent.from_json(intent.to_json(), replacing="other") == intent
+    assert Intent.from_json(REFUSED.to_json(), replacing="other") == REFUSED
+    assert REFUSED.to_json()["exit_standby_refused"].startswith("ValidationError")
     assert Intent.from_json(None, replacing=OLD) == NOTHING
     assert Intent(OLD).to_json() == {"replacing": OLD}
 
@@ -109,6 +135,11 @@ def test_claimed_instances_are_those_other_replacements_chose_launched_or_regist
         {},
     ]
     assert claimed(details) == {SPARE, NEW, "x~2", "i-registered"}
+
+
+def test_a_standby_instance_aws_refused_to_move_is_no_longer_claimed() -> None:
+    details = [{"replacement": {"status": "requested", "intent": REFUSED.to_json()}}]
+    assert claimed(details) == set()
 
 
 class SimulatedGroup:
