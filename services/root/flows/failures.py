@@ -259,7 +259,10 @@ def replacement_committed(loss: FailureEvent) -> bool:
     rank (and would find it taken, the instance paid for and unused)."""
     request = loss.details.get("replacement") or {}
     intent = request.get("intent") or {}
-    return request.get("status") == "launched" or any(intent.get(call) for call in _COMMITTING_CALLS)
+    called = [call for call in _COMMITTING_CALLS if intent.get(call)]
+    if intent.get("exit_standby_refused"):  # AWS refused that call: it changed nothing
+        called = [call for call in called if call != "exit_standby_at"]
+    return request.get("status") == "launched" or bool(called)
 
 
 def latest_silent_losses(events: Sequence[FailureEvent]) -> dict[int, FailureEvent]:
