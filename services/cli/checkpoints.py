@@ -40,11 +40,13 @@ def checkpoints_export(client: CliClient, args: argparse.Namespace) -> int:
     if not chosen.complete:
         ranks = sorted(s.rank for s in chosen.shards)
         generations = sorted({s.generation for s in chosen.shards})
-        why = (
-            f"ranks {ranks} only"
-            if len(generations) == 1
-            else f"its shards are of generations {generations}: some of a history the job rolled back from"
-        )
+        condemned = [s for s in chosen.shards if s.condemned]
+        if condemned:
+            why = "; ".join(f"rank {s.rank}'s shard could not be restored: {s.condemned}" for s in condemned)
+        elif len(generations) == 1:
+            why = f"ranks {ranks} only"
+        else:
+            why = f"its shards are of generations {generations}: some of a history the job rolled back from"
         raise CliError(f"iteration {chosen.iteration} of job {job['name']} is incomplete ({why})")
     shards = sorted(chosen.shards, key=lambda s: s.rank)
     if [s.rank for s in shards] != list(range(len(shards))):

@@ -72,7 +72,7 @@ from worker_lib.agent.watchdog import HangPolicy, HangWatch
 from worker_lib.api.shared import PlanSource
 from worker_lib.api.worker import DirectiveOut
 from worker_lib.client import RootClient, RootError, RootRejected, RootUnavailable, UnexpectedAnswer
-from worker_lib.errors import CheckpointNotFoundError
+from worker_lib.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from worker_lib.persistent import object_store
 
 # For tests only: no background check, so that a plan names a corrupt copy and its restore is the check.
@@ -85,6 +85,16 @@ UNEXPECTED_ANSWER_RETRY_S = 1.0
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class RestoreFailure(CheckpointError):
+    """A plan's restore failed; `unusable_persisted` names the persisted shards the object store had but
+    that could not be used (missing, or failing their checksums: not a transport error), reported with the
+    failure so that the root's next plan passes them over."""
+
+    def __init__(self, message: str, unusable_persisted: list[dict[str, Any]]):
+        super().__init__(message)
+        self.unusable_persisted = unusable_persisted
 
 
 async def all_settled(awaitables: Iterable[Awaitable[T]]) -> list[T]:
@@ -361,7 +371,10 @@ class Agent:
                     restored = await self._restore(directive)
                 except Exception as exc:
                     log.error("restoring generation %d failed: %s", generation, exc)
-                    return RestoreFailed(generation, str(exc))
+                    unusable = exc.unusable_persisted if isinstance(exc, RestoreFailure) else []
+                    return RestoreFailed(
+                        generation, str(exc), {"unusable_persisted": unusable} if unusable else {}
+                    )
                 return RestoreDone(generation, iteration, restored, directive)
             case StartWorkers(generation=generation, directive=directive, restored=restored):
                 self._hang_watch = HangWatch(self.config.hang, generation)
@@ -528,6 +541,7 @@ class Agent:
         if iteration is None:
             return {"from_scratch": True}
         sources = {source.rank: source for source in directive.sources}
+        unusable: list[dict[str, Any]] = []
 
         async def restore_rank(rank: int) -> tuple[str, dict[str, Any]]:
             source, started = sources[rank], time.monotonic()
@@ -543,13 +557,25 @@ class Agent:
                     raise CheckpointNotFoundError(f"the plan names no object for rank {rank}")
                 store = object_store(self.machine.registered.persistent.model_dump())
                 destination = holdings.local_store(rank)
-                await store.get(source.location, destination, iteration, source.digest)
+                try:
+                    await store.get(source.location, destination, iteration, source.digest)
+                except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+                    problem = str(exc)[:400]
+                    unusable.append(
+                        {"rank": rank, "iteration": iteration, "digest": source.digest, "problem": problem}
+                    )
+                    raise
             seconds = time.monotonic() - started
             log.info("rank %d: iteration %d ready (%s, %.2fs)", rank, iteration, source.tier, seconds)
             details = {"tier": source.tier, "seconds": round(seconds, 3), "source": source.source_rank}
             return str(rank), details
 
-        return dict(await all_settled(restore_rank(r) for r in self.machine.local_ranks()))
+        try:
+            return dict(await all_settled(restore_rank(r) for r in self.machine.local_ranks()))
+        except Exception as exc:
+            if unusable:
+                raise RestoreFailure(str(exc), unusable) from exc
+            raise
 
     def _fetch_from_peer(self, rank: int, iteration: int, source: PlanSource) -> None:
         if source.address is None or source.data_port is None:

@@ -173,6 +173,7 @@ class RestoreDone:
 class RestoreFailed:
     generation: int
     error: str
+    details: dict[str, Any] = field(default_factory=dict)  # reported with the error (unusable_persisted)
 
 
 @dataclass(frozen=True)
@@ -473,10 +474,9 @@ def _on_outcome(status: AgentStatus, fact: RestoreDone | RestoreFailed | StartDo
                 replace(status, generation=generation, resuming=resuming),
                 (ResumeReplication(iteration, directive), StartWorkers(generation, directive, details)),
             )
-        case RestoreFailed(generation=generation, error=error):
-            return Decision(
-                _to(status, failed), (ReportProgress(generation, "restore_failed", {"error": error[:1000]}),)
-            )
+        case RestoreFailed(generation=generation, error=error, details=details):
+            report = {"error": error[:1000], **details}
+            return Decision(_to(status, failed), (ReportProgress(generation, "restore_failed", report),))
         case StartDone(generation=generation, restored=restored):
             resumed = S.RESUMING if status.state is S.RESTORING else status.state
             return Decision(_to(status, resumed), (ReportProgress(generation, "restored", restored),))

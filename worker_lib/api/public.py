@@ -296,6 +296,11 @@ class PersistedShardOut(BaseModel):
     generation: int = Field(
         1, description="The recovery-plan generation whose training wrote the shard (its history)."
     )
+    condemned: str | None = Field(
+        None,
+        description="Why a restore could not use the shard (missing, or failing its checksums): no "
+        "recovery plan names it again and its checkpoint is not complete; null when usable.",
+    )
 
 
 class PersistedCheckpointOut(BaseModel):

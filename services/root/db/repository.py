@@ -1087,10 +1087,37 @@ async def record_shard(
     new = statement.excluded
     upsert = statement.on_conflict_do_update(
         index_elements=[PersistedShard.checkpoint_id, PersistedShard.rank],
-        set_={"key": new.key, "digest": new.digest, "nbytes": new.nbytes, "generation": new.generation},
+        set_={
+            "key": new.key,
+            "digest": new.digest,
+            "nbytes": new.nbytes,
+            "generation": new.generation,
+            "condemned": None,  # uploaded again: a restore may use it
+        },
         where=PersistedShard.generation <= new.generation,
     ).returning(PersistedShard.id)
     return (await session.execute(upsert)).scalar_one_or_none() is not None
+
+
+async def condemn_shard(
+    session: AsyncSession, job_id: uuid.UUID, iteration: int, rank: int, digest: str, why: str
+) -> bool:
+    """Record that a restore could not use rank `rank`'s persisted shard of `iteration` with this digest
+    (missing, or failing its checksums); False when no such shard is recorded (expired, uploaded again)."""
+    checkpoints = select(PersistedCheckpoint.id).where(
+        PersistedCheckpoint.job_id == job_id, PersistedCheckpoint.iteration == iteration
+    )
+    statement = (
+        update(PersistedShard)
+        .where(
+            PersistedShard.checkpoint_id.in_(checkpoints),
+            PersistedShard.rank == rank,
+            PersistedShard.digest == digest,
+        )
+        .values(condemned=why[:500])
+        .returning(PersistedShard.id)
+    )
+    return (await session.execute(statement)).first() is not None
 
 
 async def shard_count(session: AsyncSession, checkpoint_id: int) -> int:

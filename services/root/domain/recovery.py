@@ -7,7 +7,9 @@ Rules (GEMINI, Section 6, made exact):
   memory (peer), the persistent tier. A whole lost placement group therefore sends every rank to the
   newest persisted checkpoint (ranks that still hold that iteration in memory read it from there).
 * Copies found corrupt never count; copies not checked yet do (the restore verifies every stripe it reads
-  and condemns a corrupt copy, so the next plan passes it over), a checked one preferred among peers. Only
+  and condemns a corrupt copy, so the next plan passes it over), a checked one preferred among peers. A
+  persisted shard a restore found missing or corrupt is condemned the same way (the next plan rolls back
+  to an older persisted checkpoint rather than fail on the same object again). Only
   copies on the current timeline count: a checkpoint made before a rollback to an older iteration is a
   different history, even with the same iteration number.
 * Nothing restorable: start from scratch, and say so.
@@ -43,6 +45,7 @@ class PersistedShard:
     location: str
     digest: str
     generation: int
+    condemned: bool = False  # a restore found it missing or failing its checksums
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,9 @@ def plan_recovery(
     shards = [
         s
         for s in persisted
-        if 0 <= s.rank < world_size and on_timeline(s.iteration, s.generation, resumed_from)
+        if not s.condemned
+        and 0 <= s.rank < world_size
+        and on_timeline(s.iteration, s.generation, resumed_from)
     ]
     in_memory: dict[tuple[int, int], list[MemoryCopy]] = {}
     for copy in usable:

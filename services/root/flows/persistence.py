@@ -26,6 +26,14 @@ from services.root.flows.machines import live_machine_at, persist_latency_s, per
 from services.root.settings import Settings
 
 
+def stored_checkpoint(checkpoint: PersistedCheckpoint) -> StoredCheckpoint:
+    """Retention's view of a checkpoint (its shards loaded). A condemned shard (a restore found it missing
+    or corrupt) is left out: a checkpoint that cannot be restored is not complete, and retention must not
+    delete an older one for its sake."""
+    shards = {s.rank: s.generation for s in checkpoint.shards if s.condemned is None}
+    return StoredCheckpoint(checkpoint.iteration, shards)
+
+
 def tier_of(settings: Settings) -> persisted.Tier:
     tier = persistent_tier(settings)
     return persisted.Tier(kind=tier.kind, prefix=tier.prefix, bucket=tier.bucket, path=tier.path)
@@ -133,7 +141,7 @@ async def _completed(
         return []  # expired meanwhile
     world_size = job.num_machines * job.procs_per_machine
     resumed_from = await repo.resumed_from(session, job.id)
-    stored = StoredCheckpoint(checkpoint.iteration, {s.rank: s.generation for s in checkpoint.shards})
+    stored = stored_checkpoint(checkpoint)
     if not is_complete(stored, world_size=world_size, resumed_from=resumed_from):
         return []
     # This report completed the checkpoint: retention runs once per completed checkpoint, and the next
@@ -155,10 +163,7 @@ async def _expire(
 ) -> list[str]:
     checkpoints = {c.iteration: c for c in await repo.list_persisted(session, job.id)}
     doomed = expired(
-        [
-            StoredCheckpoint(c.iteration, {shard.rank: shard.generation for shard in c.shards})
-            for c in checkpoints.values()
-        ],
+        [stored_checkpoint(c) for c in checkpoints.values()],
         world_size=job.num_machines * job.procs_per_machine,
         keep=job.keep_persisted,
         resumed_from=resumed_from,
@@ -188,7 +193,7 @@ async def checkpoints_out(
             location=c.location,
             created_at=c.created_at,
             complete=is_complete(
-                StoredCheckpoint(c.iteration, {s.rank: s.generation for s in c.shards}),
+                stored_checkpoint(c),
                 world_size=world_size,
                 resumed_from=resumed_from,
             ),

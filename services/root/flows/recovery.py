@@ -428,6 +428,7 @@ async def _decide(
                 persisted.shard_of(tier, str(job.id), checkpoint.iteration, shard.rank, shard.generation),
                 shard.digest,
                 shard.generation,
+                condemned=shard.condemned is not None,
             )
             for checkpoint, shard in await repo.persisted_shards(session, job.id)
         ],
@@ -698,3 +699,38 @@ async def _restore_failed(session: AsyncSession, job: Job, rank: int, report: sc
             details=report.details,
         )
     )
+    hosted = persisted.hosted_ranks(rank, job.procs_per_machine)
+    for shard in unusable_persisted(report.details):
+        if shard.rank in hosted and await repo.condemn_shard(
+            session, job.id, shard.iteration, shard.rank, shard.digest, shard.problem
+        ):
+            log.warning(
+                "job %s: rank %d's persisted shard of iteration %d could not be restored (%s): no plan "
+                "names it again",
+                job.name,
+                shard.rank,
+                shard.iteration,
+                shard.problem,
+            )
+
+
+@dataclass(frozen=True)
+class UnusableShard:
+    rank: int
+    iteration: int
+    digest: str
+    problem: str
+
+
+def unusable_persisted(details: dict[str, Any]) -> list[UnusableShard]:
+    """The persisted shards a `restore_failed` report says were missing or failed their checksums
+    (`unusable_persisted`: [{"rank", "iteration", "digest", "problem"}]); malformed entries are skipped."""
+    entries = details.get("unusable_persisted")
+    found = []
+    for entry in entries if isinstance(entries, list) else []:
+        if not isinstance(entry, dict):
+            continue
+        rank, iteration, digest = entry.get("rank"), entry.get("iteration"), entry.get("digest")
+        if type(rank) is int and type(iteration) is int and isinstance(digest, str) and digest:
+            found.append(UnusableShard(rank, iteration, digest, str(entry.get("problem") or "unusable")))
+    return found

@@ -109,3 +109,49 @@ async def test_shards_of_two_histories_do_not_make_a_complete_checkpoint(client:
     await report_persisted(scenario, 0, target, 2)  # rank 0 uploads the new history's too
     checkpoints = await scenario.api("/checkpoints")
     assert [(c["iteration"], c["complete"]) for c in checkpoints] == [(target, True)]
+
+
+async def test_a_persisted_shard_a_restore_found_corrupt_is_passed_over_by_the_next_plan(
+    client: httpx.AsyncClient,
+) -> None:
+    """Both machines lost their memory; the plan restores the newest persisted checkpoint, and rank 1's
+    object fails its checksums. Before, every new plan named the same object again, each recovery failed,
+    and the job was marked failed although an older complete checkpoint was kept for exactly this."""
+    scenario, older = await persisting(client)
+    newer = older + K
+    for iteration in (older, newer):
+        for rank in (0, 1):
+            await report_persisted(scenario, rank, iteration, 1)
+    await scenario.heartbeat(newer + 2)
+    await scenario.kill_process(1)
+
+    async def memoryless_plan(generation: int) -> dict[str, Any]:
+        await scenario.plan(generation, "collecting")
+        for rank, instance in enumerate(scenario.instances):
+            body = {"instance_id": instance, "generation": generation, "holdings": []}
+            await scenario.post(f"/machines/{rank}/inventory", body, 204)
+        return await scenario.plan(generation, "ready")
+
+    plan = await memoryless_plan(2)
+    assert plan["iteration"] == newer and {s["tier"] for s in plan["sources"]} == {"persistent"}
+    problem = f"persisted checkpoint of iteration {newer}: stripe 0 does not match its checksum"
+    failed = {
+        "instance_id": scenario.instances[1],
+        "generation": 2,
+        "event": "restore_failed",
+        "details": {
+            "error": f"rank 1: {problem}",
+            "unusable_persisted": [
+                {"rank": 1, "iteration": newer, "digest": "01" * 8, "problem": problem},
+                {"rank": 0, "iteration": newer, "digest": "00" * 8, "problem": "not this machine's rank"},
+            ],
+        },
+    }
+    await scenario.post("/machines/1/progress", failed, 204)
+
+    plan = await memoryless_plan(3)
+    assert plan["iteration"] == older, plan["reason"]
+    checkpoints = {c["iteration"]: c for c in await scenario.api("/checkpoints")}
+    assert checkpoints[older]["complete"] and not checkpoints[newer]["complete"]
+    condemned = {s["rank"]: s["condemned"] for s in checkpoints[newer]["shards"]}
+    assert condemned == {0: None, 1: problem}, "only the reporting machine's own rank is condemned"

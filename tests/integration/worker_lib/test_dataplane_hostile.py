@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 from worker_lib import Checkpointer
-from worker_lib.agent.agent import Agent, AgentConfig
+from worker_lib.agent.agent import Agent, AgentConfig, RestoreFailure
 from worker_lib.agent.dataplane import (
     MAX_PREAUTH_MESSAGE,
     DataPlaneError,
@@ -38,9 +38,10 @@ from worker_lib.agent.dataplane import (
 )
 from worker_lib.agent.holdings import Holdings, rank_capacity
 from worker_lib.agent.replication import Replicator
-from worker_lib.api.shared import PlanSource
+from worker_lib.api.shared import PersistentTier, PlanSource
 from worker_lib.api.worker import DirectiveOut, RegisterResponse
 from worker_lib.errors import CheckpointError, CheckpointNotFoundError, ShmCapacityError
+from worker_lib.persistent import LocalDirStore, shard_key
 from worker_lib.store.manifest import Manifest, Stripe, content_digest
 from worker_lib.store.slots import SlotStore, free_bytes
 
@@ -485,3 +486,35 @@ def test_the_agent_restores_only_the_planned_digest_locally_and_from_peers(
     restore_with(agent, {**source, "digest": manifest.digest}, 2)
     newest = holdings.newest("local", 0)
     assert newest is not None and newest.digest == manifest.digest
+
+
+def test_a_persisted_shard_that_fails_its_checksums_is_reported_unusable(agent: Agent, shm: Path) -> None:
+    """The restore from the persistent tier finds the object corrupt: the failure names the shard (rank,
+    iteration, digest), which the root condemns so that its next plan does not name it again. A shard the
+    tier cannot reach is a transport error, not reported as unusable."""
+    tier = shm / "tier"
+    source = shm / "source"
+    save_checkpoints(source, [4], numel=1 << 12)
+    key = shard_key("castor", JOB, 4, 0)
+    with SlotStore(source).open_read(4) as (manifest, data):
+        asyncio.run(LocalDirStore(tier).put(key, manifest, data))
+        digest = manifest.digest
+    persistent = PersistentTier(kind="local", prefix="castor", path=str(tier))
+    agent.machine.registration = RegisterResponse.model_construct(
+        rank=0, procs_per_machine=1, persistent=persistent
+    )
+    planned = {"tier": "persistent", "location": key, "digest": digest}
+    with open(tier / key / "data.bin", "r+b") as corrupted:  # a bit flipped at rest
+        corrupted.seek(100)
+        byte = corrupted.read(1)
+        corrupted.seek(100)
+        corrupted.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(RestoreFailure) as failed:
+        restore_with(agent, planned, 4)
+    (unusable,) = failed.value.unusable_persisted
+    assert (unusable["rank"], unusable["iteration"], unusable["digest"]) == (0, 4, digest)
+    assert "checksum" in unusable["problem"]
+    shutil.rmtree(tier / key)  # gone (a lifecycle rule, a hand): unusable too
+    with pytest.raises(RestoreFailure) as failed:
+        restore_with(agent, planned, 4)
+    assert "no persisted checkpoint" in failed.value.unusable_persisted[0]["problem"]

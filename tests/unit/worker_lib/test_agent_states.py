@@ -231,6 +231,15 @@ def test_a_failed_restore_is_reported_and_the_same_generation_can_be_tried_again
     assert status.state is S.RESTORING and isinstance(actions[-1], Restore)
 
 
+def test_a_failed_restore_reports_the_persisted_shards_it_could_not_use() -> None:
+    status, _ = step(registered(), directive("ready", 1))
+    unusable = [{"rank": 0, "iteration": 40, "digest": "ab" * 8, "problem": "stripe 2: checksum"}]
+    status, actions = step(status, RestoreFailed(1, "corrupt", {"unusable_persisted": unusable}))
+    assert actions == (
+        ReportProgress(1, "restore_failed", {"error": "corrupt", "unusable_persisted": unusable}),
+    )
+
+
 def test_a_failed_start_is_reported_as_a_failed_restore_of_that_generation() -> None:
     status, _ = step(registered(), directive("ready", 1))
     status, _ = step(status, RestoreDone(1, None, {"from_scratch": True}))
