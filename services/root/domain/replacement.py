@@ -27,6 +27,15 @@ LEAVING = frozenset(
 STANDBY = frozenset({"Standby", "EnteringStandby"})
 
 
+def instance_alive(lifecycle: str | None, health: str | None) -> bool:
+    """Whether the group's view of an instance leaves its machine alive: healthy and not leaving the group.
+    Every other lifecycle state counts as alive, the launch lifecycle hook's `Pending:Wait` and
+    `Pending:Proceed` and a warm pool's `Warmed:*` included: an agent boots and registers in them, and a
+    check that knew only InService and Pending declared such a new machine lost within seconds, so the
+    root terminated it and the next one the same way."""
+    return health == "Healthy" and lifecycle is not None and lifecycle not in LEAVING
+
+
 @dataclass(frozen=True)
 class Member:
     """One instance of the group as DescribeAutoScalingGroups lists it."""

@@ -27,7 +27,7 @@ from services.root.clients import CloudOperator
 from services.root.clients.etcd import CoordinatorUnavailable, EtcdCoordinator, MachineKey
 from services.root.db import repository as repo
 from services.root.db.models import FailureEvent, Job, JobState, Machine, MachineState, utcnow
-from services.root.domain import suspicion
+from services.root.domain import replacement, suspicion
 from services.root.flows.failures import (
     is_peer_symptom,
     joinable_failures,
@@ -435,7 +435,7 @@ class Detectors:
             healthy = {
                 iid
                 for iid, i in instances.items()
-                if i.get("HealthStatus") == "Healthy" and i.get("LifecycleState") in ("InService", "Pending")
+                if replacement.instance_alive(i.get("LifecycleState"), i.get("HealthStatus"))
             }
             try:
                 await self._lost(

@@ -20,6 +20,7 @@ from services.root.domain.replacement import (
     claimed,
     decide,
     group_state,
+    instance_alive,
 )
 
 OLD, SPARE, PEER, NEW = "i-old", "i-spare", "i-peer", "i-new"
@@ -206,3 +207,27 @@ def test_a_replacement_cut_short_anywhere_and_continued_is_one_replacement(
     assert [c.instance for c in sim.calls if isinstance(c, Terminate)] == [OLD], "one termination, of it"
     assert sim.desired == 2 and next(sim.launches) == (0 if spare else 1), "one replacement, not two"
     assert sorted(i for i, m in sim.members.items() if m.lifecycle == "InService") == sorted([PEER, outcome])
+
+
+@pytest.mark.parametrize(
+    ("lifecycle", "health", "alive"),
+    [
+        ("InService", "Healthy", True),
+        ("Pending", "Healthy", True),
+        # A launch lifecycle hook holds a new instance here while its agent boots and registers: before,
+        # the cloud health check declared it lost within seconds and the root terminated it.
+        ("Pending:Wait", "Healthy", True),
+        ("Pending:Proceed", "Healthy", True),
+        ("Warmed:Running", "Healthy", True),
+        ("InService", "Unhealthy", False),
+        ("Terminating", "Healthy", False),
+        ("Terminating:Wait", "Healthy", False),
+        ("Terminated", "Healthy", False),
+        ("Detaching", "Healthy", False),
+        (None, "Healthy", False),
+    ],
+)
+def test_the_cloud_health_check_counts_an_instance_alive_unless_it_is_leaving_or_unhealthy(
+    lifecycle: str | None, health: str, alive: bool
+) -> None:
+    assert instance_alive(lifecycle, health) is alive
