@@ -36,10 +36,12 @@ not reached; once every machine says it stopped, the root names the smallest pro
 stopped an iteration apart), which each adopts from its slots: the machines agree on an iteration they all
 hold.
 The job's aligned iteration (the newest one every machine fully replicated and still keeps) stays pinned here
-and is the older replica slot on the holders: a machine whose newest fully replicated iteration is newer than
-it starts no round until the others catch up. Pins at any moment: the aligned iteration and one more (this
-machine's newest fully replicated, the agreed one pinned ahead, or the round in flight), as without alignment:
-the four local slots per rank (CASTOR_LOCAL_SLOTS) and two replica slots per rank suffice. Without alignment
+and is the replica slot the holders' writes never take (SlotStore.keep, set from the root's answers): a
+machine whose newest fully replicated iteration is newer than it starts no round until the others catch up,
+or, when another machine gave that one up and the job follows a later one, gives it up (_give_up_ahead).
+Pins at any moment: the aligned iteration and one more (this machine's newest fully replicated, the agreed
+one pinned ahead, or the round in flight), as without alignment: the four local slots per rank
+(CASTOR_LOCAL_SLOTS) and two replica slots per rank suffice. Without alignment
 from the root (etcd heartbeats, jobs past the inline-counter size, a job with one machine that runs free
 rounds: told not to align, or with stores too small to pin, it says `replication_free` and the root aligns
 none of the job), while flushing at the end of training, and until the job's first aligned iteration (between
@@ -289,7 +291,10 @@ class Replicator:
         self._round: _Round | None = None
         self._rounds = 0
         self._pinned: dict[int, SlotPin] = {}  # rank -> the newest fully replicated checkpoint
-        self._pinned_version: Version | None = None
+        self._pinned_version: Version | None = None  # its version, None once its pins were let go (_step)
+        # The newest fully replicated checkpoint, pinned or not: free rounds take newer ones only, and the
+        # achieved interval counts from it.
+        self._replicated: Version | None = None
         self._given_up: Version | None = None  # the last round given up
         # (plan generation, iteration) of the last restore: checkpoints of earlier generations past that
         # iteration are of a history the recovery abandoned, left in the slots until overwritten.
@@ -382,6 +387,7 @@ class Replicator:
         with self.condition:
             self._aligning = True
             self._job_aligned = aligned
+            self._keep_replicas(aligned)
             now = time.monotonic()
             self._answer_times.append(now)
             if self._proposed is not None and target is not None and target >= self._proposed[0]:
@@ -400,6 +406,8 @@ class Replicator:
                     # the restart made the machine look stopped), it asks the root again then (_align_step).
                     self._declined = target
                 else:
+                    if self._next_state == "done":
+                        self._give_up_ahead()
                     self._drop_next()
                     self._next = target  # the root's choice of the proposals: adopted, pinned when committed
                     log.debug("adopted iteration %d (aligned %s)", target, aligned)
@@ -428,6 +436,28 @@ class Replicator:
         # never align on the old one, so follow, or every machine would wait for the other forever.
         return self._next_state == "done" and self._next is not None and target > self._next
 
+    def _give_up_ahead(self) -> None:
+        """Following a later target after replicating one the job will never align on (_adoptable): that
+        one goes, and the job's aligned iteration is this machine's newest fully replicated again. Pins stay
+        at two (the aligned iteration and the round's), and on the holders, whose two replica slots hold the
+        aligned iteration and the one given up, the round's writes take the latter's slot: a holder keeps
+        the job's aligned iteration, not its newest replica, when a newer one arrives (_keep_replicas)."""
+        if not self._floor:
+            return  # nothing aligned older than it is kept here: it stays, as the older replica slot
+        self._release(self._pinned)
+        self._pinned, self._floor = self._floor, {}
+        self._pinned_version = version(next(iter(self._pinned.values())).manifest)
+
+    def _keep_replicas(self, aligned: int | None) -> None:
+        """As a holder: the job's aligned iteration is the replica this machine's replica stores keep when a
+        newer one is written (SlotStore.keep). Their own rule (never overwrite the newest) is not enough: a
+        sender that replicated an iteration the job then never aligned on (another machine gave it up) and
+        follows a later one leaves its holders the aligned iteration and that one in their two slots, and
+        the newest would be kept; a transfer dropped after the aligned one's slot was taken would leave the
+        job no iteration in memory common to every rank."""
+        for rank in self.holdings.ranks("replica"):
+            self.holdings.replica_store(rank).keep = aligned
+
     def unalign(self) -> None:
         """The root says the job does not align (a machine runs free rounds, or none reports its part yet):
         rounds run free from now on, as before the job's first aligned iteration."""
@@ -436,6 +466,7 @@ class Replicator:
                 return
             self._aligning = False
             self._job_aligned = None
+            self._keep_replicas(None)
             self._drop_next()  # a round already running completes as a free one
             self._floor_at(None)
             self.condition.notify_all()
@@ -592,11 +623,20 @@ class Replicator:
         if not self._can_align():
             return {"replication_free": True}
         with self.condition:
-            kept = {p.manifest.iteration for p in (*self._floor.values(), *self._pinned.values())}
+            # Only an iteration every local rank holds pinned and intact: the root aligns the job on it, and
+            # each machine then lets older ones go. (A store too small to pin is no case here: _can_align()
+            # is false with one, and the summary says replication_free.)
+            ranks = set(self._local_ranks())
+            kept = {
+                pins[next(iter(pins))].manifest.iteration
+                for pins in (self._floor, self._pinned)
+                if pins
+                and ranks <= pins.keys()
+                and all(p.intact() for p in pins.values())
+                and len({version(p.manifest) for p in pins.values()}) == 1
+            }
             if (restoring := self._restored_round()) is not None:
                 kept.add(restoring.iteration)  # on its way to the holders that lack it
-            if self._pinned_version is not None and not self._pinned:  # a store too small to pin
-                kept.add(self._pinned_version[1])
             if not kept and self._paused:
                 # A machine that joined a recovery (a replacement) keeps nothing until it restored: not
                 # counted yet, or the job would have no aligned iteration and the others let theirs go.
@@ -624,19 +664,12 @@ class Replicator:
     def _step(self) -> None:
         """With the condition held: finish, give up or start a round, and drop pins that a rollback broke."""
         current = self._round
-        for kept in (self._pinned, self._floor):
-            for rank, pin in list(kept.items()):
-                if not pin.intact():
-                    pin.release()
-                    del kept[rank]
-                elif pin.store.writer_waiting() and (
-                    current is None or not (held := current.pins.get(rank)) or not held.held
-                ):
-                    # The training process still finds no slot with the round's pin gone: its store has fewer
-                    # slots than the agent made (a Checkpointer opened before they existed). Training first.
-                    log.warning("rank %d's training process needs the pinned slot: unpinned", rank)
-                    pin.release()
-                    del kept[rank]
+        # A kept iteration is one every local rank holds (_alignment_summary): a pin one rank lets go
+        # releases its whole set, and the newest fully replicated iteration is then pinned no more.
+        if self._pins_let_go(self._pinned, current):
+            self._pinned, self._pinned_version = {}, None
+        if self._pins_let_go(self._floor, current):
+            self._floor = {}
         if (
             current is not None
             and current.aborted is None
@@ -677,6 +710,25 @@ class Replicator:
             if told != self._alignment_told:
                 self._alignment_told = told
                 self.on_alignment_change()
+
+    def _pins_let_go(self, pins: dict[int, SlotPin], current: _Round | None) -> bool:
+        """Release every pin of the set `pins` (the iteration kept for every local rank) when one of them is
+        broken (a rollback replaced its checkpoint) or its training process needs the slot; whether it did."""
+        for rank, pin in pins.items():
+            if not pin.intact():
+                reason = f"rank {rank}'s pinned checkpoint was replaced"
+            elif pin.store.writer_waiting() and (
+                current is None or not (held := current.pins.get(rank)) or not held.held
+            ):
+                # The training process still finds no slot with the round's pin gone: its store has fewer
+                # slots than the agent made (a Checkpointer opened before they existed). Training first.
+                reason = f"rank {rank}'s training process needs the pinned slot"
+            else:
+                continue
+            log.warning("%s: iteration %d unpinned for every rank", reason, pin.manifest.iteration)
+            self._release(pins)
+            return True
+        return False
 
     # -- alignment across machines -----------------------------------------------------------------------
 
@@ -884,7 +936,7 @@ class Replicator:
             except CheckpointError:
                 return None
             common = held if common is None else common & held
-        floor = max((v for v in (self._pinned_version, self._given_up) if v is not None), default=None)
+        floor = max((v for v in (self._replicated, self._given_up) if v is not None), default=None)
         candidates = sorted(
             v for v in common or () if (floor is None or v > floor) and not self._abandoned(v)
         )
@@ -935,11 +987,11 @@ class Replicator:
         return _Round(self._rounds, chosen, pins, todo, left, committed_at)
 
     def _complete(self, current: _Round) -> None:
-        previous = self._pinned_version
+        previous, pinned = self._replicated, self._pinned_version
         if (
             self._aligning
-            and previous is not None
-            and previous[1] == self._job_aligned
+            and pinned is not None
+            and pinned[1] == self._job_aligned
             and self._pinned
             and current.iteration != self._job_aligned
         ):
@@ -952,7 +1004,7 @@ class Replicator:
             self._next_state = "done"
         self._pinned = {rank: pin for rank, pin in current.pins.items() if pin.store.slots >= PIN_MIN_SLOTS}
         self._release({r: p for r, p in current.pins.items() if r not in self._pinned})
-        self._pinned_version = current.version
+        self._pinned_version = self._replicated = current.version
         self._round = None
         stats = self.stats
         if previous is not None and previous[0] == current.version[0] and current.iteration > previous[1]:

@@ -236,6 +236,9 @@ class SlotStore:
         # The most data a checkpoint here may have (None: no bound). Set on stores whose sizes come from
         # someone else (a peer's replica): slots never grow beyond it.
         self.max_bytes: int | None = None
+        # An iteration whose checkpoint a write keeps in place of the newest (see open_write): set on a
+        # replica store by its holder, the job's aligned iteration (worker_lib.agent.replication).
+        self.keep: int | None = None
 
     @property
     def slots(self) -> int:
@@ -276,10 +279,11 @@ class SlotStore:
     def open_write(self, iteration: int, nbytes: int, on_busy: OnBusy = "skip") -> SlotWriter | None:
         """Take a slot for writing the checkpoint of `iteration` (`nbytes` of data).
 
-        Never takes the slot holding the newest checkpoint older than `iteration`; invalidates every
-        checkpoint of `iteration` or later (a stale timeline after a rollback); prefers an empty slot, then
-        the oldest. When every candidate is being read: returns None (`on_busy="skip"`) or waits ("wait").
-        Raises ShmCapacityError when the filesystem cannot hold the slots at the new size.
+        Never takes the slot holding the newest checkpoint older than `iteration`, nor the one holding the
+        older checkpoint of iteration `self.keep`, which two slots keep in place of the newest; invalidates
+        every checkpoint of `iteration` or later (a stale timeline after a rollback); prefers an empty slot,
+        then the oldest. When every candidate is being read: returns None (`on_busy="skip"`) or waits
+        ("wait"). Raises ShmCapacityError when the filesystem cannot hold the slots at the new size.
         """
         self._reserve(nbytes)
         older: dict[_Slot, int] = {}
@@ -293,8 +297,10 @@ class SlotStore:
             elif manifest is not None:
                 older[slot] = manifest.iteration
         newest = max(older, key=older.__getitem__, default=None)
+        kept = next((slot for slot, held in older.items() if held == self.keep), newest)
+        protected = {newest, kept} if len(self._slots) > 2 else {kept}
         candidates = sorted(
-            (slot for slot in self._slots if slot is not newest),
+            (slot for slot in self._slots if slot not in protected),
             key=lambda slot: (slot in older, older.get(slot, -1), slot.index),
         )
         chosen = self._lock_any(candidates, on_busy)
