@@ -48,21 +48,34 @@ class RecoveryDriver:
     async def drive(self) -> None:
         self.states.clear()
         first = True
-        while True:
-            try:
-                async with self.leadership.session() as session:
-                    job_ids = list(await repo.active_job_ids(session))
-                if first:
-                    self._owed, first = set(job_ids), False
-                self._owed &= set(job_ids)
-                for gone in self.states.keys() - set(job_ids):  # finished, stopped or deleted jobs
-                    del self.states[gone]
-                await self.per_job.each(job_ids, self.step)
-            except Deposed:
-                return
-            except Exception:
-                log.exception("orchestration pass failed; retrying")
-            await asyncio.sleep(TICK_S)
+        try:
+            while True:
+                try:
+                    async with self.leadership.session() as session:
+                        job_ids = list(await repo.active_job_ids(session))
+                    if first:
+                        self._owed, first = set(job_ids), False
+                    self._owed &= set(job_ids)
+                    for gone in self.states.keys() - set(job_ids):  # finished, stopped or deleted jobs
+                        del self.states[gone]
+                    await self.per_job.each(job_ids, self.step)
+                except Deposed:
+                    return
+                except Exception:
+                    log.exception("orchestration pass failed; retrying")
+                await asyncio.sleep(TICK_S)
+        finally:
+            await self._stop_replacements()
+
+    async def _stop_replacements(self) -> None:
+        """The leadership ended (or the root stops): the replacements under way here stop too. Fencing
+        refuses their next cloud call anyway, but one waiting for an instance to come up (up to
+        CASTOR_REPLACEMENT_TIMEOUT_S) kept polling the group alongside the new leader's, which continues
+        the request from its failure event."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def step(self, job_id: Any) -> None:
         try:
