@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 
+from services.root.clients import etcd
 from services.root.clients.etcd import EtcdCoordinator
 from services.root.clients.local import LocalOperator
 from services.root.db.database import Database
@@ -261,6 +262,38 @@ async def test_a_leader_whose_refresh_hangs_stops_by_its_own_clock(
         monkeypatch.setattr("services.root.clients.etcd._refresh", hang)
         await asyncio.wait_for(lost.wait(), 10)
         assert not coordinator.leading()
+    finally:
+        campaign.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await campaign
+        await coordinator.close()
+
+
+async def test_a_leader_moves_to_the_next_endpoint_when_its_etcd_member_goes_silent(
+    etcd_server: harness.Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member that died without a RST (its host froze) answers nothing until gRPC's 5 s deadline: the
+    refresh ran out the lease on it, the other endpoints never tried, and the leadership flapped."""
+    prefix = f"/test-{uuid.uuid4().hex[:6]}"
+    # Two clients of one server: the first goes silent, the second still answers.
+    coordinator = EtcdCoordinator([etcd_server.endpoint, etcd_server.endpoint], prefix)
+    elected, lost = asyncio.Event(), asyncio.Event()
+    campaign = asyncio.create_task(coordinator.lead("a", elected, lost))
+    try:
+        await asyncio.wait_for(elected.wait(), 10)
+        assert coordinator._current == 0
+        refresh = etcd._refresh
+        silent = coordinator._clients[0]
+
+        async def silent_member(lease: object, client: object) -> object:
+            if client is silent:
+                await asyncio.Event().wait()
+            return await refresh(lease, client)
+
+        monkeypatch.setattr(etcd, "_refresh", silent_member)
+        await asyncio.sleep(3 * coordinator.leader_ttl_s)
+        assert not lost.is_set() and coordinator.leading(), "the lease was refreshed on the other endpoint"
+        assert coordinator._current == 1
     finally:
         campaign.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -71,14 +71,24 @@ class EtcdCoordinator:
     def _client(self) -> aetcd.Client:
         return self._clients[self._current]
 
-    async def _call(self, operation: Callable[[aetcd.Client], Awaitable[T]]) -> T:
-        """`operation` on the current endpoint's client; on a connection error, on the next ones in turn."""
+    async def _call(
+        self, operation: Callable[[aetcd.Client], Awaitable[T]], *, attempt_s: float | None = None
+    ) -> T:
+        """`operation` on the current endpoint's client; on a connection error, on the next ones in turn.
+        `attempt_s`: how long one endpoint may take before the next is tried. A member that died silently
+        (no RST: its host froze or lost power) answers nothing until gRPC's own 5 s deadline, longer than
+        the leader lease's TTL: without it the lease expired with the other endpoints never tried."""
         failure: BaseException | None = None
         for _ in range(len(self._clients)):
             client = self._clients[self._current]
             try:
-                return await operation(client)
-            except CoordinatorUnavailable as exc:
+                if attempt_s is None:
+                    return await operation(client)
+                async with asyncio.timeout(attempt_s):
+                    return await operation(client)
+            except (TimeoutError, *CoordinatorUnavailable) as exc:
+                if isinstance(exc, TimeoutError) and attempt_s is None:
+                    raise
                 failure = exc
                 if len(self._clients) > 1:
                     log.warning(
@@ -134,7 +144,10 @@ class EtcdCoordinator:
                 try:
                     # asyncio.timeout, not wait_for: it never swallows a cancellation (see above).
                     async with asyncio.timeout(self.deadline - sent):
-                        reply = await self._call(functools.partial(_refresh, lease))
+                        # Each endpoint an equal share of the lease's time left: every one is tried before
+                        # it ends (one endpoint: all of it, as before).
+                        attempt = (self.deadline - sent) / len(self._clients)
+                        reply = await self._call(functools.partial(_refresh, lease), attempt_s=attempt)
                 except (TimeoutError, *CoordinatorUnavailable) as exc:
                     # Not yet a reason to step down: the lease holds until its deadline; try again.
                     log.warning("leader lease refresh failed (%s); %.1fs left", exc, self.deadline - sent)
