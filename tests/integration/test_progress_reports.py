@@ -419,3 +419,18 @@ async def test_a_new_leader_checks_every_active_job_for_completion(
         driving.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await driving
+
+
+async def test_a_failure_carried_into_a_new_plan_restores_again(client: httpx.AsyncClient) -> None:
+    """Every machine restored plan 2, then a process crashed before all resumed: the first failure moves
+    to plan 3 with its restore to do again. Before, it kept plan 2's restore time, and plan 3's replacement
+    and restore were booked as its warm-up."""
+    job, first = await restored_everywhere(client)
+
+    async def restored_at() -> Any:
+        return next(f for f in await job.api("/failures") if f["id"] == first)["restored_at"]
+
+    await eventually(restored_at, "plan 2's restore to be recorded on the failure")
+    await job.kill_process(2)
+    await job.plan(3, "collecting")
+    assert await restored_at() is None

@@ -99,14 +99,19 @@ def phases(event: EventTimes, now: datetime | None = None, *, finished: bool | N
     marks: list[tuple[str, datetime | None]] = [("detect", event.detected_at)]
     marks.append(("classify", event.classified_at))
     hardware = event.kind == "hardware" or event.replaced_at is not None
-    if hardware:
+    # A lost machine reinstated before any replacement took its rank: no replacement phase; its recovery
+    # restores and resumes like any other.
+    reinstated = event.replaced_at is None and "reinstated" in event.details
+    if hardware and not reinstated:
         marks.append(("replace", event.replaced_at))
     marks += [("restore", event.restored_at), ("resume", event.resumed_at)]
 
     result: list[Phase] = []
     start = failed_at(event)
-    for name, end in marks:
+    for index, (name, end) in enumerate(marks):
         if end is None:
+            if any(later is not None for _, later in marks[index + 1 :]):
+                continue  # a phase that did not happen (its mark unset) while later ones did
             if not finished:
                 result.append(Phase(name, start, None, max(0.0, (now - start).total_seconds())))
             break

@@ -136,6 +136,8 @@ async def _step(
         if job.state == JobState.RUNNING or plan.status != PlanStatus.COLLECTING:
             plan = await _open_recovery(session, job, plan, fresh)
         for event in events:  # new failures join; those of a superseded restore move along
+            if event.plan_id is not None and event.plan_id != plan.id:
+                event.restored_at = None  # the new plan restores again: its phases are this one's
             event.state, event.plan_id = FailureState.RECOVERING, plan.id
         await session.flush()
         return (

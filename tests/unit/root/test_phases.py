@@ -89,3 +89,27 @@ def test_the_api_reports_the_phase_durations_the_pages_show() -> None:
     assert [(p.name, p.seconds) for p in api] == [(p.name, p.seconds) for p in pages]
     assert [duration(p.seconds) for p in api] == [duration(p.seconds) for p in pages]
     assert duration(api[-1].seconds) == "0.11 s"
+
+
+def test_a_reinstated_loss_keeps_its_restore_and_resume_phases() -> None:
+    """A machine declared lost and reinstated before any replacement: its recovery still restored and
+    resumed. Before, the missing replacement mark ended the phases there: 120 s of downtime dropped from the
+    pages, /metrics and the ETTR, and while open the replacement showed as under way the whole time."""
+    row = event(
+        FailureKind.HARDWARE,
+        FailureState.RECOVERED,
+        classified_at=at(10),
+        restored_at=at(100),
+        resumed_at=at(120),
+    )
+    row.details = {**row.details, "reinstated": {"at": at(20).isoformat(), "why": "heartbeats resumed"}}
+    steps = phases.phases(row, at(200), finished=True)
+    assert [(p.name, p.seconds) for p in steps] == [
+        ("detect", 2.0),
+        ("classify", 8.0),
+        ("restore", 90.0),
+        ("resume", 20.0),
+    ]
+    row.state, row.restored_at, row.resumed_at = FailureState.RECOVERING, None, None
+    under_way = phases.phases(row, at(50), finished=False)
+    assert [(p.name, p.end) for p in under_way][-1] == ("restore", None)
