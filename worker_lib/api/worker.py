@@ -3,10 +3,11 @@ read, with the job's worker token."""
 
 from __future__ import annotations
 
+import re
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 
 from worker_lib.api.shared import (
     INT32_MAX,
@@ -27,11 +28,26 @@ from worker_lib.api.shared import (
     WireModel,
 )
 
+# What an instance id may be (a cloud instance id, a host name, a pod name): the root's operators name
+# files, directories and processes after such ids, so no path separators, spaces or leading dot.
+_INSTANCE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@~+-]*")
+
+
+def _valid_instance_id(value: str) -> str:
+    if not _INSTANCE_ID.fullmatch(value):
+        raise ValueError(
+            "must start with a letter or digit and hold only letters, digits and . _ : @ ~ + - (a cloud "
+            "instance id or host name)"
+        )
+    return value
+
 
 class RegisterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    instance_id: Text = Field(min_length=1, max_length=128, description="Cloud instance id or host identity.")
+    instance_id: Annotated[Text, AfterValidator(_valid_instance_id)] = Field(
+        min_length=1, max_length=128, description="Cloud instance id or host identity."
+    )
     address: Text = Field(min_length=1, max_length=255, description="Address peers reach the agent at.")
     data_port: Port = Field(description="Port of the agent's checkpoint data plane.")
     rendezvous_port: Port | None = Field(

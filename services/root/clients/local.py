@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 from services.root.clients import CloudOperatorError, JobInfo, MachineInfo, Replacement, ReplacementJournal
@@ -36,6 +37,17 @@ class LocalOperator:
         self.shm_base = shm_base
         self.max_machines = max_machines  # CASTOR_LOCAL_MAX_MACHINES: one host runs every agent
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
+        # Which job each agent this operator started belongs to. Instance ids come from the agents'
+        # registrations (any worker of any job may send any id), so a replacement stops only what this
+        # operator started for that same job: another job's machine named as "the failed one" is left alone.
+        self._owners: dict[str, uuid.UUID] = {}
+
+    @staticmethod
+    def _name(job: JobInfo, rank: int, generation: int = 0) -> str:
+        """An agent's instance id, made from the job and rank only: never from an id a worker sent, which
+        becomes a log file's and a shared-memory directory's name."""
+        base = f"local-{job.id.hex[:8]}-m{rank}"
+        return base if generation == 0 else f"{base}~{generation}"
 
     def _job_dir(self, job: JobInfo) -> Path:
         return self.state_dir / "jobs" / job.id.hex
@@ -57,7 +69,7 @@ class LocalOperator:
             os.fchmod(descriptor, 0o600)
             token_file.write(worker_token)
         for rank in range(job.num_machines):
-            self._start(job, f"local-{job.id.hex[:8]}-m{rank}", rank)
+            self._start(job, self._name(job, rank), rank)
 
     async def replace(
         self,
@@ -83,20 +95,19 @@ class LocalOperator:
         # which never registered) and the instance this request replaces in turn.
         stale = {failed.instance_id} | {str(i) for i in (recorded, journal.intent.get("replacing")) if i}
         generation = 1
-        while (instance := f"{failed.instance_id.split('~')[0]}~{generation}") in bound_instances | stale:
+        while (instance := self._name(job, failed.rank, generation)) in bound_instances | stale:
             generation += 1
         replacing = str(journal.intent.get("replacing") or failed.instance_id)
         await journal.record({"replacing": replacing, "chosen": instance})
         for gone in stale:  # a machine declared failed must not come back as a zombie
-            self._stop_instance(gone)
+            self._stop_instance(gone, job)
         self._start(job, instance, failed.rank)
         return Replacement(instance, f"started agent {instance} for rank {failed.rank}")
 
     async def release(self, job: JobInfo) -> None:
         """Stop the job's machines: SIGTERM first (an agent forwards it to its training processes and
         exits), SIGKILL after RELEASE_GRACE_S; then free their shared memory."""
-        prefix = f"local-{job.id.hex[:8]}-"
-        instances = [i for i in self._processes if i.startswith(prefix)]
+        instances = [i for i in self._processes if self._owners.get(i) == job.id]
         for instance in instances:
             with contextlib.suppress(ProcessLookupError):
                 self._processes[instance].send_signal(signal.SIGTERM)
@@ -106,7 +117,7 @@ class LocalOperator:
                 break
             await asyncio.sleep(0.1)
         for instance in instances:
-            self._stop_instance(instance)
+            self._stop_instance(instance, job)
         shutil.rmtree(self.shm_base / job.id.hex, ignore_errors=True)
 
     def _start(self, job: JobInfo, instance: str, rank: int) -> None:
@@ -147,9 +158,14 @@ class LocalOperator:
                 start_new_session=True,
             )
         self._processes[instance] = process
+        self._owners[instance] = job.id
         log.info("started local machine %s (rank %d) as pid %d", instance, rank, process.pid)
 
-    def _stop_instance(self, instance: str) -> None:
+    def _stop_instance(self, instance: str, job: JobInfo) -> None:
+        """Stop an agent this operator started for `job` (any other id: nothing to do)."""
+        if self._owners.get(instance) != job.id:
+            return
+        del self._owners[instance]
         process = self._processes.pop(instance, None)
         if process is not None and process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -167,3 +183,4 @@ class LocalOperator:
             process = self._processes[instance]
             if process.poll() is not None:
                 self._processes.pop(instance)
+                self._owners.pop(instance, None)

@@ -105,6 +105,18 @@ async def test_registration_refuses_nul_characters(client: httpx.AsyncClient) ->
     assert machines == []
 
 
+@pytest.mark.parametrize("instance", ["/tmp/x", "../../escaped", ".hidden", "a b", "i-1/2"])
+async def test_registration_refuses_instance_ids_that_could_name_a_path(
+    client: httpx.AsyncClient, instance: str
+) -> None:
+    """The local operator names log files and shared-memory directories after instance ids."""
+    job = await create_job(client, machines=3)
+    error = assert_error(await register(client, job, instance), 422, "validation_error")
+    assert "instance_id" in error["message"] and "letter or digit" in error["message"]
+    for accepted in ("i-0abc123def4567890", "ip-10-0-0-1.ec2.internal", "local-1a2b3c4d-m0~2"):
+        assert (await register(client, job, accepted)).status_code == 200
+
+
 async def test_a_launch_directory_that_does_not_exist_is_refused(
     client: httpx.AsyncClient, tmp_path: Path
 ) -> None:
