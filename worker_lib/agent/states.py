@@ -91,7 +91,8 @@ class AgentStatus:
     generation: int = 0  # the plan generation whose training runs here
     collected: int = 0  # the last recovery generation this machine reported its inventory for
     resuming: Resuming | None = None
-    # Local ranks whose process exited 0 (a generation's clean exits; kept across generations, as before)
+    # Local ranks whose process of the running generation exited 0 (cleared when a new generation starts:
+    # a rank that finished before a recovery runs again, and must finish again)
     clean: frozenset[int] = frozenset()
 
 
@@ -420,7 +421,9 @@ def _on_exit(status: AgentStatus, fact: ProcessExited) -> Decision:
     actions: list[Action] = [ReportExit(fact.exit, fact.global_rank, fact.exit_code)]
     if fact.exit_code == 0:
         status = replace(status, clean=status.clean | {fact.global_rank})
-        if status.clean >= status.local_ranks:
+        # Not after a signal to the agent (a preemption): a training script that exits 0 on the SIGTERM
+        # passed on to it has not finished, and every agent stopped so would mark the job completed.
+        if status.clean >= status.local_ranks and status.state is not S.STOPPING:
             actions.append(ReportFinished(fact.generation))
             if status.state in (S.RESUMING, S.RUNNING):
                 status = _to(status, S.FINISHED)
@@ -471,7 +474,7 @@ def _on_outcome(status: AgentStatus, fact: RestoreDone | RestoreFailed | StartDo
             # The processes start as this generation; their commits count towards `resumed`.
             resuming = Resuming(generation, iteration, status.local_ranks)
             return Decision(
-                replace(status, generation=generation, resuming=resuming),
+                replace(status, generation=generation, resuming=resuming, clean=frozenset()),
                 (ResumeReplication(iteration, directive), StartWorkers(generation, directive, details)),
             )
         case RestoreFailed(generation=generation, error=error, details=details):

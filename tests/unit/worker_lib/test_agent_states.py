@@ -279,6 +279,31 @@ def test_a_crash_is_reported_and_training_finishes_once_every_local_process_exit
     assert actions == (ReportExit("exit-3", 3, 0), ReportFinished(1))
 
 
+def test_a_clean_exit_after_a_forwarded_signal_does_not_finish_the_job() -> None:
+    """A training script that exits 0 on the SIGTERM passed on to it (a preemption handler) has not
+    finished: before, every agent stopped so reported "finished" and the job was marked completed."""
+    status, _ = step(running(), Signalled(15))
+    status, actions = step(status, exited(2, 0))
+    status, actions = step(status, exited(3, 0))
+    assert status.state is S.STOPPING and actions == (ReportExit("exit-3", 3, 0),)
+
+
+def test_a_rank_that_finished_before_a_recovery_must_finish_again() -> None:
+    """Rank 2 exited 0 in generation 1 while rank 3 crashed; both run again in generation 2. Before, the
+    first clean exit of generation 2 reported "finished" while the other rank of generation 2 still ran."""
+    status = running()
+    status, _ = step(status, exited(2, 0))
+    status, _ = step(status, exited(3, 1))
+    status, _ = step(status, directive("collecting", 2))
+    status, _ = step(status, directive("ready", 2))
+    status, _ = step(status, RestoreDone(2, 7, {}))
+    status, _ = step(status, StartDone(2, {}))
+    status, actions = step(status, exited(3, 0, generation=2, running=2))
+    assert ReportFinished(2) not in actions and status.state is not S.FINISHED
+    status, actions = step(status, exited(2, 0, generation=2, running=2))
+    assert actions[-1] == ReportFinished(2)
+
+
 # -- decide: the agent's end -------------------------------------------------------------------------------
 
 
