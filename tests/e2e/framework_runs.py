@@ -53,14 +53,29 @@ def wait(process: subprocess.Popen[bytes]) -> int:
         raise
 
 
-def check_resumes_bit_exact(workload: str, tmp_path: Path, *, steps: int, die_at: int, **extra: str) -> None:
-    """The resumed run ends with the reference's model, optimizer and scheduler states, bit for bit, and
-    resumed from the killed run's last committed step (die_at, or die_at - 1 when its copy was cut)."""
+def check_resumes_bit_exact(
+    workload: str,
+    tmp_path: Path,
+    *,
+    steps: int,
+    die_at: int,
+    restored: tuple[int | None, ...] | None = None,
+    **extra: str,
+) -> None:
+    """The resumed run ends with the reference's model, optimizer and scheduler states, bit for bit (and
+    the same evaluations and best metric, when the workload writes them), and resumed from the killed run's
+    last committed step: one of `restored`, by default die_at, or die_at - 1 when its copy was cut. `extra`:
+    more options, `--name=value` (`--name` for an empty value); those ending in `_dir` get the run's name
+    appended (`value/name`)."""
     shm_root = Path(tempfile.mkdtemp(prefix="castor-framework-", dir="/dev/shm"))
     try:
 
         def args(name: str) -> list[str]:
-            return [f"--steps={steps}", *(f"--{k.replace('_', '-')}={v}/{name}" for k, v in extra.items())]
+            options = [f"--{k.replace('_', '-')}" + (f"={v}" if v else "") for k, v in extra.items()]
+            return [
+                f"--steps={steps}",
+                *(f"{o}/{name}" if o.split("=")[0].endswith("-dir") else o for o in options),
+            ]
 
         # The reference and the run to kill at once (two cores), then the resumed run.
         reference = start(workload, tmp_path, "reference", shm_root / "reference", *args("reference"))
@@ -74,9 +89,11 @@ def check_resumes_bit_exact(workload: str, tmp_path: Path, *, steps: int, die_at
         expected: dict[str, Any] = torch.load(tmp_path / "reference.pt", weights_only=False)
         actual: dict[str, Any] = torch.load(tmp_path / "run.pt", weights_only=False)
         assert expected["restored_step"] is None, "the reference started fresh"
-        assert actual["restored_step"] in (die_at - 1, die_at), actual["restored_step"]
         assert actual["global_step"] == expected["global_step"] == steps
         for part in ("model", "optimizer", "scheduler"):
             assert_bit_equal(actual[part], expected[part], part)
+        for part in ("evaluations", "best_metric"):
+            assert actual.get(part) == expected.get(part), part
+        assert actual["restored_step"] in (restored or (die_at - 1, die_at)), actual["restored_step"]
     finally:
         shutil.rmtree(shm_root, ignore_errors=True)

@@ -67,7 +67,7 @@ class CastorCallback(Callback):
         self.every_n_steps = every_n_steps
         self.resume = resume
         self.restored_step: int | None = None
-        self._last_saved: int | None = None
+        self._step_at_batch_start: int | None = None
         self._rng_to_restore: dict[str, Any] | None = None
 
     @property
@@ -94,7 +94,6 @@ class CastorCallback(Callback):
         # ckpt_path replaces it: the file wins.
         connector._loaded_checkpoint = decode(restored.state)
         self.restored_step = restored.iteration
-        self._last_saved = restored.iteration
 
     def state_dict(self) -> dict[str, Any]:
         # Part of every checkpoint Lightning dumps (this one's and ModelCheckpoint's files): the generators
@@ -111,12 +110,18 @@ class CastorCallback(Callback):
             restore_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
 
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._step_at_batch_start = int(trainer.global_step)
+
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = int(trainer.global_step)
-        # With gradient accumulation global_step moves on every accumulate_grad_batches batches only.
-        if step == self._last_saved or step % self.every_n_steps != 0:
+        # Only on a batch that stepped the optimizer: with gradient accumulation, global_step moves on every
+        # accumulate_grad_batches batches only, and a checkpoint taken partway through a step (the first
+        # batch, at global_step 0, or the first one after a resume) would resume with the gradient of the
+        # step's earlier batches lost.
+        if step == self._step_at_batch_start or step % self.every_n_steps != 0:
             return
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         if type(trainer.strategy) in (pl.strategies.SingleDeviceStrategy, pl.strategies.DDPStrategy):
@@ -124,7 +129,6 @@ class CastorCallback(Callback):
             # returns, so a forward that changes them in place (BatchNorm) never races the copy.
             checkpoint["state_dict"] = trainer.lightning_module
         self.checkpointer.save(step, encode(checkpoint))
-        self._last_saved = step
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self._owned and self._checkpointer is not None:

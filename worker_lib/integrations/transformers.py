@@ -6,13 +6,16 @@
     trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[castor])
     trainer.train(resume_from_checkpoint=castor.resume_from_checkpoint())   # None: a fresh start
 
-Each save (in `on_step_end`, after the optimizer and LR scheduler stepped) stores the model, the optimizer,
-the LR scheduler's state, the `TrainerState` and the random number generators, in memory, as Castor
-iteration `state.global_step`. `resume_from_checkpoint()` restores Castor's newest checkpoint (the recovery
-plan's iteration under the agent) and lays it out as the checkpoint directory the Trainer itself writes
-(`pytorch_model.bin`, `optimizer.pt`, `scheduler.pt`, `trainer_state.json`, `rng_state.pth`), in a
-temporary directory it removes once training runs again; the Trainer's own resume then restores everything
-and skips the batches already trained on, as from one of its own checkpoints.
+Each save stores the model, the optimizer, the LR scheduler's state, the `TrainerState` and the random number
+generators, in memory, as Castor iteration `state.global_step`, once the Trainer is done with that step: after
+its logging, evaluation and own checkpoint, which follow `on_step_end` (an evaluation draws from torch's
+generator when it creates the eval DataLoader's iterator, and adds its metrics to the `TrainerState`), that
+is at the next step's `on_step_begin`, at the next epoch's `on_epoch_begin` (after an end-of-epoch
+evaluation), or at `on_train_end` for the last step. `resume_from_checkpoint()` restores Castor's newest
+checkpoint (the recovery plan's iteration under the agent) and lays it out as the checkpoint directory the
+Trainer itself writes (`pytorch_model.bin`, `optimizer.pt`, `scheduler.pt`, `trainer_state.json`,
+`rng_state.pth`), in a temporary directory it removes once training runs again; the Trainer's own resume
+then restores everything and skips the batches already trained on, as from one of its own checkpoints.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class CastorCallback(TrainerCallback):
         self.every_n_steps = every_n_steps
         self.restored_step: int | None = None
         self._resume_dir: Path | None = None
+        self._pending: int | None = None  # the step to save once the Trainer is done with it
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -83,10 +87,44 @@ class CastorCallback(TrainerCallback):
         self.restored_step = restored.iteration
         return str(directory)
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._pending = None
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._remove_resume_dir()  # read by now: the Trainer loads the RNG file before the first step
-        step = int(state.global_step)
-        if step % self.every_n_steps != 0:
+        # Not saved yet: the Trainer logs, evaluates and saves its own checkpoint after on_step_end
+        # (`_maybe_log_save_evaluate`, and once more after on_epoch_end), and a resumed run does none of that
+        # again for this step. The save waits for the next hook after all of it.
+        if int(state.global_step) % self.every_n_steps == 0:
+            self._pending = int(state.global_step)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # After the next step's batches were fetched, where the Trainer's resume sets the generators back.
+        self._save_pending(state, kwargs)
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Before the epoch's DataLoader iterator draws a seed, where the Trainer's resume at an epoch's
+        # boundary sets the generators back.
+        self._save_pending(state, kwargs)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._remove_resume_dir()
+        if args.load_best_model_at_end and state.best_model_checkpoint is not None:
+            # The Trainer loaded the best checkpoint's weights into the model (`_finalize_training`): not
+            # the last step's. The step before it holds what a run resumed from it needs.
+            self._pending = None
+        self._save_pending(state, kwargs)
+        if self._checkpointer is None:
+            return
+        if self._owned:
+            self._checkpointer.close()
+            self._checkpointer = None
+        else:
+            self._checkpointer.wait()
+
+    def _save_pending(self, state: Any, kwargs: dict[str, Any]) -> None:
+        step, self._pending = self._pending, None
+        if step is None or step != int(state.global_step):
             return
         scheduler = kwargs.get("lr_scheduler")
         self.checkpointer.save(
@@ -99,16 +137,6 @@ class CastorCallback(TrainerCallback):
                 "rng": rng_state(),
             },
         )
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._remove_resume_dir()
-        if self._checkpointer is None:
-            return
-        if self._owned:
-            self._checkpointer.close()
-            self._checkpointer = None
-        else:
-            self._checkpointer.wait()
 
     def _remove_resume_dir(self) -> None:
         if self._resume_dir is not None:

@@ -1,11 +1,15 @@
 """A tiny randomly initialised model trained by PyTorch Lightning with Castor's callback (the README's
 "PyTorch Lightning and Hugging Face Trainer" example, with a way to die): dropout draws from torch's
 global generator, AdamW with a per-step LR schedule, epochs of 6 batches, so a resumed run is bit-exact
-only if the model, optimizer, scheduler, loop progress and generators all come back.
+only if the model, optimizer, scheduler, loop progress and generators all come back. --accumulate N
+accumulates the gradients of N batches an optimizer step; --blocking saves with Checkpointer(blocking=True)
+(each save committed when it returns).
 
-Standalone (the Checkpointer's directory is --shm). --die-at N kills this process with SIGKILL right
-after step N's save() returned (its copy may still be in flight). At the end it writes the model's,
-optimizer's and scheduler's states and the step count to --out, and the step it resumed from (or None)."""
+Standalone (the Checkpointer's directory is --shm). --die-at N kills this process with SIGKILL at the end
+of the first batch with global step N: right after step N's save() returned (its copy may still be in
+flight), or for N=0 with --accumulate, partway through the first optimizer step, before any save. At the
+end it writes the model's, optimizer's and scheduler's states and the step count to --out, and the step it
+resumed from (or None)."""
 
 from __future__ import annotations
 
@@ -65,11 +69,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--die-at", type=int, default=None)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--blocking", action="store_true")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     model = Regression()
-    with Checkpointer(args.shm) as checkpointer:
+    with Checkpointer(args.shm, blocking=args.blocking) as checkpointer:
         castor = CastorCallback(checkpointer)
         callbacks: list[pl.Callback] = [castor]
         if args.die_at is not None:
@@ -83,6 +89,7 @@ def main() -> None:
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
+            accumulate_grad_batches=args.accumulate,
         )
         torch.manual_seed(1)  # the generators training starts from
         trainer.fit(model)
