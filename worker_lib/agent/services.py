@@ -12,6 +12,7 @@ import math
 import os
 import socket
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,6 +75,9 @@ class MachineServices:
         self.client = client
         self.identity = identity
         self.key = data_plane_key(token)
+        # This process's id for the root: a registration sent again (a retry whose answer was lost, a
+        # re-registration) is not an agent restart, in which the training processes died.
+        self.session = uuid.uuid4().hex
         self.holdings = Holdings(shm_root, replica_bytes_max=lambda rank: self.capacity)
         self.capacity: int | None = None  # bytes of one rank's checkpoint, set at registration
         self.registration: RegisterResponse | None = None  # the root's answer, once registered
@@ -171,6 +175,7 @@ class MachineServices:
             rank=self.identity.machine_rank,
             rendezvous_port=free_port(),
             embedded=self.identity.embedded,
+            agent_session=self.session,
         )
         self.update_addresses(registration.peers)
         self.capacity = self._rank_capacity()

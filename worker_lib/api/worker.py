@@ -55,6 +55,12 @@ class RegisterRequest(BaseModel):
     )
     hostname: Text = Field("", max_length=255)
     rank: Count | None = Field(None, description="Ask for this machine rank (default: the next free one).")
+    agent_session: Text | None = Field(
+        None,
+        max_length=64,
+        description="A random id the agent process chose when it started: a registration sent again with "
+        "the same one (a retry whose answer was lost) is not recorded as an agent restart.",
+    )
     embedded: StrictBool = Field(
         False,
         description="Embedded mode (training launched by torchrun): the root records failures but leaves "

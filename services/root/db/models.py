@@ -194,6 +194,9 @@ class Machine(Base):
     embedded: Mapped[bool] = mapped_column(default=False)  # torchrun drives its processes, not the root
     # A free port on this machine for torch.distributed's store when it hosts global rank 0.
     rendezvous_port: Mapped[int | None] = mapped_column(default=None)
+    # The registering agent process's random id: a registration sent again with it (a retry whose answer
+    # was lost) is not an agent restart.
+    agent_session: Mapped[str | None] = mapped_column(String(64), default=None)
     state: Mapped[str] = mapped_column(String(16), default=MachineState.PENDING)
     registered_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)

@@ -139,6 +139,7 @@ async def _claim(
         "hostname": request.hostname,
         "rendezvous_port": request.rendezvous_port,
         "embedded": request.embedded,
+        "agent_session": request.agent_session,
     }
     if machine is None:
         # A later try spreads over the free ranks: the registrations that lost a rank together do not all
@@ -175,8 +176,13 @@ async def _claim(
             f"instance {request.instance_id!r} is already machine {machine.rank}, not {request.rank}",
             code="rank_mismatch",
         )
-    elif job.state in (JobState.RUNNING, JobState.RECOVERING) and not request.embedded:
-        # The agent restarted on a live machine: its training processes died with it.
+    elif (
+        job.state in (JobState.RUNNING, JobState.RECOVERING)
+        and not request.embedded
+        and not (request.agent_session is not None and request.agent_session == machine.agent_session)
+    ):
+        # The agent restarted on a live machine: its training processes died with it. (Not the same agent
+        # process sending its registration again: its answer was lost, and nothing died.)
         if not locked:
             return LOCKED
         session.add(

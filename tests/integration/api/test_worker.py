@@ -86,6 +86,25 @@ async def test_a_registration_is_in_the_next_directive_at_once(client: httpx.Asy
     assert [(m["rank"], m["data_port"]) for m in after["machines"]] == [(0, 7000), (1, 7100)]
 
 
+async def test_a_registration_sent_again_by_the_same_agent_is_no_restart(client: httpx.AsyncClient) -> None:
+    """An agent whose registration's answer was lost (a read timeout, a root replica restarting) sends it
+    again: before, the running job recorded "the agent of machine 1 restarted", and during a recovery that
+    counted as the recovery failing. A new agent process (another session) is a restart."""
+    job = await create_job(client, machines=2, replicas=2)
+    sessions = {"i-0": "a" * 32, "i-1": "b" * 32}
+    for instance, session in sessions.items():
+        assert (await register(client, job, instance, agent_session=session)).status_code == 200
+    admin_job = f"/api/v1/jobs/{job['id']}"
+    assert (await client.get(admin_job, headers=admin())).json()["state"] == "running"
+    again = await register(client, job, "i-1", agent_session=sessions["i-1"])
+    assert again.status_code == 200 and again.json()["rank"] == 1
+    assert (await client.get(f"{admin_job}/failures", headers=admin())).json() == []
+    restarted = await register(client, job, "i-1", port=7100, agent_session="c" * 32)
+    assert restarted.status_code == 200
+    (failure,) = (await client.get(f"{admin_job}/failures", headers=admin())).json()
+    assert "restarted" in failure["cause"]
+
+
 async def test_heartbeat_updates_counters(client: httpx.AsyncClient) -> None:
     job = await create_job(client, machines=2, replicas=2)
     token = bearer(str(job["worker_token"]))
