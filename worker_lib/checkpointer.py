@@ -37,10 +37,12 @@ from worker_lib.fences import (
     HOST_SNAPSHOT_BYTES,
     BufferSnapshot,
     HostSnapshot,
+    SteppedOptimizers,
     fence_optimizer_steps,
     open_when_free,
 )
 from worker_lib.restore import RestorePlans, load_state, restore_state
+from worker_lib.sharded import RESHARD_HINT, ShardingMismatchError
 from worker_lib.store.copy import CopyEngine, SaveStripe, Transfer, compile_save
 from worker_lib.store.cuda import (
     DeviceFence,
@@ -191,6 +193,7 @@ class Checkpointer:
         # thread while the training thread's optimizer step may be waiting for the previous copy, and that
         # save, seeing nothing pending, took the slot the copy was still writing.
         self._serial = threading.RLock()
+        self._stepped = SteppedOptimizers()  # noted by the step hook (see _save_detached)
         self._step_hook = fence_optimizer_steps(self)
         self._buffers = BufferSnapshot()
         self._closed = False
@@ -211,7 +214,30 @@ class Checkpointer:
         with self._serial:
             return self._save(iteration, state)
 
-    def _save(self, iteration: int, state: Any) -> bool:
+    def _save_detached(
+        self, iteration: int, state: Any, *, fresh: Sequence[torch.Tensor] = (), commit: bool = False
+    ) -> bool:
+        """save() of a state of detached tensors, without the modules and optimizers they come from (a DCP
+        state dict, see worker_lib.dcp): nothing says which tensors are buffers, which forward changes in
+        place. So every tensor that is no parameter or state of an optimizer seen stepping (whose steps wait
+        for the copy) is snapshotted inside this call, as the buffers of a module are; where those come to
+        more than half of the state (no optimizer has stepped yet), the save waits for its copy instead.
+        `fresh`: tensors of `state` made for this save (nothing else holds them), never snapshotted.
+
+        `commit`: return only once the checkpoint is committed (or skipped), whatever the mode; for a save
+        of a staged copy from another thread (dcp.async_save), which needs no snapshot, and whose caller
+        must not reuse the staged tensors before the copy has read them. The wait is not counted as a stall
+        of training."""
+        with self._serial:
+            if not commit:
+                return self._save(iteration, state, detached=fresh)
+            saved = self._save(iteration, state)
+            self._wait()
+            return saved
+
+    def _save(self, iteration: int, state: Any, *, detached: Sequence[torch.Tensor] | None = None) -> bool:
+        """save(); `detached` (not None): a state of detached tensors, those given fresh (see
+        _save_detached)."""
         self._check_open()
         if type(iteration) is not int or iteration < 0:
             raise ValueError(f"iteration must be a non-negative int, not {iteration!r}")
@@ -221,16 +247,25 @@ class Checkpointer:
         # The previous copy is finished (settled above): the side buffers can take this save's values. A
         # blocking save copies everything before it returns and needs no snapshot.
         tensors, storages = flat.tensors, storage_addresses(flat.tensors)
-        if not self._blocking:
-            tensors, storages = self._buffers.capture(tensors, flat.modules, storages, flat.group_tensors)
+        blocking = self._blocking
+        if not blocking:
+            also: Sequence[int] = flat.group_tensors
+            if detached is not None:
+                unprotected = self._stepped.unprotected(tensors, storages, detached)
+                if unprotected is None:
+                    blocking = True  # this save copies everything before it returns
+                else:
+                    also = sorted({*also, *unprotected})
+            if not blocking:
+                tensors, storages = self._buffers.capture(tensors, flat.modules, storages, also)
         layout = self._layout_for(tensors, flat.keys, storages)
         writer = self._store.open_write(iteration, layout.data_bytes, self._on_busy)
-        if writer is None and self._blocking:
+        if writer is None and blocking:
             self._skipped(iteration)
             self._save_returned(started)
             return False
         try:
-            sources, marks, direct, host_pending = self._sources(layout, tensors)
+            sources, marks, direct, host_pending = self._sources(layout, tensors, blocking)
         except BaseException:
             if writer is not None:
                 writer.abort()
@@ -242,10 +277,10 @@ class Checkpointer:
                 self._write_when_free, iteration, layout, flat.tree, sources, marks, self._give_up
             )
         else:
-            if not self._blocking and not needs_host_wait(device_only=direct, host_pending=host_pending):
+            if not blocking and not needs_host_wait(device_only=direct, host_pending=host_pending):
                 issued = IssuedCopies()
             write = partial(self._write, writer, layout, flat.tree, sources, marks, direct, issued)
-        if self._blocking:
+        if blocking:
             write()
         else:
             self._pending = self._background.submit(write)
@@ -254,7 +289,7 @@ class Checkpointer:
         return True
 
     def _sources(
-        self, layout: Layout, tensors: Sequence[torch.Tensor]
+        self, layout: Layout, tensors: Sequence[torch.Tensor], blocking: bool
     ) -> tuple[list[torch.Tensor], Marks, bool, bool]:
         """What the background thread copies each blob from; the marks of the device tensors among them
         (their copies are queued by the background thread, after the marks); whether they go straight into
@@ -264,7 +299,7 @@ class Checkpointer:
         sources = [blob_source(blob, tensors) for blob in layout.blobs]
         marks = mark_devices(sources)
         direct = bool(marks) and direct_copies_enabled()
-        if not direct or self._blocking:
+        if not direct or blocking:
             return sources, marks, direct, True
         live = [i for i, source in enumerate(sources) if not source.is_cuda]
         if sum(layout.blobs[i].nbytes for i in live) > HOST_SNAPSHOT_BYTES:
@@ -376,7 +411,9 @@ class Checkpointer:
         Without `iteration`, $CASTOR_RESTORE_ITERATION (set by the recovery plan for every rank) decides:
         that iteration exactly, or `none` for a fresh start. Without a plan, when torch.distributed is
         initialized, the ranks agree on the newest iteration every one of them holds (a rank killed between
-        two commits must not resume alone from another iteration). Every checksum is verified before
+        two commits must not resume alone from another iteration); when there is none and a rank holds
+        checkpoints saved by another world size (a job restarted with more ranks), every rank raises
+        ShardingMismatchError rather than start fresh over them. Every checksum is verified before
         anything is loaded: a corrupt checkpoint raises CheckpointCorruptError and is never replaced by an
         older one.
         `into` (like the saved state, e.g. {"model": model, "optimizer": optimizer}) receives the tensors
@@ -396,7 +433,7 @@ class Checkpointer:
                         f"{RESTORE_ITERATION_ENV}={planned!r}: expected an iteration number or 'none'"
                     ) from None
             else:
-                agreed = newest_common_iteration([m.iteration for m in self._store.committed()])
+                agreed = newest_common_iteration(*held_iterations(self._store.committed()))
                 if agreed is None:
                     return None  # no iteration that every rank holds: all start fresh together
                 if agreed is not NOT_DISTRIBUTED:
@@ -616,20 +653,51 @@ NOT_DISTRIBUTED = -1
 _LANDED = torch.empty(0, dtype=torch.uint8)
 
 
+def held_iterations(manifests: Sequence[Manifest]) -> tuple[list[int], list[int | None]]:
+    """The iterations of `manifests` and the world size each was saved with (None: not recorded), as
+    newest_common_iteration takes them."""
+    sizes = [m.meta.get("world_size") for m in manifests]
+    return [m.iteration for m in manifests], [s if type(s) is int else None for s in sizes]
+
+
 def fenced_save_threads(threads: int) -> int:
     """How many of the copy engine's `threads` hash a save that runs beside training (the step fenced on
     the device): half, leaving cores to the training thread and its device threads."""
     return max(1, threads // 2)
 
 
-def newest_common_iteration(held: list[int]) -> int | None:
+def newest_common_iteration(held: list[int], world_sizes: Sequence[int | None] = ()) -> int | None:
     """The newest iteration held by every rank of the default process group (None: there is none), or
-    NOT_DISTRIBUTED when torch.distributed is not initialized or has one rank."""
+    NOT_DISTRIBUTED when torch.distributed is not initialized or has one rank.
+
+    `world_sizes`: the world size each of `held` was saved with (None: not recorded). Where no iteration is
+    common and some rank holds checkpoints saved by another world size (a job restarted with more ranks:
+    the new ones hold nothing), starting fresh would overwrite them: every rank raises ShardingMismatchError
+    instead (each decides on the same gathered lists, so none is left waiting in a collective)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return NOT_DISTRIBUTED
-    gathered: list[list[int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, held)
-    common = set.intersection(*(set(ranks or []) for ranks in gathered))
-    return max(common) if common else None
+    world = dist.get_world_size()
+    sizes: list[int | None] = list(world_sizes) or [None] * len(held)
+    gathered: list[list[tuple[int, int | None]] | None] = [None] * world
+    dist.all_gather_object(gathered, list(zip(held, sizes, strict=True)))
+    per_rank = [pairs or [] for pairs in gathered]
+    common = set.intersection(*({it for it, _ in pairs} for pairs in per_rank))
+    if common:
+        return max(common)
+    other = [
+        (rank, size, it)
+        for rank, pairs in enumerate(per_rank)
+        for it, size in pairs
+        if size is not None and size != world
+    ]
+    if other:
+        rank, size, _ = other[0]
+        iterations = sorted({it for r, s, it in other if (r, s) == (rank, size)})
+        raise ShardingMismatchError(
+            f"no checkpoint is held by all {world} ranks, and rank {rank} holds iterations {iterations} "
+            f"saved by {size} ranks: restore with {size} ranks, or start fresh deliberately "
+            f"({RESTORE_ITERATION_ENV}=none) rather than overwrite them. {RESHARD_HINT}"
+        )
+    return None

@@ -34,6 +34,7 @@ import dataclasses
 import io
 import os
 import re
+import threading
 from collections import ChainMap
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,7 @@ from worker_lib.checkpointer import (
     NOT_DISTRIBUTED,
     RESTORE_ITERATION_ENV,
     Checkpointer,
+    held_iterations,
     newest_common_iteration,
 )
 from worker_lib.errors import CheckpointError, CheckpointNotFoundError
@@ -112,9 +114,14 @@ class CastorWriter(StorageWriter):
 
     Returns like `Checkpointer.save`: by default the copy runs in the background and is finished before
     the next optimizer step (a Checkpointer made with `blocking=True` returns once committed); call
-    `checkpointer.wait()` before changing saved tensors in place anywhere else. With `dcp.async_save`,
-    DCP stages a copy first and the save runs on its thread. A save skipped by `on_busy="skip"` returns
-    normally too (as a skipped asynchronous save does) and counts in `checkpointer.stats.saves_skipped`.
+    `checkpointer.wait()` before changing saved tensors in place anywhere else. The state's tensors that
+    are no parameter or state of an optimizer seen stepping (buffers, which forward changes in place) are
+    snapshotted inside the save; before any optimizer step the save waits for its copy (see
+    Checkpointer._save_detached). With `dcp.async_save`, DCP stages a copy first and the save runs on its
+    thread: the writer, called on another thread than the one that made it, returns once the copy is
+    committed, so `.result()` means committed and the stager may reuse its buffers. A save skipped by
+    `on_busy="skip"` returns normally too (as a skipped asynchronous save does) and counts in
+    `checkpointer.stats.saves_skipped`.
     """
 
     def __init__(self, checkpointer: Checkpointer, iteration: int | None = None):
@@ -124,6 +131,7 @@ class CastorWriter(StorageWriter):
         self._local: SavePlan | None = None
         self._rank = 0
         self._world_size = 1
+        self._thread = threading.get_ident()  # the training thread's, normally (see write_data)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -170,11 +178,13 @@ class CastorWriter(StorageWriter):
             raise CheckpointError("CastorWriter.write_data before its plans were prepared")
         assert self.iteration is not None
         items: list[Any] = []
+        fresh: list[torch.Tensor] = []  # the bytes DCP pickled: nothing changes them, no snapshot needed
         for item in self._local.items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 assert isinstance(data, io.BytesIO)
                 data = _bytes_tensor(data.getvalue())
+                fresh.append(data)
             offsets = None if item.index.offset is None else list(item.index.offset)
             items.append([item.index.fqn, _KINDS[item.type], offsets, data])
         payload = {
@@ -184,7 +194,12 @@ class CastorWriter(StorageWriter):
             "metadata": plan.storage_data,
             "items": items,
         }
-        self.checkpointer.save(self.iteration, {KEY: payload})
+        # Called on another thread than the one that made the writer: dcp.async_save's, with a staged copy
+        # of the state (which DCP's stager may reuse for the next save once `.result()` returned), so this
+        # waits for the commit. On the training thread (dcp.save) the copy runs in the background as for any
+        # save, the buffers among the items snapshotted first (see Checkpointer._save_detached).
+        staged = threading.get_ident() != self._thread
+        self.checkpointer._save_detached(self.iteration, {KEY: payload}, fresh=fresh, commit=staged)
         info = CastorStorageInfo(self._rank, self.iteration)
         results = [WriteResult(item.index, _item_bytes(item), info) for item in plan.items]
         done: Future[list[WriteResult]] = Future()
@@ -199,7 +214,9 @@ class CastorReader(StorageReader):
     """A DCP StorageReader from Castor's memory tier: `dcp.load(state, storage_reader=CastorReader(ckpt))`.
 
     Without `iteration` it loads the iteration `Checkpointer.restore` would: the recovery plan's
-    ($CASTOR_RESTORE_ITERATION), else the newest one every rank holds (agreed over the default group).
+    ($CASTOR_RESTORE_ITERATION), else the newest one every rank holds (agreed over the default group;
+    ShardingMismatchError on every rank when there is none and a rank holds checkpoints of another world
+    size).
     `select()` tells it beforehand (None: nothing to load; a collective when distributed); `iteration`
     holds it after a load. Every checksum is verified before a byte reaches the state.
     """
@@ -329,8 +346,8 @@ def choose_iteration(checkpointer: Checkpointer) -> int | None:
             raise ValueError(
                 f"{RESTORE_ITERATION_ENV}={planned!r}: expected an iteration number or 'none'"
             ) from None
-    held = [m.iteration for m in checkpointer._store.committed()]
-    agreed = newest_common_iteration(held)
+    held, world_sizes = held_iterations(checkpointer._store.committed())
+    agreed = newest_common_iteration(held, world_sizes)
     if agreed is NOT_DISTRIBUTED:
         return max(held, default=None)
     return agreed

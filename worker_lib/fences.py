@@ -3,7 +3,9 @@
 An asynchronous save copies the state in background threads (checkpointer.py). Parameters and optimizer
 states change in place only in the optimizer step, so a pre-hook on every optimizer step waits for the
 copy (`fence_optimizer_steps`); the next save, restore, wait() and close() wait too. Module buffers change
-in forward, so save() snapshots them instead of making forward wait (`BufferSnapshot`). A save whose slot
+in forward, so save() snapshots them instead of making forward wait (`BufferSnapshot`); a state of detached
+tensors (a DCP state dict) has no modules to find them in, so there every tensor that is no parameter or
+state of an optimizer seen stepping is snapshotted (`SteppedOptimizers`). A save whose slot
 a reader (a replication stream) holds keeps trying in the background until a fence needs the state back
 (`open_when_free`), and is skipped then.
 """
@@ -33,13 +35,16 @@ _BUSY_POLL_S = 0.002
 
 
 class Fenced(Protocol):
+    _stepped: SteppedOptimizers
+
     def _fence(self) -> None:
         """Training needs the saved state back: finish (or give up) the pending copy."""
 
 
 def fence_optimizer_steps(owner: Fenced) -> RemovableHandle:
-    """Make every optimizer step (of any optimizer) call `owner._fence()` first. The hook holds only a weak
-    reference, so a forgotten owner does not keep itself alive."""
+    """Make every optimizer step (of any optimizer) call `owner._fence()` first, and note the optimizer in
+    `owner._stepped`. The hook holds only a weak reference, so a forgotten owner does not keep itself
+    alive."""
     return register_optimizer_step_pre_hook(partial(_wait_before_step, weakref.ref(owner)))
 
 
@@ -47,7 +52,63 @@ def _wait_before_step(
     checkpointer: weakref.ref[Fenced], optimizer: object, args: object, kwargs: object
 ) -> None:
     if (alive := checkpointer()) is not None:
+        alive._stepped.note(optimizer)
         alive._fence()
+
+
+class SteppedOptimizers:
+    """The optimizers whose step the fence has seen (weakly held): their parameters and states are the
+    tensors an optimizer step, which waits for the copy, changes in place.
+
+    A state of detached tensors (a DCP state dict: get_state_dict's tensors, no module or optimizer objects)
+    does not say which of its tensors are parameters and which are buffers; the storages of these optimizers'
+    tensors do (see `unprotected`)."""
+
+    def __init__(self) -> None:
+        self._seen: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def note(self, optimizer: object) -> None:
+        if isinstance(optimizer, torch.optim.Optimizer) and optimizer not in self._seen:
+            self._seen.add(optimizer)
+
+    def storages(self) -> set[tuple[int, int]]:
+        """The storage (device, address) of every parameter and state tensor of the optimizers seen (a
+        DTensor's: its local shard's, which is what a state dict's item holds)."""
+        keys: set[tuple[int, int]] = set()
+        for optimizer in list(self._seen):
+            owned = [p for group in optimizer.param_groups for p in group["params"]]
+            owned += [v for state in optimizer.state.values() for v in state.values()]
+            for tensor in owned:
+                if isinstance(tensor, torch.Tensor):
+                    local = getattr(tensor, "_local_tensor", tensor)
+                    if isinstance(local, torch.Tensor) and local.numel():
+                        keys.add(_storage_key(local))
+        return keys
+
+    def unprotected(
+        self, tensors: Sequence[torch.Tensor], storages: Sequence[int], fresh: Sequence[torch.Tensor] = ()
+    ) -> list[int] | None:
+        """Which of `tensors` (with their storage addresses) a save of detached tensors must snapshot: those
+        that are no parameter or state of an optimizer seen stepping (buffers, which forward changes in
+        place; a tensor `lr`; any other tensor), nor one of `fresh` (made for the save, held by nothing
+        else). None when these come to more than half of the state's bytes (no optimizer has stepped yet, or
+        a large frozen part): the save is then as good as a copy of it all, and waits for its copy instead
+        of holding a second copy in memory."""
+        protected = self.storages()
+        protected.update(_storage_key(t) for t in fresh if t.numel())
+        addresses = {address for _, address in protected}
+        chosen: list[int] = []
+        total = outside = 0
+        for i, (tensor, address) in enumerate(zip(tensors, storages, strict=True)):
+            if not tensor.numel():
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            total += nbytes
+            if address in addresses and _storage_key(tensor) in protected:
+                continue
+            chosen.append(i)
+            outside += nbytes
+        return None if 2 * outside > total else chosen
 
 
 def open_when_free(
