@@ -70,9 +70,13 @@ class EmbeddedServices:
         heartbeats = asyncio.create_task(self.services.heartbeats())
         stop = asyncio.create_task(self._stop.wait())
         done, _ = await asyncio.wait({heartbeats, stop}, return_when=asyncio.FIRST_COMPLETED)
-        if heartbeats in done and isinstance(heartbeats.exception(), Replaced):
-            log.error("the root gave this machine's rank to another machine: %s", heartbeats.exception())
+        if heartbeats in done and (error := heartbeats.exception()) is not None:
+            if isinstance(error, Replaced):
+                log.error("the root gave this machine's rank to another machine: %s", error)
+            else:  # the services stop: training goes on without replication, which must not go unsaid
+                log.error("this machine's Castor services stopped: %r", error, exc_info=error)
         heartbeats.cancel()
+        stop.cancel()
         await self.services.close()
 
     def close(self) -> None:
