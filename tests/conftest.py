@@ -38,8 +38,10 @@ def moto_server() -> Iterator[harness.Moto]:
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     local = LocalCluster(tmp_path)
     yield local
-    keep_logs(request, local.logs(tail=200))
-    local.close()
+    try:
+        keep_logs(request, local.logs(tail=200))
+    finally:
+        local.close()
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

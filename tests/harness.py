@@ -153,53 +153,63 @@ def postgres() -> Iterator[Postgres]:
     directory = Path(tempfile.mkdtemp(prefix="castor-pg."))
     if os.geteuid() == 0:
         shutil.chown(directory, "postgres", "postgres")
-    port = free_port()
     data = directory / "data"
     run = _as_postgres_user()
-    subprocess.run(
-        [
-            *run,
-            str(PG_BIN / "initdb"),
-            "-D",
-            str(data),
-            "-U",
-            "postgres",
-            "--auth=trust",
-            "--no-sync",
-            "-E",
-            "UTF8",
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    options = (
-        f"-c listen_addresses=127.0.0.1 -p {port} -k {directory} -c fsync=off "
-        "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
-    )
-    subprocess.run(
-        [
-            *run,
-            str(PG_BIN / "pg_ctl"),
-            "-D",
-            str(data),
-            "-l",
-            str(directory / "log"),
-            "-w",
-            "-o",
-            options,
-            "start",
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
+    started = False
     try:
+        subprocess.run(
+            [
+                *run,
+                str(PG_BIN / "initdb"),
+                "-D",
+                str(data),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--no-sync",
+                "-E",
+                "UTF8",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        # The port is free when chosen, not necessarily when the server binds it (agents and gloo take
+        # ephemeral ports meanwhile): a start that lost it is tried again on another.
+        for attempt in range(3):
+            port = free_port()
+            options = (
+                f"-c listen_addresses=127.0.0.1 -p {port} -k {directory} -c fsync=off "
+                "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+            )
+            start = subprocess.run(
+                [
+                    *run,
+                    str(PG_BIN / "pg_ctl"),
+                    "-D",
+                    str(data),
+                    "-l",
+                    str(directory / "log"),
+                    "-w",
+                    "-o",
+                    options,
+                    "start",
+                ],
+                stdout=subprocess.DEVNULL,
+            )
+            started = start.returncode == 0
+            if started:
+                break
+            if attempt == 2:
+                log = (directory / "log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"Postgres did not start (pg_ctl exit {start.returncode}):\n{log}")
         yield Postgres(port, directory)
     finally:
-        subprocess.run(
-            [*run, str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        if started:
+            subprocess.run(
+                [*run, str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         shutil.rmtree(directory, ignore_errors=True)
 
 

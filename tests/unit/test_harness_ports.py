@@ -52,3 +52,20 @@ def test_a_server_that_cannot_bind_is_reported_as_exited() -> None:
                 wait_for_port(port, process, timeout=20)
         finally:
             stop_process(process)
+
+
+def test_postgres_starts_on_another_port_when_its_first_was_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The port is free when chosen, not necessarily when Postgres binds it; a lost race errored every
+    Postgres-backed test of the run."""
+    from tests import harness
+
+    with socket.socket() as intruder:
+        intruder.bind(("127.0.0.1", 0))
+        intruder.listen()
+        taken = intruder.getsockname()[1]
+        ports = iter([taken])
+        monkeypatch.setattr(harness, "free_port", lambda: next(ports, None) or free_port())
+        with harness.postgres() as server:
+            assert server.port != taken
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5):
+                pass

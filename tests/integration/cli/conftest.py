@@ -63,12 +63,14 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Root]:
         wait_for_port(port, process, timeout=60)
         yield server
     finally:
-        # Deleting a job stops the agents the local operator started for it (they outlive the service).
-        if process.poll() is None:
-            for job in server.api("GET", "/api/v1/jobs", params={"limit": 500}).json()["items"]:
-                server.api("DELETE", f"/api/v1/jobs/{job['id']}")
-        stop_process(process)
-        log.close()
+        try:
+            # Deleting a job stops the agents the local operator started for it (they outlive the service).
+            if process.poll() is None:
+                for job in server.api("GET", "/api/v1/jobs", params={"limit": 500}).json()["items"]:
+                    server.api("DELETE", f"/api/v1/jobs/{job['id']}")
+        finally:  # a wedged service (the deletes failing) is stopped all the same
+            stop_process(process)
+            log.close()
 
 
 @dataclass
