@@ -55,6 +55,10 @@ def main(argv: Sequence[str]) -> None:
     arm(int(parent))
     if lc_ctype == "0":
         os.environ.pop("LC_CTYPE", None)
+    # Python ignores these at startup and exec keeps ignored signals ignored: the command gets them as a
+    # direct start would (subprocess restores them for its children), or `yes | head -1` reports EPIPE.
+    for signum in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(signum, signal.SIG_DFL)
     try:
         os.execvp(command[0], command)
     except OSError as exc:  # as a failed exec of the command itself would: 127, said on stderr

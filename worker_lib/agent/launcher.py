@@ -38,7 +38,7 @@ from typing import Any
 from worker_lib.agent import die_with_parent
 from worker_lib.agent.stacks import STACKS_FILE_ENV, STACKS_SIGNAL
 from worker_lib.agent.stale import record_pid
-from worker_lib.agent.warm import READY_FD_ENV
+from worker_lib.agent.warm import READY_FD_ENV, STDIN_FD_ENV
 from worker_lib.api.worker import HANG_ERROR_TYPE
 
 log = logging.getLogger(__name__)
@@ -268,6 +268,12 @@ class WorkerGroup:
         self._error_dir = pid_dir.parent / "errors" if pid_dir else None
         # Processes the hang watchdog stopped (local rank -> the reason): their exit reports say so.
         self._hung: dict[int, str] = {}
+        # The signal the agent forwarded (signal(): it is stopping for good): start() launches no rank after
+        # it, and gives it at once to the one it was launching when it came.
+        self._forwarded: int | None = None
+        # Set while no start() is launching processes: wait() waits for those it launches too.
+        self._launched = asyncio.Event()
+        self._launched.set()
 
     @property
     def error_dir(self) -> Path:
@@ -293,21 +299,35 @@ class WorkerGroup:
         self._spares = [p for p in self._spares if p.returncode is None]
         while len(self._spares) < count:
             ready_read, ready_write = os.pipe()
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "worker_lib.agent.warm",
-                *(["--machine", str(self.pid_dir.parent)] if self.pid_dir else []),
-                stdin=asyncio.subprocess.PIPE,
-                start_new_session=True,
-                pass_fds=(ready_write,),
-                env={
-                    **without_secrets(os.environ),
-                    READY_FD_ENV: str(ready_write),
-                    die_with_parent.PARENT_PID_ENV: str(os.getpid()),
-                },
-            )
-            os.close(ready_write)
+            # The spare's stdin carries its order; the script it runs gets the agent's stdin, as a cold
+            # start inherits it (none when the agent has none, or its fd 0 is not inheritable).
+            try:
+                agent_stdin: int | None = os.dup(0) if os.get_inheritable(0) else None
+            except OSError:
+                agent_stdin = None
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "worker_lib.agent.warm",
+                    *(["--machine", str(self.pid_dir.parent)] if self.pid_dir else []),
+                    stdin=asyncio.subprocess.PIPE,
+                    start_new_session=True,
+                    pass_fds=(ready_write,) if agent_stdin is None else (ready_write, agent_stdin),
+                    env={
+                        **without_secrets(os.environ),
+                        READY_FD_ENV: str(ready_write),
+                        STDIN_FD_ENV: "-1" if agent_stdin is None else str(agent_stdin),
+                        die_with_parent.PARENT_PID_ENV: str(os.getpid()),
+                    },
+                )
+            except BaseException:
+                os.close(ready_read)
+                raise
+            finally:
+                os.close(ready_write)
+                if agent_stdin is not None:
+                    os.close(agent_stdin)
             self._spares.append(process)
             asyncio.get_running_loop().add_reader(ready_read, self._on_warm, ready_read, process.pid)
 
@@ -403,16 +423,36 @@ class WorkerGroup:
         return any(p.returncode is None for p in self._processes.values())
 
     async def start(self, spec: LaunchSpec) -> None:
-        await self.stop()
-        self.spec, self._stopping, self._warm_starts = spec, False, 0
-        self._hung.clear()
-        for local_rank in range(spec.procs_per_machine):
-            process = await self._launch(spec, local_rank)
-            self._processes[local_rank] = process
-            if self.pid_dir is not None:
-                self.pid_dir.mkdir(parents=True, exist_ok=True)
-                record_pid(self.pid_dir / f"rank-{spec.global_rank(local_rank)}", process.pid)
-            self._watchers.append(asyncio.create_task(self._watch(spec, local_rank, process)))
+        """Start the processes of `spec`, one local rank after the other. A signal forwarded meanwhile
+        (signal()) stops the launching: the process launched when it came gets it at once, and no further
+        rank is launched."""
+        self._launched.clear()
+        try:
+            await self.stop()
+            self.spec, self._stopping, self._warm_starts = spec, False, 0
+            self._hung.clear()
+            for local_rank in range(spec.procs_per_machine):
+                if self._forwarded is not None:
+                    break
+                process = await self._launch(spec, local_rank)
+                self._processes[local_rank] = process
+                if self.pid_dir is not None:
+                    self.pid_dir.mkdir(parents=True, exist_ok=True)
+                    record_pid(self.pid_dir / f"rank-{spec.global_rank(local_rank)}", process.pid)
+                self._watchers.append(asyncio.create_task(self._watch(spec, local_rank, process)))
+                if self._forwarded is not None:  # it came while this process was being launched
+                    _signal_group(process.pid, self._forwarded)
+        finally:
+            self._launched.set()
+        if self._forwarded is not None:
+            log.info(
+                "a signal came while starting generation %d: %d of %d training processes started, "
+                "and given it",
+                spec.generation,
+                len(self._processes),
+                spec.procs_per_machine,
+            )
+            return
         log.info(
             "started %d training processes (%d warm; generation %d, ranks %d..%d, restore %s)",
             spec.procs_per_machine,
@@ -457,10 +497,17 @@ class WorkerGroup:
         return True
 
     def signal(self, signum: int) -> None:
-        for process in self._processes.values():
-            if process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signum)
+        """Forward `signum` (the agent stops): to every process group, and to the processes a start() in
+        progress launches from now on (it launches no more; see start)."""
+        self._forwarded = signum
+        self._signal_groups(signum)
+
+    def _signal_groups(self, signum: int) -> None:
+        # Every process's group, that of a process that already exited included: what it started (data
+        # loader workers, helpers) may live on in its group after it died (an OOM kill), and must not
+        # outlive a recovery. Its group id is not reused while a member lives.
+        for process in list(self._processes.values()):
+            _signal_group(process.pid, signum)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop every process: SIGTERM to each process group, SIGKILL after the grace period."""
@@ -468,11 +515,11 @@ class WorkerGroup:
             return
         if not self._stopping:
             self._stopping, self._stopping_since = True, time.time()
-        self.signal(signal.SIGTERM)
+        self._signal_groups(signal.SIGTERM)
         waits = [asyncio.create_task(p.wait()) for p in self._processes.values()]
         _, pending = await asyncio.wait(waits, timeout=grace_s)
         if pending:
-            self.signal(signal.SIGKILL)
+            self._signal_groups(signal.SIGKILL)
             await asyncio.wait(pending)
         for watcher in self._watchers:
             with contextlib.suppress(asyncio.CancelledError):
@@ -481,5 +528,16 @@ class WorkerGroup:
         self._watchers.clear()
 
     async def wait(self) -> list[int]:
-        """Exit codes of every process once all have ended."""
-        return [await p.wait() for p in self._processes.values()]
+        """Exit codes of every process once all have ended, those a start() in progress launches included."""
+        while True:
+            processes = list(self._processes.values())
+            codes = [await p.wait() for p in processes]
+            await self._launched.wait()
+            if list(self._processes.values()) == processes:
+                return codes
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    """`signum` to the process group `pgid`; nothing when it is gone (or no longer ours to signal)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)

@@ -106,6 +106,19 @@ def test_the_wrapper_execs_the_command_with_the_environment_it_was_given(tmp_pat
     assert missing.returncode == 127 and "no-such-command-castor" in missing.stderr
 
 
+def test_the_wrapper_leaves_sigpipe_and_sigxfsz_to_the_command_as_a_direct_start_does() -> None:
+    # Python (the wrapper) ignores both at startup, and exec keeps ignored signals ignored.
+    command = ["sh", "-c", "grep SigIgn /proc/self/status; yes | head -1"]
+    env = dict(os.environ)
+    result = subprocess.run(
+        die_with_parent.wrap(command, env), env=env, capture_output=True, text=True, timeout=30
+    )
+    ignored = int(result.stdout.split()[1], 16)
+    assert not ignored & (1 << (signal.SIGPIPE - 1)), "SIGPIPE ignored"
+    assert not ignored & (1 << (signal.SIGXFSZ - 1)), "SIGXFSZ ignored"
+    assert result.stdout.splitlines()[-1] == "y" and "Broken pipe" not in result.stderr, result.stderr
+
+
 def test_a_wrapped_process_dies_with_its_parent(tmp_path: Path) -> None:
     # The parent starts a child through the wrapper, says its pid, and waits; then it is killed (-9).
     parent_code = (

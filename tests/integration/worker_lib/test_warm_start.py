@@ -5,6 +5,7 @@ the same startup environment. Otherwise the command runs as given, with its own 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -133,3 +134,69 @@ async def test_a_different_startup_environment_starts_cold(script: Path, tmp_pat
 async def test_warm_start_off_starts_cold(script: Path, tmp_path: Path) -> None:
     report = await run_once([sys.executable, str(script), str(tmp_path / "out.json")], warm=False)
     assert report["warm_starts"] == 0 and not started_warm(report)
+
+
+# What a script sees of how it was started: where its imports come from, its own path, its stdin.
+FIDELITY_SCRIPT = """
+import json, os, sys
+try:
+    import castor_test_helper
+    helper = castor_test_helper.__file__
+except ImportError as exc:
+    helper = repr(exc)
+stdin = os.fstat(0) if sys.stdin is not None else None
+with open(sys.argv[-1], "w") as out:
+    json.dump({"path0": sys.path[0], "file": __file__, "argv0": sys.argv[0], "argv": sys.argv,
+               "helper": helper,
+               "stdin": None if stdin is None else [stdin.st_dev, stdin.st_ino],
+               "stdin_stream": None if sys.stdin is None else [sys.stdin.name, sys.stdin.mode,
+                                                               sys.stdin.encoding, sys.stdin.errors],
+               "input": None if sys.stdin is None else sys.stdin.read()}, out)
+"""
+
+
+@contextlib.contextmanager
+def stdin_from(path: Path) -> Iterator[None]:
+    """This process's fd 0 (the agent's stdin) reads `path` meanwhile."""
+    saved = os.dup(0)
+    with path.open("rb") as source:
+        os.dup2(source.fileno(), 0)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+
+
+@pytest.mark.parametrize("how", ["script", "module"])
+async def test_a_warm_start_sees_what_a_cold_start_sees(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    # run/train.py links to real/train.py, beside which lies the module it imports.
+    (tmp_path / "real").mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "real" / "train.py").write_text(FIDELITY_SCRIPT)
+    (tmp_path / "real" / "castor_test_helper.py").write_text("")
+    (tmp_path / "run" / "train.py").symlink_to("../real/train.py")
+    (tmp_path / "run" / "castor_test_main.py").write_text(FIDELITY_SCRIPT)
+    monkeypatch.chdir(tmp_path / "run")
+    entry = ["train.py"] if how == "script" else ["-m", "castor_test_main"]
+    reports = {}
+    for warm in (True, False):
+        (tmp_path / "input").write_text(f"the agent's stdin ({warm})\n")
+        out = tmp_path / f"out-{warm}.json"
+        with stdin_from(tmp_path / "input"):
+            reports[warm] = await run_once([sys.executable, *entry, str(out)], warm=warm)
+        assert reports[warm].pop("warm_starts") == int(warm)
+        assert reports[warm].pop("input") == f"the agent's stdin ({warm})\n"
+        assert reports[warm].pop("argv")[1:] == [str(out)]
+    assert reports[True] == reports[False]
+    if how == "script":  # as CPython sets them: the link resolved for the path, not for __file__
+        real = os.path.realpath(tmp_path / "real")  # noqa: ASYNC240
+        assert reports[True]["path0"] == real
+        assert reports[True]["helper"] == os.path.join(real, "castor_test_helper.py")
+        assert reports[True]["file"] == str(tmp_path / "run" / "train.py")
+    assert reports[True]["stdin_stream"][:2] == ["<stdin>", "r"]
+    assert reports[True]["argv0"] == (
+        "train.py" if how == "script" else str(tmp_path / "run" / "castor_test_main.py")
+    )
