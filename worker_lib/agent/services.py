@@ -85,7 +85,11 @@ class MachineServices:
         self.long_poll_answered_at: float | None = None  # monotonic: the directive long poll's last answer
         self.server: DataPlaneServer | None = None
         self.replicator: Replicator | None = None
-        self.commits: dict[int, deque[float]] = {}  # rank -> commit times in the last minute
+        # rank -> its training process's recent commit times: the last minute's, and at least the newest two
+        # (an iteration longer than a minute still has a rate), of one process (a restart's gap is no
+        # iteration)
+        self.commits: dict[int, deque[float]] = {}
+        self._commit_pids: dict[int, int] = {}
         self.committed = 0
         self.skipped = 0
         # What checkpointing cost each local rank's training thread (Checkpointer stats: seconds blocked in
@@ -300,8 +304,13 @@ class MachineServices:
         self.committed += 1
         now = time.monotonic()
         recent = self.commits.setdefault(rank, deque())
+        pid = notice.get("pid")
+        if isinstance(pid, int) and self._commit_pids.get(rank, pid) != pid:
+            recent.clear()  # a new training process: the time since the last one's commit was a restart
+        if isinstance(pid, int):
+            self._commit_pids[rank] = pid
         recent.append(now)
-        while recent and recent[0] < now - 60:
+        while len(recent) > 2 and recent[0] < now - 60:
             recent.popleft()
         if self.replicator is not None:
             self.replicator.notice_commit(rank, iteration)
@@ -340,8 +349,9 @@ class MachineServices:
         """What heartbeats carry: newest iteration per rank held here, saves taken and skipped, rate."""
         held = self.holdings.summary()
         stalls = self.stalls()
-        # Commits per minute over the last minute's commits (not their count: a machine that started a
-        # few seconds ago is not checkpointing slowly), at most what the root accepts.
+        # Commits per minute over the last minute's commits, or the newest two when iterations take longer
+        # (not their count: a machine that started a few seconds ago is not checkpointing slowly), at most
+        # what the root accepts.
         rates = [
             min(60 * (len(times) - 1) / (times[-1] - times[0]), MAX_CHECKPOINTS_PER_MINUTE)
             for times in self.commits.values()

@@ -556,7 +556,8 @@ def _refresh_job_counters(job: Job, live: Sequence[dict[str, Any]]) -> None:
     job.checkpoints_committed = sum(summary.get("committed", 0) for summary in live)
     job.checkpoints_skipped = sum(summary.get("skipped", 0) for summary in live)
     rates = [summary["per_minute"] for summary in live if summary.get("per_minute") is not None]
-    job.checkpoints_per_minute = min(rates) if rates else None
+    if rates:  # else the last one measured stands (no machine has two commits of one process yet)
+        job.checkpoints_per_minute = min(rates)
     progress = job_replication(live)
     job.replicated_iteration, job.replication_interval = progress.replicated_iteration, progress.interval
     job.replication_lag, job.replication_state = progress.lag, progress.state

@@ -128,6 +128,18 @@ async def test_heartbeat_updates_counters(client: httpx.AsyncClient) -> None:
     assert fetched["newest_iteration"] == 40, "the iteration every rank has committed"
     assert fetched["checkpoints_committed"] == 82 and fetched["checkpoints_skipped"] == 1
     assert fetched["checkpoints_per_minute"] == 59.0
+    # Heartbeats without a rate (each machine's training process restarted, one commit each so far): the
+    # rate measured last stands, so lost iterations are still charged their time.
+    for rank, instance in enumerate(("i-0", "i-1")):
+        summary = {"local": {str(rank): 42}, "committed": 42, "per_minute": None}
+        response = await client.post(
+            f"/api/v1/worker/jobs/{job['id']}/machines/{rank}/heartbeat",
+            json={"instance_id": instance, "summary": summary},
+            headers=token,
+        )
+        assert response.status_code == 200, response.text
+    fetched = (await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())).json()
+    assert fetched["newest_iteration"] == 42 and fetched["checkpoints_per_minute"] == 59.0
     # A heartbeat from an instance that does not hold the rank is refused.
     response = await client.post(
         f"/api/v1/worker/jobs/{job['id']}/machines/0/heartbeat", json={"instance_id": "i-1"}, headers=token

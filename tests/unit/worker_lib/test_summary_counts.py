@@ -67,3 +67,31 @@ def test_a_checkpoint_directory_on_storage_is_named_in_every_heartbeat(
     in_memory = MachineServices(client, "castor-job.x.secret", MachineIdentity("i-1"), memory / "i-1")
     assert "store_filesystem" not in in_memory.summary()
     CheckpointSummary.model_validate(on_disk.summary())  # what the root accepts
+
+
+def test_the_checkpoint_rate_holds_for_iterations_longer_than_a_minute_and_restarts_with_the_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """90 s iterations had one commit in the last minute: no rate, so the root charged lost iterations
+    nothing (the paper's own setting has 62 s iterations). The rate comes from the newest two commits of one
+    training process: the time from the last commit before a restart to the first after it is no
+    iteration."""
+    client: Any = SimpleNamespace(job_id="job")
+    services = MachineServices(client, "castor-job.x.secret", MachineIdentity("i-0"), tmp_path / "shm")
+    clock = [1000.0]
+    monkeypatch.setattr("worker_lib.agent.services.time.monotonic", lambda: clock[0])
+
+    def commit(pid: int, iteration: int, at: float) -> None:
+        clock[0] = at
+        body = {"event": "commit", "rank": 0, "iteration": iteration, "pid": pid}
+        services.on_notice(json.dumps({**body, "stalled_s": 0.0, "save_calls": iteration}).encode())
+
+    commit(100, 1, 1000.0)
+    assert services.summary()["per_minute"] is None
+    commit(100, 2, 1090.0)
+    commit(100, 3, 1180.0)
+    assert services.summary()["per_minute"] == pytest.approx(60 / 90)
+    commit(200, 3, 1800.0)  # the process restarted after a 10-minute recovery
+    assert services.summary()["per_minute"] is None
+    commit(200, 4, 1890.0)
+    assert services.summary()["per_minute"] == pytest.approx(60 / 90)
