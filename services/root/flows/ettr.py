@@ -43,12 +43,16 @@ async def summaries_of(
     return await queries.stall_summaries(session, job_ids)
 
 
-def record(event: Any, now: datetime) -> FailureRecord:
-    """A failure event's phases, as the pages draw them (a phase under way ends now)."""
-    spans = tuple(
-        PhaseSpan(p.name, p.start, p.end or now)
-        for p in phases.phases(event, now, finished=event.state in FINISHED)
-    )
+def record(event: Any, now: datetime, ended_at: datetime | None = None) -> FailureRecord:
+    """A failure event's phases, as the pages draw them (a phase under way ends now). An unrecoverable
+    failure (the job gave up on it, or was stopped during its recovery) was down from its last phase until
+    the job ended (`ended_at`): its open phase runs until then, not dropped as one that never happened."""
+    if event.state == FailureState.UNRECOVERABLE and ended_at is not None:
+        steps = phases.phases(event, ended_at, finished=False)
+        spans = tuple(PhaseSpan(p.name, p.start, p.end or ended_at) for p in steps)
+    else:
+        steps = phases.phases(event, now, finished=event.state in FINISHED)
+        spans = tuple(PhaseSpan(p.name, p.start, p.end or now) for p in steps)
     return FailureRecord(phases.failed_at(event), spans, event.iterations_lost)
 
 
@@ -64,7 +68,7 @@ def job_ettr(
     return measure_ettr(
         started_at=job.started_at,
         ended_at=job.finished_at or now,
-        failures=[record(e, now) for e in events],
+        failures=[record(e, now, job.finished_at or now) for e in events],
         iteration_s=iteration_s,
         stall=checkpoint_stall(summaries),
     )

@@ -71,6 +71,33 @@ async def test_api_and_page_show_the_measured_ettr_of_a_finished_job(
     assert "replacement 30 s" in page and "lost iterations 12 s" in page
 
 
+async def test_a_job_stopped_during_a_recovery_counts_its_downtime_until_the_stop(
+    root_app: FastAPI, client: httpx.AsyncClient
+) -> None:
+    """1,000 s of training; a process crashed at 500 s and its recovery was still restoring when the job
+    was failed at 1,000 s. Before, the unrecoverable failure's open phase was dropped: ETTR 1.0, the
+    worst jobs reported as the best."""
+    job = await create_job(client, machines=2)
+    async with root_app.state.castor.database.session() as session:
+        row = await session.get(Job, uuid.UUID(str(job["id"])))
+        assert row is not None
+        row.state, row.started_at, row.finished_at = JobState.FAILED, T0, at(1000)
+        session.add(
+            FailureEvent(
+                job_id=row.id,
+                rank=1,
+                kind="software",
+                state="unrecoverable",
+                cause="rank 1 exited with 1",
+                detected_at=at(500),
+                classified_at=at(500),
+                details={"unrecoverable": "the job was stopped before this failure was recovered"},
+            )
+        )
+    ettr = (await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())).json()["ettr"]
+    assert ettr["ettr"] == pytest.approx(0.5) and ettr["restore_s"] == pytest.approx(500.0)
+
+
 async def test_metrics_show_the_ettr_of_a_running_job_after_a_recovery(client: httpx.AsyncClient) -> None:
     job = await running_job(client)
     await job.heartbeat(23)
