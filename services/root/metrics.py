@@ -40,6 +40,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.root.db import repository as repo
 from services.root.db.database import Database
 from services.root.db.models import (
     FailureKind,
@@ -51,6 +52,7 @@ from services.root.db.models import (
 )
 from services.root.domain import phases
 from services.root.domain.ettr import MeasuredEttr
+from services.root.domain.retention import is_complete_counted
 from services.root.flows import ettr as ettr_flows
 from services.root.middleware import KNOWN_METHODS
 from services.root.web import queries
@@ -261,20 +263,42 @@ async def database_families(database: Database) -> list[Metric | RowsFamily]:
 
 
 async def _persisted_iterations(session: AsyncSession, active: Sequence[Any]) -> dict[Any, int]:
-    """Each active job's newest complete persisted checkpoint: one shard of every rank reached the tier."""
+    """Each active job's newest complete persisted checkpoint, as retention and the API count it: a shard of
+    every rank on the current timeline, none condemned (a restore found it missing or corrupt)."""
     if not active:
         return {}
-    # One row per checkpoint of the active jobs (retention keeps a few each), its shards counted in SQL.
+    # One row per checkpoint and shard generation of the active jobs (retention keeps a few checkpoints
+    # each), the usable shards counted in SQL.
     rows = await session.execute(
-        select(PersistedCheckpoint.job_id, PersistedCheckpoint.iteration, func.count(PersistedShard.id))
+        select(
+            PersistedCheckpoint.job_id,
+            PersistedCheckpoint.iteration,
+            PersistedShard.generation,
+            func.count(PersistedShard.id),
+        )
         .join(PersistedShard, PersistedShard.checkpoint_id == PersistedCheckpoint.id)
-        .where(PersistedCheckpoint.job_id.in_([job.id for job in active]))
-        .group_by(PersistedCheckpoint.id, PersistedCheckpoint.job_id, PersistedCheckpoint.iteration)
+        .where(PersistedCheckpoint.job_id.in_([job.id for job in active]), PersistedShard.condemned.is_(None))
+        .group_by(
+            PersistedCheckpoint.id,
+            PersistedCheckpoint.job_id,
+            PersistedCheckpoint.iteration,
+            PersistedShard.generation,
+        )
     )
+    counted: dict[tuple[Any, int], dict[int, int]] = {}
+    for job_id, iteration, generation, count in rows:
+        counted.setdefault((job_id, iteration), {})[int(generation)] = int(count)
     world = {job.id: job.num_machines * job.procs_per_machine for job in active}
+    timelines = {job_id: await repo.resumed_from(session, job_id) for job_id in {j for j, _ in counted}}
     newest: dict[Any, int] = {}
-    for job_id, iteration, count in rows:
-        if count >= world[job_id]:
+    for (job_id, iteration), generations in counted.items():
+        if is_complete_counted(
+            iteration,
+            shards=sum(generations.values()),
+            generations=generations,
+            world_size=world[job_id],
+            resumed_from=timelines[job_id],
+        ):
             newest[job_id] = max(iteration, newest.get(job_id, iteration))
     return newest
 

@@ -917,7 +917,12 @@ async def checkpoint_lines(
             func.coalesce(func.sum(PersistedShard.nbytes), 0),
         )
         .join(newest, newest.c.id == PersistedCheckpoint.id)
-        .outerjoin(PersistedShard, PersistedShard.checkpoint_id == PersistedCheckpoint.id)
+        # A condemned shard (a restore found it missing or corrupt) does not count: its checkpoint is not
+        # complete, as retention and the API count it.
+        .outerjoin(
+            PersistedShard,
+            and_(PersistedShard.checkpoint_id == PersistedCheckpoint.id, PersistedShard.condemned.is_(None)),
+        )
         .group_by(PersistedCheckpoint.id, PersistedCheckpoint.iteration, PersistedCheckpoint.location)
         .group_by(PersistedCheckpoint.created_at, PersistedShard.generation)
         .order_by(PersistedCheckpoint.iteration.desc())

@@ -4,8 +4,12 @@ exported beside it."""
 
 from __future__ import annotations
 
-import httpx
+import uuid
 
+import httpx
+from fastapi import FastAPI
+
+from services.root.db import repository as repo
 from tests.integration.web.scenario import running_job
 from tests.integration.web.test_metrics import scrape, value
 
@@ -28,3 +32,27 @@ async def test_persisted_iteration_counts_complete_checkpoints_only(client: http
     assert value(samples, "castor_job_persisted_iteration", job=name) == 10
     await persisted(1, 20)
     assert value(await scrape(client), "castor_job_persisted_iteration", job=name) == 20
+
+
+async def test_a_condemned_shard_leaves_its_checkpoint_out_of_the_persisted_iteration_and_the_page(
+    root_app: FastAPI, client: httpx.AsyncClient, signed_in: httpx.AsyncClient
+) -> None:
+    """A restore found rank 1's shard of iteration 20 corrupt: the newest usable checkpoint is 10, as
+    retention and the API count it. Before, /metrics said 20 (the tier-behind alert stayed quiet) and the
+    job page listed 20 as complete."""
+    job = await running_job(client, machines=2)
+    name = str(job.job["name"])
+    for iteration in (10, 20):
+        for rank in (0, 1):
+            body = {"instance_id": job.instances[rank], "rank": rank, "iteration": iteration}
+            await job.post(
+                f"/machines/{rank}/persisted", body | {"digest": f"{rank:02d}" * 8, "nbytes": 64}, 204
+            )
+    assert value(await scrape(client), "castor_job_persisted_iteration", job=name) == 20
+    async with root_app.state.castor.database.session() as session:
+        assert await repo.condemn_shard(session, uuid.UUID(job.id), 20, 1, "01" * 8, "stripe 0: checksum")
+    assert value(await scrape(client), "castor_job_persisted_iteration", job=name) == 10
+    checkpoints = {c["iteration"]: c["complete"] for c in await job.api("/checkpoints")}
+    assert checkpoints == {10: True, 20: False}
+    page = (await signed_in.get(f"/jobs/{job.id}")).text
+    assert 'class="badge state-recovering">partial</span> 1/2' in page
