@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -158,7 +159,9 @@ def ettr_text(ettr: dict[str, Any] | None) -> str:
         )
     ]
     wasted = ", ".join(f"{label} {format_duration(seconds)}" for label, seconds in parts if seconds > 0)
-    text = f"{ettr['ettr']:.4f} of {format_duration(ettr['wall_s'])}"
+    # Four decimals, rounded down below 1: 0.99996 is not 1.0000, a job that lost nothing.
+    ratio = ettr["ettr"] if ettr["ettr"] >= 1 else math.floor(round(ettr["ettr"] * 10_000, 6)) / 10_000
+    text = f"{ratio:.4f} of {format_duration(ettr['wall_s'])}"
     text += f" (wasted: {wasted})" if wasted else " (nothing wasted)"
     if ettr.get("checkpoint_overhead_s") is None:
         text += "; checkpoint stalls not measured"

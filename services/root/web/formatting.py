@@ -58,11 +58,16 @@ def number(value: Any) -> str:
 
 
 def percent(value: float | None) -> str:
+    """A ratio as a percentage; one under 1 never shows as 100 % (rounded down): an ETTR of 0.99996 is not
+    a job that lost nothing."""
     if value is None:
         return DASH
-    if 0.9995 <= value < 1:
-        return f"{100 * value:.2f} %"
-    return f"{100 * value:.1f} %"
+    digits = 2 if 0.9995 <= value < 1 else 1
+    if value < 1:
+        scale = 10**digits
+        # (rounded first to undo binary fractions: 100 * 0.94 * 10 is 939.9999999999999)
+        return f"{math.floor(round(100 * value * scale, 6)) / scale:.{digits}f} %"
+    return f"{100 * value:.{digits}f} %"
 
 
 def frequency(per_minute: float | None) -> str:

@@ -67,7 +67,7 @@ async def test_api_and_page_show_the_measured_ettr_of_a_finished_job(
     assert next(j for j in listed if j["id"] == job["id"])["ettr"]["ettr"] == pytest.approx(0.94)
 
     page = (await signed_in.get(f"/jobs/{job['id']}")).text
-    assert "Effective training time (ETTR)" in page and "94.0%" in page
+    assert "Effective training time (ETTR)" in page and "94.0 %" in page
     assert "replacement 30 s" in page and "lost iterations 12 s" in page
 
 

@@ -176,6 +176,16 @@ def test_duration(seconds: float | None, text: str) -> None:
 
 def test_formatting() -> None:
     assert formatting.percent(0.9333) == "93.3 %" and formatting.percent(0.99991) == "99.99 %"
+    # A ratio under 1 never shows as 100 %: a 10-hour job that lost 15 s is not a job that lost nothing.
+    assert formatting.percent(0.99996) == "99.99 %" and formatting.percent(0.94) == "94.0 %"
+    assert formatting.percent(0.99949) == "99.9 %" and formatting.percent(1.0) == "100.0 %"
     assert formatting.frequency(59.0) == "59.0 /min" and formatting.interval(30.0) == "every 2.0 s"
     assert formatting.size(1536) == "1.5 KiB" and formatting.number(12345) == "12,345"
     assert formatting.ago(at(0), at(30)) == "30 s ago" and formatting.ago(at(5), at(0)) == "just now"
+
+
+def test_the_cli_never_shows_an_ettr_under_1_as_1() -> None:
+    from services.cli.jobs import ettr_text
+
+    assert ettr_text({"ettr": 0.99996, "wall_s": 36000.0, "restore_s": 15.0}).startswith("0.9999 of")
+    assert ettr_text({"ettr": 0.94, "wall_s": 1000.0}).startswith("0.9400 of")
