@@ -184,7 +184,9 @@ def measure_ettr(
             lost_iterations += group_max
             group_max, recovery_end = failure.iterations_lost or 0, finished
     lost_iterations += group_max
-    wasted["lost_iterations"] = lost_iterations * it
+    # At most the wall time: the rolled-back iterations ran inside the job's time (a rate near the API's
+    # lower bound once made one iteration last longer than the job).
+    wasted["lost_iterations"] = min(lost_iterations * it, wall)
 
     # Checkpoint stalls, less those of the iterations rolled back (already charged, stalls included, above).
     checkpoint_overhead_s: float | None = None

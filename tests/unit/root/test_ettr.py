@@ -169,3 +169,11 @@ def test_the_job_is_charged_its_slowest_rank_summed_over_the_machines_that_ran_i
     assert checkpoint_stall(summaries) == CheckpointStall(rank=0, seconds=3.5, saves=150)
     assert checkpoint_stall([{"local": {}}, {}]) is None  # not measured, not zero
     assert checkpoint_stall([{"stalled_s": {"1": 0}, "save_calls": {"1": 4}}]) == CheckpointStall(1, 0.0, 4)
+
+
+def test_lost_iterations_are_clipped_to_the_wall_time() -> None:
+    """At the API's slowest accepted rate (1e-6 checkpoints a minute) one iteration lasts 60 million s: the
+    lost work of 100 s of training was charged 1.3e17 s."""
+    crash = failure(50, [("detect", 0), ("restore", 1), ("resume", 1)], lost=5)
+    result = measure_ettr(started_at=T0, ended_at=at(100), failures=[crash], iteration_s=6e7)
+    assert result.wasted_s["lost_iterations"] == 100.0 and result.ettr == 0.0
