@@ -171,16 +171,24 @@ class MachineServices:
 
     async def register(self) -> RegisterResponse:
         assert self.server is not None
-        self.registration = registration = await self.client.register(
-            instance_id=self.identity.instance_id,
-            address=self.identity.address,
-            data_port=self.server.port,
-            hostname=socket.gethostname(),
-            rank=self.identity.machine_rank,
-            rendezvous_port=free_port(),
-            embedded=self.identity.embedded,
-            agent_session=self.session,
-        )
+        fields: dict[str, Any] = {
+            "instance_id": self.identity.instance_id,
+            "address": self.identity.address,
+            "data_port": self.server.port,
+            "hostname": socket.gethostname(),
+            "rank": self.identity.machine_rank,
+            "rendezvous_port": free_port(),
+            "embedded": self.identity.embedded,
+        }
+        try:
+            registration = await self.client.register(**fields, agent_session=self.session)
+        except RootRejected as exc:
+            # A root from before agent sessions refuses the field it does not know (422): register as
+            # before, without it (a retried registration then counts as a restart there, as it did).
+            if exc.status != 422 or "agent_session" not in exc.message:
+                raise
+            registration = await self.client.register(**fields)
+        self.registration = registration
         self.update_addresses(registration.peers)
         self.capacity = self._rank_capacity()
         log.info(

@@ -28,16 +28,16 @@ from worker_lib.api.shared import (
     WireModel,
 )
 
-# What an instance id may be (a cloud instance id, a host name, a pod name): the root's operators name
-# files, directories and processes after such ids, so no path separators, spaces or leading dot.
-_INSTANCE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@~+-]*")
+# What an instance id may be (a cloud instance id, a host or pod name, an address): printable ASCII
+# without spaces, no path separator and no leading dot, as ids may end up in file names and commands.
+_INSTANCE_ID = re.compile(r"[!-~]+")
 
 
 def _valid_instance_id(value: str) -> str:
-    if not _INSTANCE_ID.fullmatch(value):
+    if not _INSTANCE_ID.fullmatch(value) or "/" in value or "\\" in value or value.startswith("."):
         raise ValueError(
-            "must start with a letter or digit and hold only letters, digits and . _ : @ ~ + - (a cloud "
-            "instance id or host name)"
+            "must be printable ASCII without spaces, '/' or '\\', not starting with '.' (a cloud instance "
+            "id, a host name or an address)"
         )
     return value
 

@@ -95,3 +95,33 @@ def test_the_checkpoint_rate_holds_for_iterations_longer_than_a_minute_and_resta
     assert services.summary()["per_minute"] is None
     commit(200, 4, 1890.0)
     assert services.summary()["per_minute"] == pytest.approx(60 / 90)
+
+
+async def test_an_agent_registers_with_a_root_from_before_agent_sessions(tmp_path: Path) -> None:
+    """Such a root refuses the field it does not know (422, extra fields forbidden): the agent registers as
+    before, without it, instead of failing to start (agents upgraded before their roots)."""
+    from worker_lib.client import RootRejected
+
+    class OlderRoot:
+        job_id = "job"
+
+        def __init__(self) -> None:
+            self.calls: list[dict[str, Any]] = []
+
+        async def register(self, **fields: Any) -> Any:
+            self.calls.append(fields)
+            if "agent_session" in fields:
+                raise RootRejected(
+                    422,
+                    "validation_error",
+                    "invalid request: body.agent_session: Extra inputs are not permitted",
+                )
+            raise LookupError("registered")  # enough: what follows a registration is not under test
+
+    root = OlderRoot()
+    services = MachineServices(root, "castor-job.x.secret", MachineIdentity("i-0"), tmp_path / "shm")  # type: ignore[arg-type]
+    services.server = SimpleNamespace(port=7000)  # type: ignore[assignment]
+    with pytest.raises(LookupError):
+        await services.register()
+    assert [("agent_session" in call) for call in root.calls] == [True, False]
+    assert root.calls[1]["instance_id"] == "i-0"
