@@ -1,6 +1,6 @@
-"""condemned shards: a persisted shard a restore found missing or corrupt
+"""condemned shards: a persisted shard a restore found corrupt
 
-A restore from the persistent tier that finds a rank's object missing or failing its checksums reports it;
+A restore from the persistent tier that finds a rank's object failing its checksums reports it;
 the root records why on the shard, and no later plan names it (the recovery rolls back to an older
 persisted checkpoint instead of failing on the same object until the job is marked failed).
 

@@ -264,7 +264,7 @@ async def database_families(database: Database) -> list[Metric | RowsFamily]:
 
 async def _persisted_iterations(session: AsyncSession, active: Sequence[Any]) -> dict[Any, int]:
     """Each active job's newest complete persisted checkpoint, as retention and the API count it: a shard of
-    every rank on the current timeline, none condemned (a restore found it missing or corrupt)."""
+    every rank on the current timeline, none condemned (a restore found it corrupt)."""
     if not active:
         return {}
     # One row per checkpoint and shard generation of the active jobs (retention keeps a few checkpoints

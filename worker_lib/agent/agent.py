@@ -88,9 +88,9 @@ T = TypeVar("T")
 
 
 class RestoreFailure(CheckpointError):
-    """A plan's restore failed; `unusable_persisted` names the persisted shards the object store had but
-    that could not be used (missing, or failing their checksums: not a transport error), reported with the
-    failure so that the root's next plan passes them over."""
+    """A plan's restore failed; `unusable_persisted` names the persisted shards the object store served but
+    that failed their checks (checksums, or another checkpoint than the plan's), reported with the failure
+    so that the root's next plan passes them over."""
 
     def __init__(self, message: str, unusable_persisted: list[dict[str, Any]]):
         super().__init__(message)
@@ -559,7 +559,10 @@ class Agent:
                 destination = holdings.local_store(rank)
                 try:
                     await store.get(source.location, destination, iteration, source.digest)
-                except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+                except CheckpointCorruptError as exc:
+                    # Only bytes the tier served and that failed their checks: a shard this machine
+                    # cannot find may be there for the others (a directory not mounted here, another
+                    # endpoint), and condemning it could send the job back to scratch.
                     problem = str(exc)[:400]
                     unusable.append(
                         {"rank": rank, "iteration": iteration, "digest": source.digest, "problem": problem}

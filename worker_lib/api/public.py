@@ -298,7 +298,7 @@ class PersistedShardOut(BaseModel):
     )
     condemned: str | None = Field(
         None,
-        description="Why a restore could not use the shard (missing, or failing its checksums): no "
+        description="Why a restore could not use the shard (it failed its checksums): no "
         "recovery plan names it again and its checkpoint is not complete; null when usable.",
     )
 

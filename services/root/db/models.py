@@ -320,7 +320,7 @@ class PersistedShard(Base):
     nbytes: Mapped[int] = mapped_column(BigInteger)
     generation: Mapped[int] = mapped_column(default=1)  # the plan generation whose training made it
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
-    # Why a restore could not use it (missing, or failing its checksums): no plan names it again, and its
+    # Why a restore could not use it (it failed its checksums): no plan names it again, and its
     # checkpoint no longer counts as complete. A new upload of the shard clears it.
     condemned: Mapped[str | None] = mapped_column(String(500), default=None)
 

@@ -917,7 +917,7 @@ async def checkpoint_lines(
             func.coalesce(func.sum(PersistedShard.nbytes), 0),
         )
         .join(newest, newest.c.id == PersistedCheckpoint.id)
-        # A condemned shard (a restore found it missing or corrupt) does not count: its checkpoint is not
+        # A condemned shard (a restore found it corrupt) does not count: its checkpoint is not
         # complete, as retention and the API count it.
         .outerjoin(
             PersistedShard,
@@ -1108,7 +1108,7 @@ async def condemn_shard(
     session: AsyncSession, job_id: uuid.UUID, iteration: int, rank: int, digest: str, why: str
 ) -> bool:
     """Record that a restore could not use rank `rank`'s persisted shard of `iteration` with this digest
-    (missing, or failing its checksums); False when no such shard is recorded (expired, uploaded again)."""
+    (it failed its checksums); False when no such shard is recorded (expired, uploaded again)."""
     checkpoints = select(PersistedCheckpoint.id).where(
         PersistedCheckpoint.job_id == job_id, PersistedCheckpoint.iteration == iteration
     )

@@ -8,7 +8,7 @@ Rules (GEMINI, Section 6, made exact):
   newest persisted checkpoint (ranks that still hold that iteration in memory read it from there).
 * Copies found corrupt never count; copies not checked yet do (the restore verifies every stripe it reads
   and condemns a corrupt copy, so the next plan passes it over), a checked one preferred among peers. A
-  persisted shard a restore found missing or corrupt is condemned the same way (the next plan rolls back
+  persisted shard a restore found corrupt is condemned the same way (the next plan rolls back
   to an older persisted checkpoint rather than fail on the same object again). Only
   copies on the current timeline count: a checkpoint made before a rollback to an older iteration is a
   different history, even with the same iteration number.
@@ -45,7 +45,7 @@ class PersistedShard:
     location: str
     digest: str
     generation: int
-    condemned: bool = False  # a restore found it missing or failing its checksums
+    condemned: bool = False  # a restore found it failing its checksums
 
 
 @dataclass(frozen=True)

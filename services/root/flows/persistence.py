@@ -27,8 +27,8 @@ from services.root.settings import Settings
 
 
 def stored_checkpoint(checkpoint: PersistedCheckpoint) -> StoredCheckpoint:
-    """Retention's view of a checkpoint (its shards loaded). A condemned shard (a restore found it missing
-    or corrupt) is left out: a checkpoint that cannot be restored is not complete, and retention must not
+    """Retention's view of a checkpoint (its shards loaded). A condemned shard (a restore found it
+    corrupt) is left out: a checkpoint that cannot be restored is not complete, and retention must not
     delete an older one for its sake."""
     shards = {s.rank: s.generation for s in checkpoint.shards if s.condemned is None}
     return StoredCheckpoint(checkpoint.iteration, shards)
