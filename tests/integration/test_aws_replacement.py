@@ -19,7 +19,7 @@ from botocore.exceptions import ClientError
 
 from services.root import schemas
 from services.root.clients import CloudOperatorError, JobInfo, MachineInfo, ReplacementJournal
-from services.root.clients.aws import AwsOperator
+from services.root.clients.aws import AwsOperator, Refused
 from services.root.db import repository as repo
 from services.root.db.database import Database
 from services.root.db.migrate import upgrade_async
@@ -271,6 +271,28 @@ async def test_a_throttled_exit_standby_is_retried_not_taken_as_a_refusal(moto_s
         await second.close()
     assert done.instance_id == spare and done.extra == {"standby": True}
     assert second.calls[0] == ("exit_standby", spare)
+
+
+async def test_an_exit_standby_answered_not_in_standby_is_no_refusal(moto_server: harness.Moto) -> None:
+    """What AWS answers to a second ExitStandby of an instance an earlier call (whose answer was lost)
+    moved into service. Taken as a refusal, the failed instance was terminated without a decrement and the
+    group launched one more for good; it is retried, and the next try decides from the group's state."""
+    group = f"castor-{uuid.uuid4().hex[:8]}"
+    instances = await create_group(moto_server, group, 3)
+    machines, spare = instances[:2], instances[2]
+    await with_standby(moto_server, group, [spare])
+    failed = MachineInfo(rank=1, instance_id=machines[1], address="10.0.0.1")
+    landed = aws_error("ExitStandby", "ValidationError", f"The instance {spare} is not in Standby.")
+    aws = operator(moto_server, group, errors={"exit_standby": landed})
+    journal = ReplacementJournal(key="failure-5")
+    try:
+        with pytest.raises(CloudOperatorError, match="not in Standby") as raised:
+            await aws.replace(JOB, failed, set(machines), journal)
+    finally:
+        await aws.close()
+    assert not isinstance(raised.value, Refused)
+    assert "exit_standby_refused" not in journal.intent and journal.intent["standby"] == spare
+    assert aws.calls == [], "the failed instance is not terminated on that answer"
 
 
 # -- the recovery driver on Postgres: a new leader continues a replacement in progress --------------------

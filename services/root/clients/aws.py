@@ -233,6 +233,10 @@ class AwsOperator:
                         InstanceIds=[action.instance],
                     )
                 except Refused as exc:
+                    if "not in standby" in exc.reason.lower():
+                        # An earlier try's call landed and its answer was lost: the instance is in service
+                        # (or on its way). No refusal: the next try decides from the group's state.
+                        raise CloudOperatorError(str(exc)) from exc
                     # Asking again would be refused again (and so would another Standby instance): recorded,
                     # the next decision goes without a Standby instance, and the group launches one.
                     why = f"{exc.code}: {exc.reason}"[:500]
