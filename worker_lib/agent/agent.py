@@ -399,7 +399,11 @@ class Agent:
             codes = await asyncio.wait_for(self.workers.wait(), self.config.stop_grace_s)
         except TimeoutError:
             self.workers.signal(signal.SIGKILL)
-            codes = await self.workers.wait()
+            try:  # bounded too: a start that hangs launching a process must not keep the agent alive
+                codes = await asyncio.wait_for(self.workers.wait(), self.config.stop_grace_s)
+            except TimeoutError:
+                log.error("training processes did not end after SIGKILL; exiting without them")
+                codes = [128 + signal.SIGKILL]
         self._finish(exit_status(codes) if codes else 128 + signal.SIGTERM)
 
     async def _heartbeats(self) -> None:

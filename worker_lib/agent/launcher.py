@@ -505,8 +505,12 @@ class WorkerGroup:
     def _signal_groups(self, signum: int) -> None:
         # Every process's group, that of a process that already exited included: what it started (data
         # loader workers, helpers) may live on in its group after it died (an OOM kill), and must not
-        # outlive a recovery. Its group id is not reused while a member lives.
+        # outlive a recovery. Linux keeps a group's id from being handed out as a pid while a member lives;
+        # so a reaped leader whose pid another process now has left no group behind, and that pid's group
+        # is a stranger's.
         for process in list(self._processes.values()):
+            if process.returncode is not None and _pid_in_use(process.pid):
+                continue
             _signal_group(process.pid, signum)
 
     async def stop(self, grace_s: float = 5.0) -> None:
@@ -521,6 +525,8 @@ class WorkerGroup:
         if pending:
             self._signal_groups(signal.SIGKILL)
             await asyncio.wait(pending)
+        # What is left in the groups once every leader ended (a helper that ignores SIGTERM) goes too.
+        self._signal_groups(signal.SIGKILL)
         for watcher in self._watchers:
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
@@ -535,6 +541,16 @@ class WorkerGroup:
             await self._launched.wait()
             if list(self._processes.values()) == processes:
                 return codes
+
+
+def _pid_in_use(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _signal_group(pgid: int, signum: int) -> None:

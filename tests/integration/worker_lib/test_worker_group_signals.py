@@ -91,3 +91,49 @@ async def test_stop_stops_the_group_of_a_process_that_already_died(tmp_path: Pat
         if helper:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(helper, signal.SIGKILL)
+
+
+async def test_stop_kills_a_helper_that_ignores_sigterm_after_its_process_died(tmp_path: Path) -> None:
+    exits: asyncio.Queue[ProcessExit] = asyncio.Queue()
+    group = WorkerGroup(exits, warm=False, pid_dir=tmp_path / "pids")
+    helper_file = tmp_path / "helper"
+    # The helper says its pid once it ignores SIGTERM; only then does its process die.
+    helper_script = f"trap '' TERM; echo \\$$ > {helper_file}; sleep 300"  # its own pid, not the outer's
+    command = [
+        "sh",
+        "-c",
+        f'sh -c "{helper_script}" & while [ ! -s {helper_file} ]; do sleep 0.01; done; kill -9 $$',
+    ]
+    helper = 0
+    try:
+        await group.start(spec(command, 1, tmp_path))
+        await asyncio.wait_for(exits.get(), 10)
+        helper = int(helper_file.read_text())
+        await group.stop(1)
+        assert await gone(helper, 5), "a helper that ignores SIGTERM outlived the stop"
+    finally:
+        await group.stop(1)
+        if helper:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(helper, signal.SIGKILL)
+
+
+async def test_a_reaped_leaders_pid_taken_by_another_process_is_not_signalled(tmp_path: Path) -> None:
+    """Once a finished rank's group is empty, its id may be another process's pid and group (a warm spare,
+    another agent's rank): that group is a stranger's and gets no signal."""
+    exits: asyncio.Queue[ProcessExit] = asyncio.Queue()
+    group = WorkerGroup(exits, warm=False, pid_dir=tmp_path / "pids")
+    stranger = await asyncio.create_subprocess_exec("sleep", "30", start_new_session=True)
+    try:
+        await group.start(spec(["true"], 1, tmp_path))
+        await asyncio.wait_for(exits.get(), 10)
+        (finished,) = group._processes.values()
+        assert finished.returncode == 0
+        finished.pid = stranger.pid  # as if the kernel handed the reaped leader's pid to the stranger  # type: ignore[misc]
+        group.signal(signal.SIGTERM)
+        await group.stop(1)
+        await asyncio.sleep(0.2)
+        assert stranger.returncode is None and proc_stat(stranger.pid) is not None
+    finally:
+        stranger.kill()
+        await stranger.wait()
