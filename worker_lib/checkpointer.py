@@ -222,7 +222,8 @@ class Checkpointer:
         place. So every tensor that is no parameter or state of an optimizer seen stepping (whose steps wait
         for the copy) is snapshotted inside this call, as the buffers of a module are; where those come to
         more than half of the state (no optimizer has stepped yet), the save waits for its copy instead.
-        `fresh`: tensors of `state` made for this save (nothing else holds them), never snapshotted.
+        `fresh`: tensors of `state` never snapshotted: made for this save (nothing else holds them), or
+        parameters of the models saved (they change only in optimizer steps, which wait, or never).
 
         `commit`: return only once the checkpoint is committed (or skipped), whatever the mode; for a save
         of a staged copy from another thread (dcp.async_save), which needs no snapshot, and whose caller

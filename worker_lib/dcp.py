@@ -36,6 +36,7 @@ import os
 import re
 import threading
 from collections import ChainMap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,10 +125,20 @@ class CastorWriter(StorageWriter):
     `checkpointer.stats.saves_skipped`.
     """
 
-    def __init__(self, checkpointer: Checkpointer, iteration: int | None = None):
+    def __init__(
+        self,
+        checkpointer: Checkpointer,
+        iteration: int | None = None,
+        *,
+        modules: Sequence[torch.nn.Module] = (),
+    ):
+        """`modules`: the models whose state is saved. Their parameters change only in optimizer steps (which
+        wait for the copy) or never (frozen), so they are not copied aside inside the save; without them a
+        frozen part (a LoRA base model, a frozen encoder) is, as no optimizer owns it."""
         super().__init__()
         self.checkpointer = checkpointer
         self.iteration = iteration
+        self.modules = tuple(modules)
         self._local: SavePlan | None = None
         self._rank = 0
         self._world_size = 1
@@ -199,7 +210,10 @@ class CastorWriter(StorageWriter):
         # waits for the commit. On the training thread (dcp.save) the copy runs in the background as for any
         # save, the buffers among the items snapshotted first (see Checkpointer._save_detached).
         staged = threading.get_ident() != self._thread
-        self.checkpointer._save_detached(self.iteration, {KEY: payload}, fresh=fresh, commit=staged)
+        parameters = [getattr(p, "_local_tensor", p) for m in self.modules for p in m.parameters()]
+        self.checkpointer._save_detached(
+            self.iteration, {KEY: payload}, fresh=[*fresh, *parameters], commit=staged
+        )
         info = CastorStorageInfo(self._rank, self.iteration)
         results = [WriteResult(item.index, _item_bytes(item), info) for item in plan.items]
         done: Future[list[WriteResult]] = Future()

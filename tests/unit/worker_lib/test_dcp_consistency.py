@@ -128,6 +128,32 @@ def test_dcp_save_before_any_optimizer_step_commits_before_it_returns(shm_dir: P
         assert_bit_equal(fresh, expected)
 
 
+def test_a_frozen_part_named_through_modules_is_copied_in_the_background(shm_dir: Path) -> None:
+    """A LoRA-style model: a large frozen base no optimizer owns. Without `modules`, every dcp.save copied
+    the base aside (or, over half the state, waited for its copy); named through `modules`, only the
+    buffers are snapshotted and the save returns before its copy, as for a plain save()."""
+    model = bn_model()
+    model[0].requires_grad_(False)  # the frozen base
+    model[0].weight.data = torch.randn(256, 16)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    with Checkpointer(shm_dir) as checkpointer:
+        step(model, optimizer, 0)
+        state = {"model": get_model_state_dict(model)}
+        expected = clone(state)
+        with copies_held(checkpointer) as release:
+            dcp.save(state, storage_writer=CastorWriter(checkpointer, iteration=1, modules=[model]))
+            assert checkpointer.stats.saves_committed == 0, "returned before its copy"
+            model(torch.randn(8, 16))
+            release.set()
+            checkpointer.wait()
+        snapshotted = sum(side.numel() for side in checkpointer._buffers._side)
+        assert buffer_bytes <= snapshotted < buffer_bytes + 64, "the frozen weights were not copied aside"
+        fresh = {"model": get_model_state_dict(bn_model())}
+        dcp.load(fresh, storage_reader=CastorReader(checkpointer, iteration=1))
+        assert_bit_equal(fresh, expected)
+
+
 def test_async_save_result_means_committed_with_a_reused_stager(shm_dir: Path) -> None:
     """torchtitan's loop: one DefaultStager that caches its staging buffers, and `.result()` of the last
     save before the next async_save. The staged buffers are overwritten by the next staging as soon as
