@@ -159,8 +159,10 @@ def ettr_text(ettr: dict[str, Any] | None) -> str:
         )
     ]
     wasted = ", ".join(f"{label} {format_duration(seconds)}" for label, seconds in parts if seconds > 0)
-    # Four decimals, rounded down below 1: 0.99996 is not 1.0000, a job that lost nothing.
-    ratio = ettr["ettr"] if ettr["ettr"] >= 1 else math.floor(round(ettr["ettr"] * 10_000, 6)) / 10_000
+    # Four decimals, and below 1 never 1.0000 (rounded down then): 0.99996 is not a job that lost nothing.
+    ratio = ettr["ettr"]
+    if ratio < 1 and round(ratio, 4) >= 1:
+        ratio = math.floor(ratio * 10_000) / 10_000
     text = f"{ratio:.4f} of {format_duration(ettr['wall_s'])}"
     text += f" (wasted: {wasted})" if wasted else " (nothing wasted)"
     if ettr.get("checkpoint_overhead_s") is None:

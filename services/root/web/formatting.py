@@ -58,16 +58,15 @@ def number(value: Any) -> str:
 
 
 def percent(value: float | None) -> str:
-    """A ratio as a percentage; one under 1 never shows as 100 % (rounded down): an ETTR of 0.99996 is not
-    a job that lost nothing."""
+    """A ratio as a percentage; one under 1 never shows as 100 % (rounded down where rounding would reach
+    it): an ETTR of 0.99996 is not a job that lost nothing."""
     if value is None:
         return DASH
     digits = 2 if 0.9995 <= value < 1 else 1
-    if value < 1:
-        scale = 10**digits
-        # (rounded first to undo binary fractions: 100 * 0.94 * 10 is 939.9999999999999)
-        return f"{math.floor(round(100 * value * scale, 6)) / scale:.{digits}f} %"
-    return f"{100 * value:.{digits}f} %"
+    shown = round(100 * value, digits)
+    if value < 1 and shown >= 100:
+        shown = math.floor(100 * value * 10**digits) / 10**digits
+    return f"{shown:.{digits}f} %"
 
 
 def frequency(per_minute: float | None) -> str:

@@ -179,6 +179,7 @@ def test_formatting() -> None:
     # A ratio under 1 never shows as 100 %: a 10-hour job that lost 15 s is not a job that lost nothing.
     assert formatting.percent(0.99996) == "99.99 %" and formatting.percent(0.94) == "94.0 %"
     assert formatting.percent(0.99949) == "99.9 %" and formatting.percent(1.0) == "100.0 %"
+    assert formatting.percent(2 / 3) == "66.7 %", "rounded as usual where it cannot reach 100 %"
     assert formatting.frequency(59.0) == "59.0 /min" and formatting.interval(30.0) == "every 2.0 s"
     assert formatting.size(1536) == "1.5 KiB" and formatting.number(12345) == "12,345"
     assert formatting.ago(at(0), at(30)) == "30 s ago" and formatting.ago(at(5), at(0)) == "just now"
