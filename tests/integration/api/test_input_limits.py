@@ -390,16 +390,18 @@ async def test_placement_work_runs_off_the_event_loop(
 async def test_control_characters_from_agents_are_escaped_in_log_lines(
     client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Agents' text (here an instance id with a newline and a terminal escape, which registration
-    accepts) reaches log lines at many call sites (the operators' replacement lines, causes in recovery
-    lines): every record of the service's loggers is escaped, whether formatted with arguments or not."""
+    """Agents' text (here a host name with a newline and a terminal escape, which registration accepts;
+    an instance id no longer may hold either) reaches log lines at many call sites (the operators'
+    replacement lines, causes in recovery lines): every record of the service's loggers is escaped, whether
+    formatted with arguments or not."""
     caplog.set_level(logging.INFO, logger="services")
     job = await create_job(client, machines=2)
-    instance = "i-a\nCRITICAL forged line \x1b[2J"
-    assert (await register(client, job, instance)).status_code == 200
+    text = "i-a\nCRITICAL forged line \x1b[2J"
+    assert (await register(client, job, text)).status_code == 422
+    assert (await register(client, job, "i-a", hostname=text)).status_code == 200
     machines = (await client.get(f"/api/v1/jobs/{job['id']}/machines", headers=admin())).json()
-    stored = machines[0]["instance_id"]
-    assert stored == instance
+    stored = machines[0]["hostname"]
+    assert stored == text
     logging.getLogger("services.root.orchestration").info("replacing machine %d: %s", 0, f"started {stored}")
     logging.getLogger("services.root.clients.local").info(f"started local machine {stored}")
     logging.getLogger("services.root.flows.recovery").error(
