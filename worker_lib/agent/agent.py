@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Coroutine, Iterable
+from collections.abc import Awaitable, Collection, Coroutine, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -82,6 +82,9 @@ NO_BACKGROUND_CHECK_ENV = "CASTOR_TEST_NO_BACKGROUND_CHECK"
 # proxy's error page with a 200): the client retries only transport errors and 5xx by itself.
 UNEXPECTED_ANSWER_RETRY_S = 1.0
 
+# How long a stopping agent waits for its own loops to end once cancelled.
+STOPPING_LOOPS_S = 5.0
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -106,6 +109,25 @@ async def all_settled(awaitables: Iterable[Awaitable[T]]) -> list[T]:
         if isinstance(result, BaseException):
             raise result
     return cast(list[T], results)
+
+
+async def cancel_and_wait(tasks: Collection[asyncio.Task[Any]], timeout_s: float) -> set[asyncio.Task[Any]]:
+    """Cancel `tasks` and wait for them to end, at most `timeout_s`; returns those still running. Bounded: a
+    loop that outlives its cancellation (Python 3.11's wait_for can swallow one) must not keep the agent from
+    stopping its training processes and giving the machine's memory back."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return set()
+    _, stuck = await asyncio.wait(tasks, timeout=timeout_s)
+    if stuck:
+        names = ", ".join(sorted(task.get_name() for task in stuck))
+        log.error(
+            "the agent's loops %s did not stop within %.0f s of their cancellation; going on",
+            names,
+            timeout_s,
+        )
+    return stuck
 
 
 @dataclass
@@ -241,9 +263,7 @@ class Agent:
                 stopping: list[asyncio.Task[Any]] = [*tasks]
                 if self._inventory_answer is not None:
                     stopping.append(self._inventory_answer)  # a report still waiting for its answer
-                for task in stopping:
-                    task.cancel()
-                await asyncio.gather(*stopping, return_exceptions=True)
+                await cancel_and_wait(stopping, STOPPING_LOOPS_S)
                 await self.workers.stop(self.config.stop_grace_s)
                 await self.workers.discard_spares()
         finally:
@@ -395,12 +415,15 @@ class Agent:
         self._decide_now(Signalled(signum))
 
     async def _exit_after_workers(self) -> None:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation.
         try:
-            codes = await asyncio.wait_for(self.workers.wait(), self.config.stop_grace_s)
+            async with asyncio.timeout(self.config.stop_grace_s):
+                codes = await self.workers.wait()
         except TimeoutError:
             self.workers.signal(signal.SIGKILL)
             try:  # bounded too: a start that hangs launching a process must not keep the agent alive
-                codes = await asyncio.wait_for(self.workers.wait(), self.config.stop_grace_s)
+                async with asyncio.timeout(self.config.stop_grace_s):
+                    codes = await self.workers.wait()
             except TimeoutError:
                 log.error("training processes did not end after SIGKILL; exiting without them")
                 codes = [128 + signal.SIGKILL]

@@ -57,8 +57,11 @@ async def rest_heartbeats(
         if wake is None:
             await asyncio.sleep(interval_s)
             continue
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that arrives as the
+        # event is set, and this loop then ran on, holding the agent's stop (it waits for its loops) forever.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(wake.wait(), interval_s)
+            async with asyncio.timeout(interval_s):
+                await wake.wait()
         wake.clear()
 
 

@@ -237,7 +237,8 @@ async def interpreter_identity(executable: str, env: Mapping[str, str]) -> str |
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
         )
-        output, _ = await asyncio.wait_for(process.communicate(), timeout=60)
+        async with asyncio.timeout(60):  # not wait_for: on Python 3.11 it can swallow a cancellation
+            output, _ = await process.communicate()
     except (TimeoutError, OSError):
         return None
     return output.decode(errors="replace").strip() if process.returncode == 0 else None

@@ -281,7 +281,8 @@ class AwsOperator:
         if self._poller is None or self._poller.done():
             self._poller = asyncio.create_task(self._poll_group(), name=f"asg-poller-{self.asg_name}")
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.chosen), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # not wait_for: on 3.11 it can swallow a cancellation
+                return await asyncio.shield(waiter.chosen)
         except TimeoutError:
             raise CloudOperatorError(
                 f"no replacement instance in {self.asg_name!r} after {self.timeout_s:.0f}s"

@@ -14,7 +14,10 @@ async def until_woken(waiting: Waiting, job_id: uuid.UUID, timeout_s: float) -> 
     waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     waiting.setdefault(job_id, set()).add(waiter)
     try:
-        await asyncio.wait_for(waiter, max(0.0, timeout_s))
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that arrives as the
+        # change is announced, and the request then polled on until its deadline (holding a server's stop).
+        async with asyncio.timeout(max(0.0, timeout_s)):
+            await waiter
     except TimeoutError:
         pass
     finally:

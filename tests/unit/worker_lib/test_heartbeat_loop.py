@@ -50,3 +50,37 @@ def test_heartbeats_go_on_after_answers_that_are_not_the_root_s_api() -> None:
 
     asyncio.run(main())
     assert root.calls == 4 and answered == ["ok"]
+
+
+class AlwaysOk:
+    async def heartbeat(self, rank: int, instance_id: str, summary: dict[str, Any]) -> str:
+        return "ok"
+
+
+def test_a_cancellation_that_arrives_as_the_loop_is_woken_ends_the_loop() -> None:
+    """On Python 3.11 asyncio.wait_for dropped a cancellation delivered while the event it waited on was
+    being set: the loop heartbeated on, and the agent's stop, which waits for its loops, hung."""
+
+    async def cancelled_after(steps: int) -> bool:
+        wake = asyncio.Event()
+        first_beat = asyncio.Event()
+
+        def answered(answer: Any) -> None:
+            first_beat.set()
+
+        loop = asyncio.create_task(rest_heartbeats(AlwaysOk(), 0, "i-0", 30.0, dict, answered, wake))  # type: ignore[arg-type]
+        await first_beat.wait()  # the first heartbeat went out: the loop now waits on `wake`
+        wake.set()
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        loop.cancel()
+        done, _ = await asyncio.wait({loop}, timeout=2)
+        if not done:
+            loop.cancel()  # stop it for good, whatever this step counted
+            await asyncio.gather(loop, return_exceptions=True)
+        return bool(done) and loop.cancelled()
+
+    async def main() -> list[int]:
+        return [steps for steps in range(6) if not await cancelled_after(steps)]
+
+    assert asyncio.run(main()) == [], "the loop outlived its cancellation after these many steps"
