@@ -190,8 +190,8 @@ def test_fault_matrix_with_checkpoints_slower_than_an_iteration(
     assert MACHINE < restored == max(i for i in complete_checkpoints(cluster) if i <= GROUP) < GROUP
     tiers = hardware[0]["details"]["tiers"]
     assert {tiers["2"], tiers["3"]} == {"persistent"}, tiers
-    # The survivors may read that iteration from their own memory or each other's replica (a replica store pins
-    # slots its own rank has already reused).
+    # The survivors may read that iteration from their own memory or each other's replica (a replica store
+    # pins slots its own rank has already reused).
     assert {tiers["0"], tiers["1"]} <= {"local", "peer", "persistent"}, tiers
 
     live = [m for m in cluster.machines if m.process.poll() is None]
