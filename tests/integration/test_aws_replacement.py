@@ -24,10 +24,11 @@ from services.root.db import repository as repo
 from services.root.db.database import Database
 from services.root.db.migrate import upgrade_async
 from services.root.db.models import FailureEvent
+from services.root.errors import Conflict
 from services.root.flows import recovery
 from services.root.flows.failures import machine_lost
-from services.root.flows.jobs import create_job
-from services.root.flows.machines import register_machine
+from services.root.flows.jobs import create_job, stop_job
+from services.root.flows.machines import register, register_machine
 from services.root.orchestration.leadership import Leadership
 from services.root.orchestration.per_job import PerJob
 from services.root.orchestration.recovery_driver import RecoveryDriver
@@ -492,3 +493,37 @@ async def test_a_recovery_whose_exit_standby_is_refused_launches_a_replacement_i
     assert request["status"] == "launched" and request["instance"] == launched, request
     assert request["intent"]["exit_standby_refused"].startswith("ValidationError: New SetDesiredCapacity")
     assert states[spare] == "Standby"
+
+
+async def test_an_instance_another_running_job_holds_is_refused_on_aws_and_free_once_that_job_ends(
+    database: Database, tmp_path: Path, moto_server: harness.Moto
+) -> None:
+    """On AWS a failed machine's instance is terminated: an instance of another job, registered with this
+    job's token, would be terminated when this job declared it failed. Locally an instance id is a host
+    name, which two jobs on one host share."""
+    aws = settings_for(database, tmp_path, moto_server, "castor-unused")
+    local = Settings(database_url=database.url, state_dir=tmp_path, admin_token="x")
+    async with database.session() as session:
+        first, _ = await create_job(session, schemas.JobCreate(name=f"a-{uuid.uuid4().hex[:8]}", machines=2))
+        second, _ = await create_job(session, schemas.JobCreate(name=f"b-{uuid.uuid4().hex[:8]}", machines=2))
+    instance = f"i-{uuid.uuid4().hex[:17]}"
+    request = schemas.RegisterRequest(instance_id=instance, address="10.0.0.1", data_port=9000)
+    assert (await register(database, first.id, request, aws)).rank == 0
+    with pytest.raises(Conflict, match="machine of another job") as refused:
+        await register(database, second.id, request, aws)
+    assert refused.value.code == "instance_in_use" and first.name not in str(refused.value)
+    async with database.session() as session:
+        assert await repo.live_ranks(session, second.id) == [], "the refused instance holds no rank"
+    # The first job's own instance registers again as before.
+    assert (await register(database, first.id, request, aws)).rank == 0
+    # Locally, two jobs on one host share its name.
+    assert (await register(database, second.id, request, local)).rank == 0
+    async with database.session() as session:
+        third, _ = await create_job(session, schemas.JobCreate(name=f"c-{uuid.uuid4().hex[:8]}", machines=2))
+        for job_id in (first.id, second.id):
+            job = await repo.get_job(session, job_id, for_update=True)
+            assert job is not None
+            await stop_job(session, job)
+    assert (await register(database, third.id, request, aws)).rank == 0, (
+        "the instance is free once its jobs end"
+    )

@@ -189,6 +189,25 @@ async def live_ranks(session: AsyncSession, job_id: uuid.UUID) -> list[LiveRank]
     ]
 
 
+async def instance_held_elsewhere(
+    session: AsyncSession, instance_id: str, job_id: uuid.UUID
+) -> tuple[str, int] | None:
+    """The job (its name) and rank for which `instance_id` is a live machine of another unfinished job."""
+    query = (
+        select(Job.name, Machine.rank)
+        .join(Job, Job.id == Machine.job_id)
+        .where(
+            Machine.instance_id == instance_id,
+            Machine.job_id != job_id,
+            Machine.state != MachineState.REPLACED,
+            Job.state.not_in((JobState.COMPLETED, JobState.STOPPED, JobState.FAILED)),
+        )
+        .limit(1)
+    )
+    row = (await session.execute(query)).first()
+    return None if row is None else (row[0], row[1])
+
+
 async def machine_by_instance(session: AsyncSession, job_id: uuid.UUID, instance_id: str) -> Machine | None:
     query = select(Machine).where(Machine.job_id == job_id, Machine.instance_id == instance_id)
     return (await session.execute(query)).scalar_one_or_none()

@@ -66,6 +66,9 @@ async def register(
     rank is held, by a conditional UPDATE (of several last registrations at once exactly one starts it).
     What touches shared state the leader also writes (displacing a failed machine, an agent restarting on
     a live machine, any registration once the job runs) takes the job row's lock, as before."""
+    if settings.cloud == "aws":
+        async with database.session() as session:
+            await _refuse_an_instance_of_another_job(session, job_id, request.instance_id)
     for attempt in range(CLAIM_TRIES):
         async with database.session() as session:
             job = await _job(session, job_id)
@@ -90,6 +93,27 @@ async def register(
             # Claims made off the lock meanwhile: the job may be full only now that this one committed.
             await start_if_full(session, job_id, machines)
     return response
+
+
+async def _refuse_an_instance_of_another_job(
+    session: AsyncSession, job_id: uuid.UUID, instance_id: str
+) -> None:
+    """On AWS an instance id names one EC2 instance of the root's one Auto Scaling Group, and a failed
+    machine's instance is terminated: an instance another job runs on, registered with this job's token
+    (by mistake, or by a holder of this job's token only), would be terminated when this job declared it
+    failed. (Locally an instance id is a host name, and two jobs may share one host.)"""
+    held = await repo.instance_held_elsewhere(session, instance_id, job_id)
+    if held is not None:
+        job_name, rank = held
+        # The other job is named in the root's log only: this job's token gives no view of other jobs.
+        log.warning(
+            "job %s: instance %r refused, it is machine %d of job %r", job_id, instance_id, rank, job_name
+        )
+        raise Conflict(
+            f"instance {instance_id!r} is a machine of another job that is still running; an instance runs "
+            "one job",
+            code="instance_in_use",
+        )
 
 
 async def _job(session: AsyncSession, job_id: uuid.UUID, *, for_update: bool = False) -> Job:
