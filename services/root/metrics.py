@@ -7,7 +7,12 @@ a token, address or cause). Expose the port only where your scrapers are, as usu
 Two sources:
 - the database, read at scrape time (a custom collector): jobs, machines and failures by state and kind,
   recovery phase durations, per-job counters from the agents' heartbeat summaries. Every root replica
-  reads the same rows, so any replica answers the same and nothing is lost when one restarts;
+  reads the same rows, so any replica answers the same and nothing is lost when one restarts. The counters
+  and histograms over every job's failure events (castor_failures_total, castor_recoveries_total,
+  castor_iterations_lost_total, castor_recovery_phase_seconds, castor_recovery_seconds) add what rows
+  since deleted had counted (a deleted job's, a process exit folded into a machine's loss), kept in
+  metric_totals (repository.retire_failures): they never go down, which Prometheus would read as a reset.
+  The per-job and per-machine families end with their job (a series that stops is no reset);
 - this process: API latency by route template and method (a middleware histogram), the process's own
   CPU and memory, whether this replica is the leader.
 """
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -50,7 +55,7 @@ from services.root.db.models import (
     PersistedShard,
     Tier,
 )
-from services.root.domain import phases
+from services.root.domain import failure_metrics, phases
 from services.root.domain.ettr import MeasuredEttr
 from services.root.domain.retention import is_complete_counted
 from services.root.flows import ettr as ettr_flows
@@ -60,7 +65,6 @@ from services.root.web import queries
 log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-PHASE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 UNMATCHED = "unmatched"
 OTHER_METHOD = "other"
 
@@ -163,15 +167,32 @@ def _escape_label_value(value: str) -> str:
 # -- from the database, at scrape time ---------------------------------------------------------------------
 
 
-def _histogram(name: str, documentation: str, label: str, observations: dict[str, list[float]]) -> Metric:
+def _histogram(
+    name: str,
+    documentation: str,
+    label: str,
+    keys: Iterable[str],
+    counters: Mapping[failure_metrics.MetricKey, int],
+) -> Metric:
+    """A histogram of failure_counters' samples (its _sum in microseconds) with a series for every key in
+    `keys` and any other label value the samples have."""
     family = HistogramMetricFamily(name, documentation, labels=[label])
-    for key, values in observations.items():
+    labels = dict.fromkeys(keys)
+    labels.update(dict.fromkeys(v for metric, v, _ in counters if metric == f"{name}_bucket"))
+    for key in labels:
         buckets: list[tuple[str, float]] = [
-            (repr(bound), float(sum(1 for v in values if v <= bound))) for bound in PHASE_BUCKETS
+            (bound, float(counters.get((f"{name}_bucket", key, bound), 0)))
+            for bound in [*(repr(b) for b in failure_metrics.PHASE_BUCKETS), "+Inf"]
         ]
-        buckets.append(("+Inf", float(len(values))))
-        family.add_metric([key], buckets, sum_value=sum(values))
+        family.add_metric([key], buckets, sum_value=counters.get((f"{name}_sum", key, ""), 0) / 1_000_000)
     return family
+
+
+def _keys(known: Iterable[str], metric: str, counters: Mapping[failure_metrics.MetricKey, int]) -> list[str]:
+    """The label values of a counter's series: every known one, then any other its samples have."""
+    keys = dict.fromkeys(known)
+    keys.update(dict.fromkeys(label for name, label, _ in counters if name == metric))
+    return list(keys)
 
 
 def _number(value: Any) -> float | None:
@@ -182,9 +203,14 @@ async def database_families(database: Database) -> list[Metric | RowsFamily]:
     async with database.session() as session:
         jobs = await queries.jobs_by_state(session)
         machines = await queries.machines_by_state(session)
-        failures = await queries.failures_by_kind(session)
-        tiers = await queries.recoveries_by_tier(session)
-        recovered = await queries.recovered_failures(session)
+        # What the failure events count, and what deleted or folded ones counted (retired totals): the
+        # counters never go down as rows go.
+        counters = failure_metrics.failure_counters(
+            await queries.failures_by_kind(session),
+            await queries.recoveries_by_tier(session),
+            await queries.recovered_failures(session),
+        )
+        counters.update(await repo.metric_totals(session))
         active = await queries.active_jobs(session)
         ids = [job.id for job in active]
         # The machines' summaries read once for their counters and the ETTR's checkpoint stalls.
@@ -208,53 +234,45 @@ async def database_families(database: Database) -> list[Metric | RowsFamily]:
         family.add_metric([machine_state.value], machines.get(machine_state.value, 0))
     result.append(family)
 
-    counter = CounterMetricFamily("castor_failures", "Failure events by kind.", labels=["kind"])
-    for kind in FailureKind:
-        counter.add_metric([kind.value], failures.get(kind.value, 0))
+    counter = CounterMetricFamily(
+        "castor_failures",
+        "Failure events by kind (process exits folded into a machine's loss as its symptoms included).",
+        labels=["kind"],
+    )
+    for kind in _keys([k.value for k in FailureKind], failure_metrics.FAILURES, counters):
+        counter.add_metric([kind], counters.get((failure_metrics.FAILURES, kind, ""), 0))
     result.append(counter)
 
     counter = CounterMetricFamily(
         "castor_recoveries", "Recovered failures by the slowest checkpoint tier used.", labels=["tier"]
     )
-    for tier in [*(t.value for t in Tier), "none"]:
-        counter.add_metric([tier], tiers.get(tier, 0))
+    for tier in _keys([*(t.value for t in Tier), "none"], failure_metrics.RECOVERIES, counters):
+        counter.add_metric([tier], counters.get((failure_metrics.RECOVERIES, tier, ""), 0))
     result.append(counter)
 
-    by_phase: dict[str, list[float]] = {name: [] for name in phases.PHASES}
-    by_kind: dict[str, list[float]] = {kind.value: [] for kind in FailureKind}
-    # Failures that joined one recovery (a lost group: one event per machine) share its rollback: the
-    # iterations lost are counted once per recovery plan, not once per event.
-    lost_by_recovery: dict[object, int] = {}
-    for event in recovered:
-        for phase in phases.phases(event, finished=True):
-            by_phase[phase.name].append(phase.seconds)
-        total = phases.recovery_seconds(event)
-        if total is not None:
-            by_kind.setdefault(event.kind, []).append(total)
-        recovery = event.plan_id if event.plan_id is not None else ("event", event.id)
-        lost_by_recovery[recovery] = max(lost_by_recovery.get(recovery, 0), event.iterations_lost or 0)
-    lost = sum(lost_by_recovery.values())
     result.append(
         _histogram(
-            "castor_recovery_phase_seconds",
+            failure_metrics.PHASE_SECONDS,
             "Duration of each phase of recovered failures (detect, classify, replace, restore, resume).",
             "phase",
-            by_phase,
+            phases.PHASES,
+            counters,
         )
     )
     result.append(
         _histogram(
-            "castor_recovery_seconds",
+            failure_metrics.RECOVERY_SECONDS,
             "Recovery time of recovered failures: from detection to training resumed (every rank "
             "completed its first iteration after the restore).",
             "kind",
-            by_kind,
+            [kind.value for kind in FailureKind],
+            counters,
         )
     )
     counter = CounterMetricFamily(
         "castor_iterations_lost", "Iterations lost (rolled back) by recoveries, counted once per recovery."
     )
-    counter.add_metric([], lost)
+    counter.add_metric([], counters.get((failure_metrics.ITERATIONS_LOST, "", ""), 0))
     result.append(counter)
     result += _job_families(active, summaries)
     result += _ettr_families(active, ettrs)

@@ -31,6 +31,7 @@ TABLES = {
     "web_sessions",
     "leader_epoch",
     "rank_progress",
+    "metric_totals",
     "alembic_version",
 }
 

@@ -350,3 +350,20 @@ class LeaderEpoch(Base):
     epoch: Mapped[int] = mapped_column(BigInteger, default=0)
     holder: Mapped[str] = mapped_column(String(255), default="")
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class MetricTotal(Base):
+    """What rows no longer in the database had added to a /metrics counter (services/root/metrics.py), which
+    the scrape adds to what the current rows count: a deleted job's failure events, a process exit folded
+    into a machine's loss (flows.failures.machine_lost). A counter that went down as its rows went would
+    read to Prometheus as a reset (a spike in rate() and increase()). One row per sample: the sample's name,
+    the value of its one label ("" when it has none) and, for a histogram's bucket, its bound."""
+
+    __tablename__ = "metric_totals"
+
+    metric: Mapped[str] = mapped_column(String(64), primary_key=True)  # castor_failures_total, ..._bucket
+    label: Mapped[str] = mapped_column(String(64), primary_key=True)
+    le: Mapped[str] = mapped_column(String(16), primary_key=True)
+    # A count; a histogram's _sum in microseconds (integers add up exactly: a float sum added in another
+    # order could come out an ulp lower, and even that reads as a reset).
+    value: Mapped[int] = mapped_column(BigInteger)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import uuid
+from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Literal, NamedTuple
@@ -30,10 +31,12 @@ from sqlalchemy.sql.elements import BindParameter
 
 from services.root.db.models import (
     FailureEvent,
+    FailureState,
     Job,
     JobState,
     Machine,
     MachineState,
+    MetricTotal,
     PersistedCheckpoint,
     PersistedShard,
     PlacementGroupRow,
@@ -41,6 +44,7 @@ from services.root.db.models import (
     RankProgress,
     RecoveryPlan,
 )
+from services.root.domain.failure_metrics import MetricKey, failure_counters
 
 
 async def get_job(
@@ -79,6 +83,12 @@ async def list_jobs(
 
 
 async def delete_job(session: AsyncSession, job: Job) -> None:
+    """Delete the job and its history; what its failure events count in /metrics is retired first
+    (metric_totals), so the counters do not go down. The job's row is locked first (FOR UPDATE): no failure
+    of it is recorded (inserting one checks its foreign key, FOR KEY SHARE) between the retiring and the
+    deletion, nor changed by the leader (FOR NO KEY UPDATE)."""
+    await session.execute(select(Job.id).where(Job.id == job.id).with_for_update())
+    await retire_job_failures(session, job.id)
     await session.execute(delete(RankProgress).where(RankProgress.job_id == job.id))  # no foreign key
     await session.execute(delete(Job).where(Job.id == job.id))
 
@@ -1149,3 +1159,65 @@ async def shard_count(session: AsyncSession, checkpoint_id: int) -> int:
         select(func.count()).select_from(PersistedShard).where(PersistedShard.checkpoint_id == checkpoint_id)
     )
     return int((await session.execute(query)).scalar_one())
+
+
+# -- retired metric totals: what deleted or folded failure events had added to the /metrics counters --------
+
+
+async def retire_failures(session: AsyncSession, events: Sequence[FailureEvent]) -> None:
+    """Add what `events`, about to be deleted, add to the /metrics counters to the retired totals, in the
+    caller's transaction. For events deleted apart from the rest of their job (folded into another): none
+    is recovered, so none shares a recovery's iterations lost with an event that stays."""
+    recovered = [e for e in events if e.state == FailureState.RECOVERED]
+    kinds = Counter(str(e.kind) for e in events)
+    tiers = Counter(str(e.tier or "none") for e in recovered)
+    await add_metric_totals(session, failure_counters(kinds, tiers, recovered))
+
+
+async def retire_job_failures(session: AsyncSession, job_id: uuid.UUID) -> None:
+    """Add what the job's failure events add to the /metrics counters to the retired totals, before the job
+    is deleted (in the same transaction): counted in SQL, but for the recovered events' times."""
+    grouped = (
+        select(FailureEvent.kind, FailureEvent.state, FailureEvent.tier, func.count())
+        .where(FailureEvent.job_id == job_id)
+        .group_by(FailureEvent.kind, FailureEvent.state, FailureEvent.tier)
+    )
+    kinds: Counter[str] = Counter()
+    tiers: Counter[str] = Counter()
+    for kind, state, tier, count in (await session.execute(grouped)).all():
+        kinds[str(kind)] += int(count)
+        if state == FailureState.RECOVERED:
+            tiers[str(tier or "none")] += int(count)
+    recovered = select(FailureEvent).where(
+        FailureEvent.job_id == job_id, FailureEvent.state == FailureState.RECOVERED
+    )
+    await add_metric_totals(
+        session, failure_counters(kinds, tiers, (await session.execute(recovered)).scalars())
+    )
+
+
+async def add_metric_totals(session: AsyncSession, totals: Mapping[MetricKey, int]) -> None:
+    """Add `totals` to the retired totals (metric_totals), in one upsert. Its rows are locked in one order
+    (sorted), so that two transactions adding to the same rows wait for each other, never deadlock."""
+    rows = [
+        {"metric": metric, "label": label, "le": le, "value": int(value)}
+        for (metric, label, le), value in sorted(totals.items())
+        if value
+    ]
+    if not rows:
+        return
+    statement = _insert_for(session)(MetricTotal).values(rows)
+    await session.execute(
+        statement.on_conflict_do_update(
+            index_elements=[MetricTotal.metric, MetricTotal.label, MetricTotal.le],
+            set_={"value": MetricTotal.value + statement.excluded.value},
+        )
+    )
+
+
+async def metric_totals(session: AsyncSession) -> Counter[MetricKey]:
+    """The retired totals: what rows no longer in the database added to the /metrics counters."""
+    query = select(MetricTotal.metric, MetricTotal.label, MetricTotal.le, MetricTotal.value)
+    return Counter(
+        {(metric, label, le): int(value) for metric, label, le, value in await session.execute(query)}
+    )

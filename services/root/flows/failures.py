@@ -202,6 +202,9 @@ async def machine_lost(
             "cascade": [{"cause": e.cause, "at": e.detected_at.isoformat(), **e.details} for e in symptoms],
         },
     )
+    # The symptoms stop being failures of their own: what they counted in /metrics stays (retired).
+    if symptoms:
+        await repo.retire_failures(session, symptoms)
     for symptom in symptoms:
         await session.delete(symptom)
     session.add(event)
