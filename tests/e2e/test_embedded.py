@@ -104,3 +104,8 @@ def test_relaunch_after_a_crash_resumes_every_rank_from_one_iteration(
     assert iteration in (5, 6)
     # The crashed run did not finish the job; the relaunch did, every rank's Checkpointer closing cleanly.
     assert cluster.api("GET", job_url)["state"] == "completed"
+    # The root saw the relaunch (a one-machine job is never declared lost on its silence alone) and the
+    # failure ended when the relaunched training committed (or, at the latest, when the job completed).
+    (failure,) = cluster.api("GET", f"{job_url}/failures")
+    assert failure["kind"] == "software" and "relaunched" in failure["cause"], failure
+    assert failure["state"] == "recovered" and failure["resumed_at"] is not None, failure

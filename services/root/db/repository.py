@@ -291,6 +291,18 @@ async def live_summaries(session: AsyncSession, job_id: uuid.UUID) -> Sequence[d
     return [summary or {} for summary in (await session.execute(query)).scalars().all()]
 
 
+async def live_commit_counts(session: AsyncSession, job_id: uuid.UUID) -> dict[int, int]:
+    """Per live machine's rank, the commits its heartbeat summary counts (its session's, see the agent)."""
+    query = select(Machine.rank, Machine.summary).where(
+        Machine.job_id == job_id, Machine.state != MachineState.REPLACED
+    )
+    counts = {}
+    for rank, summary in (await session.execute(query)).all():
+        committed = (summary or {}).get("committed")
+        counts[rank] = committed if isinstance(committed, int) else 0
+    return counts
+
+
 async def latest_generation(session: AsyncSession, job_id: uuid.UUID) -> int | None:
     """The newest plan's generation, without loading its per-rank sources."""
     query = select(func.max(RecoveryPlan.generation)).where(RecoveryPlan.job_id == job_id)

@@ -8,6 +8,7 @@ import random
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import event as orm_event
@@ -28,6 +29,7 @@ from services.root.db.models import (
     PlanStatus,
     utcnow,
 )
+from services.root.domain.embedded import RELAUNCHED_AT
 from services.root.domain.persist_schedule import PersistTarget, next_target
 from services.root.domain.placement import Placement
 from services.root.domain.replication import job_replication, replication_alignment
@@ -221,6 +223,18 @@ async def _claim(
                 details={"instance_id": machine.instance_id},
             )
         )
+    elif (
+        job.state in (JobState.RUNNING, JobState.RECOVERING)
+        and request.embedded
+        and request.agent_session is not None
+        and machine.agent_session is not None
+        and request.agent_session != machine.agent_session
+    ):
+        # torchrun relaunched the training (a new session, not a registration sent again): its processes had
+        # stopped. The root does not orchestrate it, but records it and closes it once training resumes.
+        if not locked:
+            return LOCKED
+        await _note_embedded_relaunch(session, job, machine, now)
     # An agent restarted on the same instance may listen on a new port: take the newest address.
     for key, value in address.items():
         setattr(machine, key, value)
@@ -281,12 +295,46 @@ async def _registered(
     )
 
 
+async def _note_embedded_relaunch(session: AsyncSession, job: Job, machine: Machine, now: datetime) -> None:
+    """The machine's open failures (its loss, declared while it was silent) are reinstated and wait for the
+    relaunched training's first commit (domain.embedded); with none open (a relaunch within the heartbeat
+    timeout, a one-machine job), the relaunch is a failure of its own, from the machine's last heartbeat."""
+    from services.root.flows.failures import latest_silent_losses, reinstate  # it imports this module
+
+    relaunched = {RELAUNCHED_AT: now.isoformat()}
+    opened = [e for e in await repo.open_failures(session, job.id) if e.machine_id == machine.id]
+    for event in opened:
+        event.details = {**event.details, **relaunched}
+    silent = latest_silent_losses(opened).get(machine.id)
+    if silent is not None:
+        reinstate(machine, "its training was relaunched (embedded mode)", silent)
+    if opened:
+        return
+    last_seen = machine.last_heartbeat_at
+    session.add(
+        FailureEvent(
+            job_id=job.id,
+            machine_id=machine.id,
+            rank=machine.rank,
+            kind=FailureKind.SOFTWARE,
+            cause=f"the training on machine {machine.rank} ({machine.instance_id}) was relaunched: its "
+            "processes had stopped (embedded mode)",
+            detected_at=min(last_seen, now) if last_seen is not None else now,
+            classified_at=now,
+            details={"instance_id": machine.instance_id, "embedded": True, **relaunched},
+        )
+    )
+
+
 async def _note_replacement(session: AsyncSession, job: Job, failed: Machine, instance_id: str) -> None:
     """The failed machine's rank is taken: that phase of its failure's recovery is done."""
+    now = utcnow()
     for event in await repo.open_failures(session, job.id):
         if event.machine_id == failed.id and event.replaced_at is None:
-            event.replaced_at = utcnow()
+            event.replaced_at = now
             event.details = {**event.details, "replaced_by": instance_id}
+            if failed.embedded:  # torchrun's training, relaunched on another instance (domain.embedded)
+                event.details = {**event.details, RELAUNCHED_AT: now.isoformat()}
 
 
 def _choose_rank(

@@ -41,7 +41,7 @@ from services.root.db.models import (
     RecoveryPlan,
     utcnow,
 )
-from services.root.domain import persisted, recovery_states
+from services.root.domain import embedded, persisted, recovery_states
 from services.root.domain.ettr import iteration_seconds
 from services.root.domain.recovery import MemoryCopy, PersistedShard, plan_recovery
 from services.root.domain.recovery_states import RecoveryState
@@ -120,7 +120,11 @@ async def _step(
         return waiting, waiting, []
     live = list(await repo.live_machines(session, job.id))
     if any(m.embedded for m in live):
-        return None  # torchrun restarts embedded-mode training; failures are recorded, not orchestrated
+        # torchrun restarts embedded-mode training: failures are recorded, not orchestrated, and closed once
+        # the relaunched training commits.
+        if events:
+            _close_relaunched(job, events, live, await repo.live_commit_counts(session, job.id))
+        return None
     state = _state_of(job, plan, events, live)
     lost: list[FailureEvent | None] = []  # failures this step records (machines late to report)
 
@@ -574,6 +578,28 @@ def _finish_recovery(job: Job, plan: RecoveryPlan, events: list[FailureEvent], n
     log.info("job %s: recovered at generation %d", job.name, plan.generation)
 
 
+def _close_relaunched(
+    job: Job, events: list[FailureEvent], live: list[Machine], committed: dict[int, int]
+) -> None:
+    """Embedded mode: the failures whose machine trains again since torchrun relaunched it are recovered."""
+    by_id = {event.id: event for event in events}
+    for resumed in embedded.resumed_after_relaunch(events, {m.rank: m for m in live}, committed):
+        event = by_id[resumed.event_id]
+        _close_embedded(job, event, resumed.at, "its training committed again after the relaunch")
+
+
+def _close_embedded(job: Job, event: FailureEvent, at: datetime, why: str) -> None:
+    # No plan, no per-rank reports: the restore (torchrun's relaunch, the ranks agreeing on the newest
+    # iteration they all hold) ends where the first commit after it is seen.
+    at = max(at, event.detected_at)
+    event.restored_at = event.restored_at or at
+    event.resumed_at = at
+    event.state = FailureState.RECOVERED
+    event.details = {**event.details, "embedded_recovery": why}
+    job.wasted_time_s += (at - event.detected_at).total_seconds()
+    log.info("job %s: failure %d recovered (embedded mode: %s)", job.name, event.id, why)
+
+
 async def complete_if_finished(session: AsyncSession, job_id: uuid.UUID, generation: int) -> None:
     """Complete the running job once every live machine reported "finished" for `generation`: a conditional
     UPDATE, so of several callers at once exactly one completes it. Called after each "finished" report
@@ -588,6 +614,21 @@ async def complete_if_finished(session: AsyncSession, job_id: uuid.UUID, generat
     ):
         mark_changed(session, job_id)  # the directive says finished: wake the long polls
         log.info("job %s: every machine finished; the job is complete", name)
+        await _close_at_completion(session, job_id)
+
+
+async def _close_at_completion(session: AsyncSession, job_id: uuid.UUID) -> None:
+    """An embedded-mode job completes while running, with any failure torchrun's relaunch recovered from
+    still open when its relaunched training finished before a heartbeat showed a commit: every machine
+    finished, so each is over. (A job whose recovery the root orchestrates completes only once recovered.)"""
+    events = list(await repo.open_failures(session, job_id))
+    if not events or not any(m.embedded for m in await repo.live_machines(session, job_id)):
+        return
+    job = await repo.get_job(session, job_id, for_update=True)
+    assert job is not None
+    now = utcnow()
+    for event in events:
+        _close_embedded(job, event, now, "the job completed after the relaunch")
 
 
 # -- what agents report during a recovery ------------------------------------------------------------------

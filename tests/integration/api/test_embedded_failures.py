@@ -1,0 +1,114 @@
+"""Embedded (torchrun) mode: the root does not orchestrate recoveries, but records each failure and closes it
+once torchrun's relaunch trains again. Before, a crash and relaunch faster than the heartbeat timeout (and
+any crash of a one-machine job, never declared lost on its silence alone) recorded nothing, and a machine
+declared lost while torchrun restarted kept its failure open for good: the job's ETTR fell towards 0 from
+then on, even after it completed."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+
+from services.root.db import repository as repo
+from services.root.flows.failures import machine_lost
+from tests.integration.api.test_worker import register
+from tests.integration.conftest import admin, bearer, create_job
+from tests.integration.web.scenario import eventually
+
+
+async def heartbeat(client: httpx.AsyncClient, job: dict[str, Any], rank: int, committed: int) -> None:
+    response = await client.post(
+        f"/api/v1/worker/jobs/{job['id']}/machines/{rank}/heartbeat",
+        json={"instance_id": f"node-{rank}", "summary": {"local": {str(rank): 7}, "committed": committed}},
+        headers=bearer(str(job["worker_token"])),
+    )
+    assert response.status_code == 200, response.text
+
+
+async def failures(client: httpx.AsyncClient, job: dict[str, Any]) -> list[dict[str, Any]]:
+    response = await client.get(f"/api/v1/jobs/{job['id']}/failures", headers=admin())
+    assert response.status_code == 200, response.text
+    found: list[dict[str, Any]] = response.json()
+    return found
+
+
+async def running_embedded_job(client: httpx.AsyncClient, machines: int) -> dict[str, Any]:
+    job = await create_job(client, machines=machines, replicas=min(machines, 2))
+    for rank in range(machines):
+        response = await register(client, job, f"node-{rank}", embedded=True, agent_session=f"s-{rank}-a")
+        assert response.status_code == 200, response.text
+        await heartbeat(client, job, rank, committed=5)
+    return job
+
+
+async def test_a_relaunch_within_the_heartbeat_timeout_is_a_failure_recovered_at_the_first_commit(
+    client: httpx.AsyncClient,
+) -> None:
+    job = await running_embedded_job(client, machines=1)
+    # The same registration sent again (its answer lost) is no relaunch.
+    again = await register(client, job, "node-0", embedded=True, agent_session="s-0-a")
+    assert again.status_code == 200 and await failures(client, job) == []
+
+    relaunched = await register(client, job, "node-0", embedded=True, agent_session="s-0-b")
+    assert relaunched.status_code == 200, relaunched.text
+    (event,) = await failures(client, job)
+    assert event["kind"] == "software" and event["state"] == "detected", event
+    assert "relaunched" in event["cause"] and event["resumed_at"] is None
+    # The relaunched session's first heartbeat, before its first commit: not resumed yet.
+    await heartbeat(client, job, 0, committed=0)
+    (event,) = await failures(client, job)
+    assert event["state"] == "detected"
+    await heartbeat(client, job, 0, committed=1)
+
+    async def recovered() -> bool:
+        (event,) = await failures(client, job)
+        return bool(event["state"] == "recovered")
+
+    await eventually(recovered, "the leader closed the failure at the relaunched training's first commit")
+    (event,) = await failures(client, job)
+    assert event["restored_at"] is not None and event["resumed_at"] is not None
+    assert event["resumed_at"] >= event["detected_at"]
+    fetched = (await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())).json()
+    assert fetched["state"] == "running" and fetched["failures"] == 1
+
+
+async def test_a_machine_lost_while_torchrun_restarted_is_reinstated_and_closed_when_the_job_completes(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    job = await running_embedded_job(client, machines=2)
+    database = root_app.state.castor.database
+    async with database.session() as session:
+        job_row = await repo.get_job(session, uuid.UUID(job["id"]), for_update=True)
+        assert job_row is not None
+        (machine,) = await repo.machines_at_ranks(session, job_row.id, [1])
+        lost = await machine_lost(
+            session, job_row, machine, "no heartbeat (the test)", details={"silent": True}
+        )
+        assert lost is not None
+    (event,) = await failures(client, job)
+    assert event["kind"] == "hardware" and event["state"] == "detected"
+
+    relaunched = await register(client, job, "node-1", embedded=True, agent_session="s-1-b")
+    assert relaunched.status_code == 200, relaunched.text
+    (event,) = await failures(client, job)
+    assert event["state"] == "detected" and "relaunched_at" in event["details"], event
+    assert "reinstated" in event["details"], "the same machine came back: no replacement to wait for"
+    machines = (await client.get(f"/api/v1/jobs/{job['id']}/machines", headers=admin())).json()
+    assert {m["rank"]: m["state"] for m in machines} == {0: "healthy", 1: "healthy"}
+
+    # The relaunched training finishes before any heartbeat showed a commit: the job completes, and its
+    # failure is over with it.
+    for rank in range(2):
+        response = await client.post(
+            f"/api/v1/worker/jobs/{job['id']}/machines/{rank}/progress",
+            json={"instance_id": f"node-{rank}", "generation": 1, "event": "finished"},
+            headers=bearer(str(job["worker_token"])),
+        )
+        assert response.status_code == 204, response.text
+    fetched = (await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())).json()
+    assert fetched["state"] == "completed"
+    (event,) = await failures(client, job)
+    assert event["state"] == "recovered" and event["resumed_at"] is not None, event
