@@ -13,7 +13,7 @@ import pytest
 
 from tests import harness
 from tests.aws_group import create_group, group_instances, instance_state
-from tests.e2e.cluster import LocalCluster, wait_until
+from tests.e2e.cluster import LocalCluster, PortTaken, wait_until
 from tests.e2e.recovery_checks import (
     check_consistent_restore,
     check_event,
@@ -42,21 +42,41 @@ def leader(cluster: LocalCluster) -> int | None:
     return None
 
 
+def start_two_roots(
+    cluster: LocalCluster, postgres_server: harness.Postgres, etcd_server: harness.Etcd
+) -> None:
+    """Two root replicas, each told the other's URL, so both ports are chosen before either root starts.
+    free_port() only finds a port free: until the second root binds its own, another process (an outgoing
+    connection's ephemeral port) may take it, and start_root re-raises PortTaken for a port the test chose.
+    Then stop what started and choose both again (a fresh database and etcd prefix: nothing of the first
+    try's roots lingers)."""
+    for attempt in range(3):
+        database = postgres_server.create_database(f"ha_{uuid.uuid4().hex[:8]}")
+        ports = [harness.free_port(), harness.free_port()]
+        shared = {
+            "database_url": database,
+            "etcd_endpoints": etcd_server.endpoint,
+            "etcd_prefix": f"/castor-{uuid.uuid4().hex[:8]}",
+            "root_urls": ",".join(f"http://127.0.0.1:{p}" for p in ports),
+            "lease_ttl_s": "1",
+        }
+        try:
+            for port in ports:
+                cluster.start_root(port=port, **shared)
+            return
+        except PortTaken:
+            for root in cluster.roots:
+                root.stop()
+            cluster.roots.clear()
+            if attempt == 2:
+                raise
+
+
 def test_root_leader_loss_does_not_stop_training_and_a_later_failure_is_recovered(
     cluster: LocalCluster, tmp_path: Path, postgres_server: harness.Postgres, etcd_server: harness.Etcd
 ) -> None:
     logs = tmp_path / "logs"
-    database = postgres_server.create_database(f"ha_{uuid.uuid4().hex[:8]}")
-    ports = [harness.free_port(), harness.free_port()]
-    shared = {
-        "database_url": database,
-        "etcd_endpoints": etcd_server.endpoint,
-        "etcd_prefix": f"/castor-{ports[0]}",
-        "root_urls": ",".join(f"http://127.0.0.1:{p}" for p in ports),
-        "lease_ttl_s": "1",
-    }
-    for port in ports:
-        cluster.start_root(port=port, **shared)
+    start_two_roots(cluster, postgres_server, etcd_server)
     first = wait_until(lambda: (found := leader(cluster)) is not None and [found], 30, "a leader")[0]
     cluster.roots = [cluster.roots[first], cluster.roots[1 - first]]  # create the job through the leader
     cluster.launch_job(cluster.training_command(logs, iterations=100_000, sleep=0.2), machines=4, replicas=2)

@@ -165,8 +165,12 @@ def test_local_ranks_are_served_in_turn_and_replicated_at_the_same_iteration(
             if replicator.stats.rounds >= 3:
                 break
         assert replicator.stats.rounds >= 3
-        assert set(replicator.stats.replicated) == set(ranks)
-        assert len(set(replicator.stats.replicated.values())) == 1, "one iteration for every rank"
+        # The coordinator thread completes a round under the condition, counting it before it updates
+        # `replicated` rank by rank (and a newer round may complete meanwhile): read it whole, held.
+        with replicator.condition:
+            replicated = dict(replicator.stats.replicated)
+        assert set(replicated) == set(ranks)
+        assert len(set(replicated.values())) == 1, f"one iteration for every rank: {replicated}"
         rounds: dict[int, list[int]] = {}
         for rank, iteration in list(arrivals):
             rounds.setdefault(iteration, []).append(rank)
