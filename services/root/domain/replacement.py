@@ -142,10 +142,11 @@ def decide(
     replacements)."""
     old = group.get(intent.replacing)
     old_in_service = old is not None and old.lifecycle not in LEAVING
-    # The group replaces the failed instance itself (its health check terminates it; Castor requested no
-    # termination): its launch takes the rank. A Standby instance moved into service would raise the desired
-    # capacity and leave the group one instance over it for good.
-    group_replacing = intent.terminate_at is None and old is not None and old.lifecycle.startswith("Terminat")
+    # The group replaces the failed instance itself (its health check terminates it, or it is already gone:
+    # a spot interruption, an instance retired; Castor requested no termination): its launch takes the rank.
+    # A Standby instance moved into service would raise the desired capacity and leave the group one
+    # instance over it for good.
+    group_replacing = intent.terminate_at is None and (old is None or old.lifecycle.startswith("Terminat"))
     # AWS refused to move the chosen Standby instance into service: a retry, or another Standby instance,
     # would be refused alike (the group's MaxSize, a missing permission); the group launches one instead.
     no_standby = group_replacing or intent.exit_standby_refused is not None

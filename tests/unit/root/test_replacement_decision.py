@@ -98,6 +98,9 @@ TAKEN = frozenset({PEER, OLD})
         (NOTHING, group(old="Terminating:Wait", spare="Standby"), TAKEN, AwaitNew(TAKEN)),
         (NOTHING, group(old="Terminated", spare="Standby", new="InService"), TAKEN, Done(NEW, standby=False)),
         (STANDBY_CHOSEN, group(old="Terminating", spare="Standby"), TAKEN, AwaitNew(TAKEN)),
+        # ... or it is gone from the group already (nothing terminated it for Castor): the same.
+        (NOTHING, group(spare="Standby"), TAKEN, AwaitNew(TAKEN)),
+        (NOTHING, group(spare="Standby", new="InService"), TAKEN, Done(NEW, standby=False)),
     ],
 )
 def test_decide(intent: Intent, members: dict[str, Member], taken: frozenset[str], expected: Action) -> None:
