@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,28 @@ def wait_for_port(port: int, process: subprocess.Popen[bytes] | None = None, tim
                 return
         time.sleep(0.05)
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+def start_listening(
+    command_for: Callable[[list[int]], list[str]], ports: int = 1, **popen: Any
+) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """Start a server on `ports` freshly chosen ports (`command_for` builds its command line from them) and
+    wait until it listens on the first. A port is free when chosen, not necessarily when the server binds it
+    (agents, gloo and clients take ephemeral ports meanwhile): a server that exits before it listens is
+    started again on others, twice at most."""
+    for attempt in range(3):
+        chosen = [free_port() for _ in range(ports)]
+        process: subprocess.Popen[bytes] = subprocess.Popen(command_for(chosen), **popen)
+        try:
+            wait_for_port(chosen[0], process)
+            return process, chosen
+        except RuntimeError:  # it exited: most likely one of its ports was taken
+            if attempt == 2:
+                raise
+        except BaseException:
+            stop_process(process)
+            raise
+    raise AssertionError("unreachable")
 
 
 def _proc_readable(pid: int) -> bool:
@@ -252,15 +274,16 @@ ETCD_COMPACTION_RETENTION = "1m"
 @contextlib.contextmanager
 def etcd(compaction_retention: str = ETCD_COMPACTION_RETENTION) -> Iterator[Etcd]:
     directory = Path(tempfile.mkdtemp(prefix="castor-etcd."))
-    client_port, peer_port = free_port(), free_port()
+
     # Short heartbeat/election so that a 1 s lease TTL is honoured (etcd raises shorter TTLs silently).
-    process = subprocess.Popen(
-        [
+    def command(ports: list[int]) -> list[str]:
+        client_port, peer_port = ports
+        return [
             "etcd",
             "--name",
             "castor-test",
             "--data-dir",
-            str(directory / "data"),
+            str(directory / f"data-{client_port}"),  # a start that lost a port leaves its own behind
             "--listen-client-urls",
             f"http://127.0.0.1:{client_port}",
             "--advertise-client-urls",
@@ -283,12 +306,13 @@ def etcd(compaction_retention: str = ETCD_COMPACTION_RETENTION) -> Iterator[Etcd
             "zap",
             "--log-outputs",
             str(directory / "etcd.log"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+        ]
+
+    process: subprocess.Popen[bytes] | None = None
     try:
-        wait_for_port(client_port, process)
+        process, (client_port, _) = start_listening(
+            command, ports=2, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + 20
         while (
             subprocess.run(
@@ -301,7 +325,8 @@ def etcd(compaction_retention: str = ETCD_COMPACTION_RETENTION) -> Iterator[Etcd
             time.sleep(0.1)
         yield Etcd(client_port, process)
     finally:
-        stop_process(process)
+        if process is not None:
+            stop_process(process)
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -329,15 +354,13 @@ AWS_TEST_ENV = {
 
 @contextlib.contextmanager
 def moto() -> Iterator[Moto]:
-    port = free_port()
-    process = subprocess.Popen(
-        [str(VENV_BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+    process, (port,) = start_listening(
+        lambda ports: [str(VENV_BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(ports[0])],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, **AWS_TEST_ENV},
     )
     try:
-        wait_for_port(port, process)
         yield Moto(port, process)
     finally:
         stop_process(process)
