@@ -201,6 +201,13 @@ def _number(value: Any) -> float | None:
 
 async def database_families(database: Database) -> list[Metric | RowsFamily]:
     async with database.session() as session:
+        if not database.is_sqlite:
+            # One snapshot for every read below: at Postgres's default (READ COMMITTED) each statement sees
+            # what committed before it, and a job deleted between the read of the failure events and that
+            # of the retired totals was counted twice, and the next scrape went down (read as a reset). A
+            # read-only REPEATABLE READ transaction never fails to serialize. (SQLite: one writer at a
+            # time, and a reader's transaction sees one state.)
+            await session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
         jobs = await queries.jobs_by_state(session)
         machines = await queries.machines_by_state(session)
         # What the failure events count, and what deleted or folded ones counted (retired totals): the

@@ -5,13 +5,18 @@ Prometheus reads any decrease of a counter, or of a histogram's buckets, sum or 
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import httpx
+import pytest
 from fastapi import FastAPI
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.root import metrics
 from services.root.db import repository as repo
 from services.root.flows.failures import machine_lost
+from services.root.web import queries
 from tests.integration.conftest import admin
 from tests.integration.web.scenario import running_job
 
@@ -130,3 +135,33 @@ async def test_a_process_exit_folded_into_a_machine_loss_still_counts(
     response = await client.delete(f"/api/v1/jobs/{job.id}", headers=admin())
     assert response.status_code == 204
     assert await counters(client) == after
+
+
+async def test_a_job_deleted_while_a_scrape_reads_is_counted_once(
+    client: httpx.AsyncClient, root_app: FastAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scrape reads the failure events, then the retired totals: a job deleted in between (its events
+    retired) was counted in both on Postgres, and the next scrape went down."""
+    if root_app.state.castor.database.is_sqlite:
+        pytest.skip("SQLite: the deletion waits for the scrape's transaction to end")
+    job = await running_job(client)
+    await job.kill_process(2)
+    await job.kill_process(1)
+    before = await counters(client)
+    assert value(before, "castor_failures_total", kind="software") >= 1
+    read_tiers = queries.recoveries_by_tier
+
+    async def deleted_meanwhile(session: Any) -> Any:
+        monkeypatch.setattr(queries, "recoveries_by_tier", read_tiers)
+        response = await client.delete(f"/api/v1/jobs/{job.id}", headers=admin())
+        assert response.status_code == 204
+        return await read_tiers(session)
+
+    monkeypatch.setattr(queries, "recoveries_by_tier", deleted_meanwhile)
+    families = await metrics.database_families(root_app.state.castor.database)  # the scrape it raced
+    assert queries.recoveries_by_tier is read_tiers, "the deletion ran during the scrape"
+    (failures,) = [f for f in families if isinstance(f, Metric) and f.name == "castor_failures"]
+    racing = {s.labels["kind"]: s.value for s in failures.samples if s.name == "castor_failures_total"}
+    after = await counters(client)
+    assert racing["software"] == value(after, "castor_failures_total", kind="software"), (racing, after)
+    assert after == before
