@@ -369,6 +369,7 @@ class MachineServices:
             "local": held["local"],
             "replicas": held["replicas"],
             "committed": self.committed,
+            "session": self.session,
             # Two different things, counted apart: saves the training skipped (their slot was still being
             # read when training needed the state back) and commits no replication round sent (the rounds
             # skip the iterations committed while one is under way).

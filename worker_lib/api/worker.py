@@ -149,6 +149,12 @@ class CheckpointSummary(BaseModel):
         default_factory=dict, description="peer rank -> newest replicated iteration."
     )
     committed: Count = Field(0, description="Checkpoints committed since the agent started.")
+    session: Text | None = Field(
+        None,
+        max_length=64,
+        description="The agent_session of the agent that sent it: a summary of an agent since restarted (a "
+        "heartbeat delayed past the new agent's registration) is not taken for the new one's.",
+    )
     skipped: Count = Field(
         0,
         description="Saves the training processes skipped: the slot to write was still being read (by "
