@@ -292,15 +292,29 @@ async def live_summaries(session: AsyncSession, job_id: uuid.UUID) -> Sequence[d
 
 
 async def live_commit_counts(session: AsyncSession, job_id: uuid.UUID) -> dict[int, int]:
-    """Per live machine's rank, the commits its heartbeat summary counts (its session's, see the agent)."""
-    query = select(Machine.rank, Machine.summary).where(
+    """Per live machine's rank, the commits its heartbeat summary counts (its agent session's), 0 where the
+    summary is another session's than the one registered: an agent's last heartbeat that arrived after its
+    successor registered. (An agent too old to name its session in the summary is taken at its word.)"""
+    query = select(Machine.rank, Machine.summary, Machine.agent_session).where(
         Machine.job_id == job_id, Machine.state != MachineState.REPLACED
     )
     counts = {}
-    for rank, summary in (await session.execute(query)).all():
-        committed = (summary or {}).get("committed")
-        counts[rank] = committed if isinstance(committed, int) else 0
+    for rank, summary, agent_session in (await session.execute(query)).all():
+        summary = summary or {}
+        committed = summary.get("committed")
+        sent_by = summary.get("session")
+        current = sent_by is None or sent_by == agent_session
+        counts[rank] = committed if current and isinstance(committed, int) else 0
     return counts
+
+
+async def newest_resumed_at(session: AsyncSession, job_id: uuid.UUID) -> datetime | None:
+    """When the job's most recently ended recovery resumed training (None: none has)."""
+    query = select(func.max(FailureEvent.resumed_at)).where(
+        FailureEvent.job_id == job_id, FailureEvent.state == FailureState.RECOVERED
+    )
+    resumed: datetime | None = (await session.execute(query)).scalar_one_or_none()
+    return resumed
 
 
 async def latest_generation(session: AsyncSession, job_id: uuid.UUID) -> int | None:

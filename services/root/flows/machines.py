@@ -8,7 +8,7 @@ import random
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import event as orm_event
@@ -295,14 +295,22 @@ async def _registered(
     )
 
 
+# Embedded mode: a machine relaunched with no failure of its own joins another machine's failure detected at
+# most this long before its own last heartbeat (or since): that machine's crash stopped its collectives too.
+RELAUNCH_JOIN_S = 10.0
+
+
 async def _note_embedded_relaunch(session: AsyncSession, job: Job, machine: Machine, now: datetime) -> None:
     """The machine's open failures (its loss, declared while it was silent) are reinstated and wait for the
-    relaunched training's first commit (domain.embedded); with none open (a relaunch within the heartbeat
-    timeout, a one-machine job), the relaunch is a failure of its own, from the machine's last heartbeat."""
+    relaunched training's first commit (domain.embedded). With none open (a relaunch within the heartbeat
+    timeout, a one-machine job), the relaunch is a failure of its own, from the machine's last heartbeat,
+    unless it joins another machine's failure of the same crash: torchrun relaunches every machine's
+    processes after one failed, and one crash is one failure."""
     from services.root.flows.failures import latest_silent_losses, reinstate  # it imports this module
 
     relaunched = {RELAUNCHED_AT: now.isoformat()}
-    opened = [e for e in await repo.open_failures(session, job.id) if e.machine_id == machine.id]
+    job_failures = list(await repo.open_failures(session, job.id))
+    opened = [e for e in job_failures if e.machine_id == machine.id]
     for event in opened:
         event.details = {**event.details, **relaunched}
     silent = latest_silent_losses(opened).get(machine.id)
@@ -311,6 +319,12 @@ async def _note_embedded_relaunch(session: AsyncSession, job: Job, machine: Mach
     if opened:
         return
     last_seen = machine.last_heartbeat_at
+    since = (last_seen or now) - timedelta(seconds=RELAUNCH_JOIN_S)
+    crash = next((e for e in job_failures if e.detected_at >= since), None)
+    if crash is not None:
+        joined = [*crash.details.get("relaunched_machines", []), machine.rank]
+        crash.details = {**crash.details, "relaunched_machines": joined}
+        return
     session.add(
         FailureEvent(
             job_id=job.id,

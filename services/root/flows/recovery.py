@@ -123,7 +123,8 @@ async def _step(
         # torchrun restarts embedded-mode training: failures are recorded, not orchestrated, and closed once
         # the relaunched training commits.
         if events:
-            _close_relaunched(job, events, live, await repo.live_commit_counts(session, job.id))
+            counts = await repo.live_commit_counts(session, job.id)
+            _close_relaunched(job, events, live, counts, await repo.newest_resumed_at(session, job.id))
         return None
     state = _state_of(job, plan, events, live)
     lost: list[FailureEvent | None] = []  # failures this step records (machines late to report)
@@ -579,16 +580,27 @@ def _finish_recovery(job: Job, plan: RecoveryPlan, events: list[FailureEvent], n
 
 
 def _close_relaunched(
-    job: Job, events: list[FailureEvent], live: list[Machine], committed: dict[int, int]
+    job: Job,
+    events: list[FailureEvent],
+    live: list[Machine],
+    committed: dict[int, int],
+    charged_until: datetime | None,
 ) -> None:
     """Embedded mode: the failures whose machine trains again since torchrun relaunched it are recovered."""
     by_id = {event.id: event for event in events}
-    for resumed in embedded.resumed_after_relaunch(events, {m.rank: m for m in live}, committed):
-        event = by_id[resumed.event_id]
-        _close_embedded(job, event, resumed.at, "its training committed again after the relaunch")
+    resumed = embedded.resumed_after_relaunch(events, {m.rank: m for m in live}, committed)
+    for found in sorted(resumed, key=lambda r: (r.at, by_id[r.event_id].detected_at)):
+        event = by_id[found.event_id]
+        why = "its training committed again after the relaunch"
+        charged_until = _close_embedded(job, event, found.at, why, charged_until)
 
 
-def _close_embedded(job: Job, event: FailureEvent, at: datetime, why: str) -> None:
+def _close_embedded(
+    job: Job, event: FailureEvent, at: datetime, why: str, charged_until: datetime | None
+) -> datetime:
+    """Close one embedded-mode failure at `at`; the job is charged its downtime past `charged_until` (the
+    end of those closed before it: failures of one crash overlap, and their time is lost once). Returns the
+    new end of what is charged."""
     # No plan, no per-rank reports: the restore (torchrun's relaunch, the ranks agreeing on the newest
     # iteration they all hold) ends where the first commit after it is seen.
     at = max(at, event.detected_at)
@@ -596,8 +608,10 @@ def _close_embedded(job: Job, event: FailureEvent, at: datetime, why: str) -> No
     event.resumed_at = at
     event.state = FailureState.RECOVERED
     event.details = {**event.details, "embedded_recovery": why}
-    job.wasted_time_s += (at - event.detected_at).total_seconds()
+    start = max(event.detected_at, charged_until) if charged_until is not None else event.detected_at
+    job.wasted_time_s += max(0.0, (at - start).total_seconds())
     log.info("job %s: failure %d recovered (embedded mode: %s)", job.name, event.id, why)
+    return max(at, charged_until) if charged_until is not None else at
 
 
 async def complete_if_finished(session: AsyncSession, job_id: uuid.UUID, generation: int) -> None:
@@ -627,8 +641,11 @@ async def _close_at_completion(session: AsyncSession, job_id: uuid.UUID) -> None
     job = await repo.get_job(session, job_id, for_update=True)
     assert job is not None
     now = utcnow()
-    for event in events:
-        _close_embedded(job, event, now, "the job completed after the relaunch")
+    charged_until = await repo.newest_resumed_at(session, job_id)
+    for event in sorted(events, key=lambda e: e.detected_at):
+        charged_until = _close_embedded(
+            job, event, now, "the job completed after the relaunch", charged_until
+        )
 
 
 # -- what agents report during a recovery ------------------------------------------------------------------

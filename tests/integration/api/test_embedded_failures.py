@@ -7,22 +7,28 @@ then on, even after it completed."""
 from __future__ import annotations
 
 import uuid
+from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
+import pytest
 from fastapi import FastAPI
 
 from services.root.db import repository as repo
+from services.root.flows import recovery
 from services.root.flows.failures import machine_lost
 from tests.integration.api.test_worker import register
 from tests.integration.conftest import admin, bearer, create_job
 from tests.integration.web.scenario import eventually
 
 
-async def heartbeat(client: httpx.AsyncClient, job: dict[str, Any], rank: int, committed: int) -> None:
+async def heartbeat(
+    client: httpx.AsyncClient, job: dict[str, Any], rank: int, committed: int, session: str | None = None
+) -> None:
+    summary = {"local": {str(rank): 7}, "committed": committed, "session": session or f"s-{rank}-a"}
     response = await client.post(
         f"/api/v1/worker/jobs/{job['id']}/machines/{rank}/heartbeat",
-        json={"instance_id": f"node-{rank}", "summary": {"local": {str(rank): 7}, "committed": committed}},
+        json={"instance_id": f"node-{rank}", "summary": summary},
         headers=bearer(str(job["worker_token"])),
     )
     assert response.status_code == 200, response.text
@@ -45,7 +51,7 @@ async def running_embedded_job(client: httpx.AsyncClient, machines: int) -> dict
 
 
 async def test_a_relaunch_within_the_heartbeat_timeout_is_a_failure_recovered_at_the_first_commit(
-    client: httpx.AsyncClient,
+    client: httpx.AsyncClient, root_app: FastAPI
 ) -> None:
     job = await running_embedded_job(client, machines=1)
     # The same registration sent again (its answer lost) is no relaunch.
@@ -57,11 +63,19 @@ async def test_a_relaunch_within_the_heartbeat_timeout_is_a_failure_recovered_at
     (event,) = await failures(client, job)
     assert event["kind"] == "software" and event["state"] == "detected", event
     assert "relaunched" in event["cause"] and event["resumed_at"] is None
-    # The relaunched session's first heartbeat, before its first commit: not resumed yet.
-    await heartbeat(client, job, 0, committed=0)
+    # The relaunched session's first heartbeat, before its first commit: not resumed yet. Nor is it on the
+    # crashed agent's last heartbeat, delayed past the relaunch's registration: its commits are the old
+    # session's.
+    await heartbeat(client, job, 0, committed=0, session="s-0-b")
+    await heartbeat(client, job, 0, committed=5, session="s-0-a")
+    castor = root_app.state.castor
+    async with castor.database.session() as session:
+        job_row = await repo.get_job(session, uuid.UUID(job["id"]), for_update=True)
+        assert job_row is not None
+        await recovery.advance(session, job_row, castor.settings)  # a leader's step, at once
     (event,) = await failures(client, job)
-    assert event["state"] == "detected"
-    await heartbeat(client, job, 0, committed=1)
+    assert event["state"] == "detected", "closed on the crashed session's commits"
+    await heartbeat(client, job, 0, committed=1, session="s-0-b")
 
     async def recovered() -> bool:
         (event,) = await failures(client, job)
@@ -112,3 +126,43 @@ async def test_a_machine_lost_while_torchrun_restarted_is_reinstated_and_closed_
     assert fetched["state"] == "completed"
     (event,) = await failures(client, job)
     assert event["state"] == "recovered" and event["resumed_at"] is not None, event
+
+
+async def test_one_crash_relaunched_on_every_machine_is_one_failure_charged_once(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    job = await running_embedded_job(client, machines=3)
+    for rank in range(3):  # torchrun relaunches every machine's processes after one of them crashed
+        response = await register(client, job, f"node-{rank}", embedded=True, agent_session=f"s-{rank}-b")
+        assert response.status_code == 200, response.text
+    (event,) = await failures(client, job)
+    assert event["rank"] == 0 and event["details"]["relaunched_machines"] == [1, 2], event
+    for rank in range(3):
+        await heartbeat(client, job, rank, committed=1, session=f"s-{rank}-b")
+
+    async def recovered() -> dict[str, Any] | None:
+        (event,) = await failures(client, job)
+        return event if event["state"] == "recovered" else None
+
+    event = await eventually(recovered, "the failure closed at the relaunched training's first commit")
+    fetched = (await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())).json()
+    downtime = (
+        datetime.fromisoformat(event["resumed_at"]) - datetime.fromisoformat(event["detected_at"])
+    ).total_seconds()
+    assert fetched["wasted_time_s"] == pytest.approx(downtime, abs=1e-3), (fetched, event)
+
+    # A crash long after a failure still open (its machine never came back) is a failure of its own.
+    database = root_app.state.castor.database
+    async with database.session() as session:
+        job_row = await repo.get_job(session, uuid.UUID(job["id"]), for_update=True)
+        assert job_row is not None
+        (machine,) = await repo.machines_at_ranks(session, job_row.id, [2])
+        lost = await machine_lost(
+            session, job_row, machine, "no heartbeat (the test)", details={"silent": True}
+        )
+        assert lost is not None
+        lost.detected_at -= timedelta(hours=1)
+    response = await register(client, job, "node-1", embedded=True, agent_session="s-1-c")
+    assert response.status_code == 200, response.text
+    opened = [e for e in await failures(client, job) if e["state"] == "detected"]
+    assert sorted((e["rank"], e["kind"]) for e in opened) == [(1, "software"), (2, "hardware")], opened
