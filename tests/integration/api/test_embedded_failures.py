@@ -18,7 +18,7 @@ from services.root.db import repository as repo
 from services.root.flows import recovery
 from services.root.flows.failures import machine_lost
 from tests.integration.api.test_worker import register
-from tests.integration.conftest import admin, bearer, create_job
+from tests.integration.conftest import ADMIN_TOKEN, admin, bearer, create_job
 from tests.integration.web.scenario import eventually
 
 
@@ -87,6 +87,12 @@ async def test_a_relaunch_within_the_heartbeat_timeout_is_a_failure_recovered_at
     assert event["resumed_at"] >= event["detected_at"]
     fetched = (await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())).json()
     assert fetched["state"] == "running" and fetched["failures"] == 1
+    # The pages show it like any recovered failure (no plan, no tier).
+    signed_in = await client.post("/login", data={"token": ADMIN_TOKEN, "next": "/"})
+    assert signed_in.status_code == 303, signed_in.text
+    for page in (f"/jobs/{job['id']}", f"/jobs/{job['id']}/failures/{event['id']}"):
+        response = await client.get(page)
+        assert response.status_code == 200 and "relaunched" in response.text, page
 
 
 async def test_a_machine_lost_while_torchrun_restarted_is_reinstated_and_closed_when_the_job_completes(
