@@ -1192,8 +1192,9 @@ async def shard_count(session: AsyncSession, checkpoint_id: int) -> int:
 
 async def retire_failures(session: AsyncSession, events: Sequence[FailureEvent]) -> None:
     """Add what `events`, about to be deleted, add to the /metrics counters to the retired totals, in the
-    caller's transaction. For events deleted apart from the rest of their job (folded into another): none
-    is recovered, so none shares a recovery's iterations lost with an event that stays."""
+    caller's transaction: a whole job's events, or events deleted apart from the rest of their job (folded
+    into another), of which none is recovered, so none shares a recovery's iterations lost with one that
+    stays."""
     recovered = [e for e in events if e.state == FailureState.RECOVERED]
     kinds = Counter(str(e.kind) for e in events)
     tiers = Counter(str(e.tier or "none") for e in recovered)
@@ -1202,24 +1203,9 @@ async def retire_failures(session: AsyncSession, events: Sequence[FailureEvent])
 
 async def retire_job_failures(session: AsyncSession, job_id: uuid.UUID) -> None:
     """Add what the job's failure events add to the /metrics counters to the retired totals, before the job
-    is deleted (in the same transaction): counted in SQL, but for the recovered events' times."""
-    grouped = (
-        select(FailureEvent.kind, FailureEvent.state, FailureEvent.tier, func.count())
-        .where(FailureEvent.job_id == job_id)
-        .group_by(FailureEvent.kind, FailureEvent.state, FailureEvent.tier)
-    )
-    kinds: Counter[str] = Counter()
-    tiers: Counter[str] = Counter()
-    for kind, state, tier, count in (await session.execute(grouped)).all():
-        kinds[str(kind)] += int(count)
-        if state == FailureState.RECOVERED:
-            tiers[str(tier or "none")] += int(count)
-    recovered = select(FailureEvent).where(
-        FailureEvent.job_id == job_id, FailureEvent.state == FailureState.RECOVERED
-    )
-    await add_metric_totals(
-        session, failure_counters(kinds, tiers, (await session.execute(recovered)).scalars())
-    )
+    is deleted (in the same transaction). A deletion is rare: the events are read whole."""
+    events = (await session.execute(select(FailureEvent).where(FailureEvent.job_id == job_id))).scalars()
+    await retire_failures(session, list(events))
 
 
 async def add_metric_totals(session: AsyncSession, totals: Mapping[MetricKey, int]) -> None:

@@ -202,39 +202,16 @@ async def _claim(
             f"instance {request.instance_id!r} is already machine {machine.rank}, not {request.rank}",
             code="rank_mismatch",
         )
-    elif (
-        job.state in (JobState.RUNNING, JobState.RECOVERING)
-        and not request.embedded
-        and not (request.agent_session is not None and request.agent_session == machine.agent_session)
-    ):
-        # The agent restarted on a live machine: its training processes died with it. (Not the same agent
-        # process sending its registration again: its answer was lost, and nothing died.)
+    elif job.state in (JobState.RUNNING, JobState.RECOVERING) and _restarted(request, machine):
+        # The agent restarted on a live machine, or torchrun relaunched the training: the training processes
+        # had stopped.
         if not locked:
             return LOCKED
-        session.add(
-            FailureEvent(
-                job_id=job.id,
-                machine_id=machine.id,
-                rank=machine.rank,
-                kind=FailureKind.SOFTWARE,
-                cause=f"the agent of machine {machine.rank} ({machine.instance_id}) restarted",
-                detected_at=now,
-                classified_at=now,
-                details={"instance_id": machine.instance_id},
-            )
-        )
-    elif (
-        job.state in (JobState.RUNNING, JobState.RECOVERING)
-        and request.embedded
-        and request.agent_session is not None
-        and machine.agent_session is not None
-        and request.agent_session != machine.agent_session
-    ):
-        # torchrun relaunched the training (a new session, not a registration sent again): its processes had
-        # stopped. The root does not orchestrate it, but records it and closes it once training resumes.
-        if not locked:
-            return LOCKED
-        await _note_embedded_relaunch(session, job, machine, now)
+        if request.embedded:  # not orchestrated, but recorded, and closed once training resumes
+            await _note_embedded_relaunch(session, job, machine, now)
+        else:
+            cause = f"the agent of machine {machine.rank} ({machine.instance_id}) restarted"
+            session.add(_software_failure(job, machine, cause, detected_at=now, classified_at=now))
     # An agent restarted on the same instance may listen on a new port: take the newest address.
     for key, value in address.items():
         setattr(machine, key, value)
@@ -325,18 +302,43 @@ async def _note_embedded_relaunch(session: AsyncSession, job: Job, machine: Mach
         joined = [*crash.details.get("relaunched_machines", []), machine.rank]
         crash.details = {**crash.details, "relaunched_machines": joined}
         return
+    cause = (
+        f"the training on machine {machine.rank} ({machine.instance_id}) was relaunched: its processes had "
+        "stopped (embedded mode)"
+    )
+    detected_at = min(last_seen, now) if last_seen is not None else now
     session.add(
-        FailureEvent(
-            job_id=job.id,
-            machine_id=machine.id,
-            rank=machine.rank,
-            kind=FailureKind.SOFTWARE,
-            cause=f"the training on machine {machine.rank} ({machine.instance_id}) was relaunched: its "
-            "processes had stopped (embedded mode)",
-            detected_at=min(last_seen, now) if last_seen is not None else now,
-            classified_at=now,
-            details={"instance_id": machine.instance_id, "embedded": True, **relaunched},
+        _software_failure(
+            job, machine, cause, detected_at=detected_at, classified_at=now, embedded=True, **relaunched
         )
+    )
+
+
+def _restarted(request: schemas.RegisterRequest, machine: Machine) -> bool:
+    """Whether a registration of a registered instance comes from a new agent process (a new session), not
+    the same one sending it again (its answer lost, nothing died). An agent too old to send a session is
+    taken as new; an embedded machine only when both sessions are known (a relaunch is recorded only when
+    it can be told)."""
+    if request.embedded:
+        return machine.agent_session is not None and request.agent_session not in (
+            None,
+            machine.agent_session,
+        )
+    return request.agent_session is None or request.agent_session != machine.agent_session
+
+
+def _software_failure(
+    job: Job, machine: Machine, cause: str, *, detected_at: datetime, classified_at: datetime, **details: Any
+) -> FailureEvent:
+    return FailureEvent(
+        job_id=job.id,
+        machine_id=machine.id,
+        rank=machine.rank,
+        kind=FailureKind.SOFTWARE,
+        cause=cause,
+        detected_at=detected_at,
+        classified_at=classified_at,
+        details={"instance_id": machine.instance_id, **details},
     )
 
 
@@ -346,9 +348,9 @@ async def _note_replacement(session: AsyncSession, job: Job, failed: Machine, in
     for event in await repo.open_failures(session, job.id):
         if event.machine_id == failed.id and event.replaced_at is None:
             event.replaced_at = now
-            event.details = {**event.details, "replaced_by": instance_id}
-            if failed.embedded:  # torchrun's training, relaunched on another instance (domain.embedded)
-                event.details = {**event.details, RELAUNCHED_AT: now.isoformat()}
+            # An embedded machine's: torchrun's training, relaunched on another instance (domain.embedded).
+            relaunched = {RELAUNCHED_AT: now.isoformat()} if failed.embedded else {}
+            event.details = {**event.details, "replaced_by": instance_id, **relaunched}
 
 
 def _choose_rank(

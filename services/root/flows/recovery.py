@@ -608,10 +608,10 @@ def _close_embedded(
     event.resumed_at = at
     event.state = FailureState.RECOVERED
     event.details = {**event.details, "embedded_recovery": why}
-    start = max(event.detected_at, charged_until) if charged_until is not None else event.detected_at
-    job.wasted_time_s += max(0.0, (at - start).total_seconds())
+    charged_until = charged_until or event.detected_at
+    job.wasted_time_s += max(0.0, (at - max(event.detected_at, charged_until)).total_seconds())
     log.info("job %s: failure %d recovered (embedded mode: %s)", job.name, event.id, why)
-    return max(at, charged_until) if charged_until is not None else at
+    return max(at, charged_until)
 
 
 async def complete_if_finished(session: AsyncSession, job_id: uuid.UUID, generation: int) -> None:

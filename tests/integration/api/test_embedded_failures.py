@@ -41,6 +41,22 @@ async def failures(client: httpx.AsyncClient, job: dict[str, Any]) -> list[dict[
     return found
 
 
+async def declare_lost(
+    root_app: FastAPI, job: dict[str, Any], rank: int, *, earlier_by: timedelta = timedelta(0)
+) -> None:
+    """What the leader does to a machine silent past the grace: a hardware failure, detected `earlier_by`
+    before now."""
+    async with root_app.state.castor.database.session() as session:
+        job_row = await repo.get_job(session, uuid.UUID(job["id"]), for_update=True)
+        assert job_row is not None
+        (machine,) = await repo.machines_at_ranks(session, job_row.id, [rank])
+        lost = await machine_lost(
+            session, job_row, machine, "no heartbeat (the test)", details={"silent": True}
+        )
+        assert lost is not None
+        lost.detected_at -= earlier_by
+
+
 async def running_embedded_job(client: httpx.AsyncClient, machines: int) -> dict[str, Any]:
     job = await create_job(client, machines=machines, replicas=min(machines, 2))
     for rank in range(machines):
@@ -99,15 +115,7 @@ async def test_a_machine_lost_while_torchrun_restarted_is_reinstated_and_closed_
     client: httpx.AsyncClient, root_app: FastAPI
 ) -> None:
     job = await running_embedded_job(client, machines=2)
-    database = root_app.state.castor.database
-    async with database.session() as session:
-        job_row = await repo.get_job(session, uuid.UUID(job["id"]), for_update=True)
-        assert job_row is not None
-        (machine,) = await repo.machines_at_ranks(session, job_row.id, [1])
-        lost = await machine_lost(
-            session, job_row, machine, "no heartbeat (the test)", details={"silent": True}
-        )
-        assert lost is not None
+    await declare_lost(root_app, job, 1)
     (event,) = await failures(client, job)
     assert event["kind"] == "hardware" and event["state"] == "detected"
 
@@ -158,16 +166,7 @@ async def test_one_crash_relaunched_on_every_machine_is_one_failure_charged_once
     assert fetched["wasted_time_s"] == pytest.approx(downtime, abs=1e-3), (fetched, event)
 
     # A crash long after a failure still open (its machine never came back) is a failure of its own.
-    database = root_app.state.castor.database
-    async with database.session() as session:
-        job_row = await repo.get_job(session, uuid.UUID(job["id"]), for_update=True)
-        assert job_row is not None
-        (machine,) = await repo.machines_at_ranks(session, job_row.id, [2])
-        lost = await machine_lost(
-            session, job_row, machine, "no heartbeat (the test)", details={"silent": True}
-        )
-        assert lost is not None
-        lost.detected_at -= timedelta(hours=1)
+    await declare_lost(root_app, job, 2, earlier_by=timedelta(hours=1))
     response = await register(client, job, "node-1", embedded=True, agent_session="s-1-c")
     assert response.status_code == 200, response.text
     opened = [e for e in await failures(client, job) if e["state"] == "detected"]
