@@ -90,14 +90,26 @@ def test_loss_of_a_whole_group_restores_its_ranks_from_the_persistent_tier(
     # ranks exist only in the persistent tier, at that iteration. The root chooses which multiples of 5
     # every rank persists: wait for a complete one first.
     url = f"/api/v1/jobs/{cluster.job['id']}/checkpoints"
-    wait_until(lambda: any(c["complete"] for c in cluster.api("GET", url)), 120, "a complete checkpoint", 0.1)
+
+    def announced_past_a_complete_one() -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+        # The root announces the next target at a heartbeat after the last shard completed the current
+        # one: read as it completes, the directive may still name it (target == complete).
+        checkpoints = cluster.api("GET", url)
+        directive = cluster.directive()
+        complete = [c["iteration"] for c in checkpoints if c["complete"]]
+        target = (directive.get("persist") or {}).get("iteration")
+        return (
+            (checkpoints, directive) if complete and target is not None and target > max(complete) else None
+        )
+
+    checkpoints, directive = wait_until(
+        announced_past_a_complete_one, 120, "a complete checkpoint and the next target announced", 0.1
+    )
     # Every rank persisted the iterations the root announced: past the newest complete one, at most the
     # target in progress is partial (per-rank multiples would leave a partial one wherever an upload
     # lagged), and agents read the next. An older partial one is a target the root gave up (a rank's copy
     # reused before its upload: persist_missed), which retention keeps while it is newer than the oldest
     # complete one kept.
-    checkpoints = cluster.api("GET", url)
-    directive = cluster.directive()
     complete = max(c["iteration"] for c in checkpoints if c["complete"])
     partial = [c["iteration"] for c in checkpoints if not c["complete"] and c["iteration"] > complete]
     target = directive["persist"]["iteration"]
