@@ -23,7 +23,10 @@ NOTIFY_ENV = "CASTOR_AGENT_NOTIFY"
 RESTORE_ITERATION_ENV = "CASTOR_RESTORE_ITERATION"
 GENERATION_ENV = "CASTOR_GENERATION"
 
-Event = Literal["commit", "skip", "finished"]
+# "restored": the process restored a checkpoint (its iteration) or started fresh (FRESH_START), see
+# Checkpointer.restore.
+Event = Literal["commit", "skip", "finished", "restored"]
+FRESH_START = -1  # the iteration of a "restored" notice when the process had nothing to restore
 
 
 def default_directory() -> Path:
@@ -66,11 +69,20 @@ class AgentNotifier:
         return cls(os.environ.get(NOTIFY_ENV), rank, directory)
 
     def notify(
-        self, event: Event, iteration: int, slot: int | None, *, stalled_s: float, save_calls: int
+        self,
+        event: Event,
+        iteration: int,
+        slot: int | None,
+        *,
+        stalled_s: float,
+        save_calls: int,
+        newest: int | None = None,
     ) -> None:
+        """`newest`: with "restored", the newest iteration the process's store held then (FRESH_START:
+        none), which the restore may have rolled back from."""
         if not self._path:
             return
-        message = {
+        message: dict[str, object] = {
             "event": event,
             "rank": self._rank,
             "iteration": iteration,
@@ -82,6 +94,8 @@ class AgentNotifier:
             "stalled_s": stalled_s,
             "save_calls": save_calls,
         }
+        if newest is not None:
+            message["newest"] = newest
         try:
             if self._socket is None:
                 self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from worker_lib.agent_ipc import (
+    FRESH_START,
     GENERATION_ENV,
     NOTIFY_ENV,
     RESTORE_ITERATION_ENV,
@@ -422,6 +423,22 @@ class Checkpointer:
         """
         self._check_open()
         self._wait()
+        restored = self._restore(into, iteration)
+        self._notify_restored(FRESH_START if restored is None else restored.iteration)
+        return restored
+
+    def _notify_restored(self, iteration: int) -> None:
+        """Tell the agent what this process restored (FRESH_START: nothing) and the newest iteration it held:
+        its heartbeats carry both, and where torchrun relaunches training (embedded mode) the root takes the
+        iterations the relaunch rolled back from them."""
+        committed = self._store.committed()  # newest first
+        newest = committed[0].iteration if committed else FRESH_START
+        stats = self.stats
+        self._notifier.notify(
+            "restored", iteration, None, stalled_s=stats.stalled_s, save_calls=stats.save_calls, newest=newest
+        )
+
+    def _restore(self, into: Any, iteration: int | None) -> Restored | None:
         if iteration is None:
             planned = os.environ.get(RESTORE_ITERATION_ENV, "").strip()
             if planned.lower() == "none":

@@ -65,6 +65,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from worker_lib.agent_ipc import FRESH_START
 from worker_lib.checkpointer import (
     NOT_DISTRIBUTED,
     RESTORE_ITERATION_ENV,
@@ -258,6 +259,8 @@ class CastorReader(StorageReader):
         if not self._selected:
             self.iteration = choose_iteration(self.checkpointer)
             self._selected = True
+            if self.iteration is None:  # a load would restore, and tell the agent (Checkpointer.restore)
+                self.checkpointer._notify_restored(FRESH_START)
         return self.iteration
 
     def read_metadata(self) -> Metadata:

@@ -25,7 +25,8 @@ from worker_lib.agent.holdings import SLOTS, Holdings, local_slots, manifest_gen
 from worker_lib.agent.pacing import replication_pacer
 from worker_lib.agent.priority import REPLICATION_NICE
 from worker_lib.agent.replication import Replicator, aligned_rounds
-from worker_lib.api.shared import MAX_CHECKPOINTS_PER_MINUTE, Peer, RankPlacement
+from worker_lib.agent_ipc import FRESH_START
+from worker_lib.api.shared import INT32_MAX, MAX_CHECKPOINTS_PER_MINUTE, Peer, RankPlacement
 from worker_lib.api.worker import DirectiveOut, HeartbeatResponse, RegisterResponse, ReplicationAlignment
 from worker_lib.client import RootClient, RootRejected, RootUnavailable, UnexpectedAnswer
 from worker_lib.errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -91,6 +92,9 @@ class MachineServices:
         self.commits: dict[int, deque[float]] = {}
         self._commit_pids: dict[int, int] = {}
         self.committed = 0
+        # rank -> the iteration its newest training process restored, and the newest one it held then
+        self.restored: dict[int, int] = {}
+        self.newest_at_restore: dict[int, int] = {}
         self.skipped = 0
         # What checkpointing cost each local rank's training thread (Checkpointer stats: seconds blocked in
         # Castor, over save() calls), summed over its training processes since the agent started: the
@@ -309,6 +313,15 @@ class MachineServices:
         if notice.get("event") == "finished":
             self.finished_ranks.add(rank)  # the embedded mode's sign that training ended cleanly
             return
+        if notice.get("event") == "restored":
+            newest = notice.get("newest")
+            if FRESH_START <= iteration <= INT32_MAX:  # what the root accepts (CheckpointSummary)
+                self.restored[rank] = iteration
+                if type(newest) is int and FRESH_START <= newest <= INT32_MAX:
+                    self.newest_at_restore[rank] = newest
+                else:
+                    self.newest_at_restore.pop(rank, None)
+            return
         self.committed += 1
         now = time.monotonic()
         recent = self.commits.setdefault(rank, deque())
@@ -369,6 +382,8 @@ class MachineServices:
             "local": held["local"],
             "replicas": held["replicas"],
             "committed": self.committed,
+            "restored": {str(rank): iteration for rank, iteration in sorted(self.restored.items())},
+            "newest_at_restore": {str(rank): it for rank, it in sorted(self.newest_at_restore.items())},
             "session": self.session,
             # Two different things, counted apart: saves the training skipped (their slot was still being
             # read when training needed the state back) and commits no replication round sent (the rounds

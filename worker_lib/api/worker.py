@@ -28,6 +28,11 @@ from worker_lib.api.shared import (
     WireModel,
 )
 
+# The iteration a training process restored, or FRESH_START: it had nothing to restore (the worker sends
+# worker_lib.agent_ipc.FRESH_START, the same number, without importing this module).
+FRESH_START = -1
+RestoredIteration = Annotated[int, Field(strict=True, ge=FRESH_START, le=INT32_MAX)]
+
 # What an instance id may be (a cloud instance id, a host or pod name, an address): printable ASCII
 # without spaces, no path separator and no leading dot, as ids may end up in file names and commands.
 _INSTANCE_ID = re.compile(r"[!-~]+")
@@ -149,6 +154,17 @@ class CheckpointSummary(BaseModel):
         default_factory=dict, description="peer rank -> newest replicated iteration."
     )
     committed: Count = Field(0, description="Checkpoints committed since the agent started.")
+    restored: dict[CountKey, RestoredIteration] = Field(
+        default_factory=dict,
+        description="rank -> the iteration its newest training process restored when it started (-1: it "
+        "started fresh, with nothing to restore). In embedded (torchrun) mode the root takes the iterations "
+        "a relaunch lost from it.",
+    )
+    newest_at_restore: dict[CountKey, RestoredIteration] = Field(
+        default_factory=dict,
+        description="rank -> the newest iteration it held when that process restored (-1: none): what the "
+        "restore rolled back from.",
+    )
     session: Text | None = Field(
         None,
         max_length=64,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker_lib.agent_ipc import NOTIFY_ENV, AgentNotifier
+from worker_lib.agent_ipc import FRESH_START, NOTIFY_ENV, AgentNotifier
 from worker_lib.checkpointer import Checkpointer
 from worker_lib.errors import SlotsOnDiskWarning
 from worker_lib.store.slots import storage_filesystem
@@ -46,6 +46,32 @@ def test_a_commit_and_a_clean_finish_reach_the_agent_with_the_stall_so_far(
     assert finished["event"] == "finished" and finished["iteration"] == 5 and finished["slot"] is None
     # A blocking save commits inside its call: the stall is counted once it returned.
     assert commit["save_calls"] == 0 and finished["save_calls"] == 1 and finished["stalled_s"] > 0
+
+
+@pytest.mark.filterwarnings("ignore::worker_lib.errors.SlotsOnDiskWarning")  # tmp_path may be on disk
+def test_a_restore_and_a_fresh_start_tell_the_agent_what_was_restored(
+    agent_socket: tuple[socket.socket, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's heartbeats carry it: the root takes the iterations an embedded-mode relaunch lost from
+    it (domain.embedded)."""
+    listener, path = agent_socket
+    monkeypatch.setenv(NOTIFY_ENV, path)
+    with Checkpointer(tmp_path / "slots", blocking=True) as checkpointer:
+        assert checkpointer.restore() is None
+        checkpointer.save(5, {"w": torch.ones(4)})
+        restored = checkpointer.restore(into={"w": torch.zeros(4)})
+        assert restored is not None and restored.iteration == 5
+        checkpointer.save(6, {"w": torch.ones(4)})
+        checkpointer.restore(into={"w": torch.zeros(4)}, iteration=5)  # a rollback from 6
+    notices = [json.loads(listener.recv(65536)) for _ in range(6)]
+    assert [(n["event"], n["iteration"], n.get("newest")) for n in notices] == [
+        ("restored", FRESH_START, FRESH_START),
+        ("commit", 5, None),
+        ("restored", 5, 5),
+        ("commit", 6, None),
+        ("restored", 5, 6),
+        ("finished", 6, None),
+    ]
 
 
 def test_no_agent_or_a_gone_one_is_never_trainings_problem(tmp_path: Path) -> None:

@@ -48,6 +48,30 @@ def test_the_summary_adds_up_each_ranks_stall_over_its_training_processes(tmp_pa
     assert summary["save_calls"] == {"4": 16, "5": 12}
 
 
+def test_what_each_ranks_newest_training_process_restored_is_in_the_summary_and_no_commit(
+    tmp_path: Path,
+) -> None:
+    """The root takes the iterations an embedded-mode relaunch lost from it (domain.embedded)."""
+    client: Any = SimpleNamespace(job_id="job")
+    services = MachineServices(client, "castor-job.x.secret", MachineIdentity("i-0"), tmp_path / "shm")
+
+    def restored(rank: int, iteration: int, pid: int, newest: Any) -> bytes:
+        body = {"event": "restored", "rank": rank, "iteration": iteration, "pid": pid, "newest": newest}
+        return json.dumps(body).encode()
+
+    services.on_notice(restored(0, -1, 100, -1))  # a fresh start, nothing held
+    services.on_notice(restored(1, 4, 101, 5))
+    services.on_notice(restored(0, 6, 102, 6))  # rank 0 relaunched later
+    services.on_notice(restored(1, -7, 101, 5))  # not an iteration
+    services.on_notice(restored(2, 3, 103, "5"))  # no newest it can use
+    summary = services.summary()
+    assert summary["restored"] == {"0": 6, "1": 4, "2": 3}
+    assert summary["newest_at_restore"] == {"0": 6, "1": 5}
+    assert summary["committed"] == 0 and services.commits == {}, "a restore is no commit"
+    sent = CheckpointSummary.model_validate(json.loads(json.dumps(summary)))
+    assert sent.restored == {0: 6, 1: 4, 2: 3} and sent.newest_at_restore == {0: 6, 1: 5}
+
+
 def test_a_checkpoint_directory_on_storage_is_named_in_every_heartbeat(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
