@@ -109,3 +109,6 @@ def test_relaunch_after_a_crash_resumes_every_rank_from_one_iteration(
     (failure,) = cluster.api("GET", f"{job_url}/failures")
     assert failure["kind"] == "software" and "relaunched" in failure["cause"], failure
     assert failure["state"] == "recovered" and failure["resumed_at"] is not None, failure
+    # What the relaunch rolled back, as the relaunched ranks told it: from iteration 6 (rank 1's last commit)
+    # to the one both resumed from, out of the machine's shared memory.
+    assert (failure["tier"], failure["iterations_lost"]) == ("local", 6 - iteration), failure

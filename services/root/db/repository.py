@@ -44,6 +44,7 @@ from services.root.db.models import (
     RankProgress,
     RecoveryPlan,
 )
+from services.root.domain.embedded import Progress
 from services.root.domain.failure_metrics import MetricKey, failure_counters
 
 
@@ -291,21 +292,34 @@ async def live_summaries(session: AsyncSession, job_id: uuid.UUID) -> Sequence[d
     return [summary or {} for summary in (await session.execute(query)).scalars().all()]
 
 
-async def live_commit_counts(session: AsyncSession, job_id: uuid.UUID) -> dict[int, int]:
-    """Per live machine's rank, the commits its heartbeat summary counts (its agent session's), 0 where the
-    summary is another session's than the one registered: an agent's last heartbeat that arrived after its
-    successor registered. (An agent too old to name its session in the summary is taken at its word.)"""
+async def live_progress(session: AsyncSession, job_id: uuid.UUID) -> dict[int, Progress]:
+    """Per live machine's rank, its heartbeat summary's commits (its agent session's) and the iteration its
+    ranks restored; nothing (0, None) where the summary is another session's than the one registered: an
+    agent's last heartbeat that arrived after its successor registered. (An agent too old to name its
+    session in the summary is taken at its word.)"""
     query = select(Machine.rank, Machine.summary, Machine.agent_session).where(
         Machine.job_id == job_id, Machine.state != MachineState.REPLACED
     )
-    counts = {}
+    progress = {}
     for rank, summary, agent_session in (await session.execute(query)).all():
         summary = summary or {}
-        committed = summary.get("committed")
         sent_by = summary.get("session")
-        current = sent_by is None or sent_by == agent_session
-        counts[rank] = committed if current and isinstance(committed, int) else 0
-    return counts
+        if sent_by is not None and sent_by != agent_session:
+            progress[rank] = Progress(0)
+            continue
+        committed = summary.get("committed")
+        progress[rank] = Progress(
+            committed if isinstance(committed, int) else 0,
+            restored=min(_per_rank(summary, "restored"), default=None),
+            reached=max(_per_rank(summary, "newest_at_restore"), default=None),
+        )
+    return progress
+
+
+def _per_rank(summary: dict[str, Any], key: str) -> list[int]:
+    """The values of a summary's rank -> iteration map (none where the summary has no such map)."""
+    values = summary.get(key)
+    return [v for v in values.values() if type(v) is int] if isinstance(values, dict) else []
 
 
 async def newest_resumed_at(session: AsyncSession, job_id: uuid.UUID) -> datetime | None:

@@ -5,6 +5,13 @@ A relaunched machine registers again with a new session (`relaunched_at` on its 
 of its own when none was open: a relaunch faster than the heartbeat timeout, or a one-machine job, which is
 never declared lost on its silence alone). The failure is recovered at the first heartbeat after the relaunch
 that shows a commit: the relaunched training restored its checkpoint and completed an iteration.
+
+What the relaunch rolled back: the newest iteration the machine had committed before it against the
+iteration its relaunched training restored. The relaunched ranks say both (the new session's summary: what
+each restored, and the newest iteration its shared memory held then); a machine whose library does not say
+the newest is taken at its last summary before the new session registered (`reached_iteration` on the
+failure, up to a heartbeat behind). Torchrun's ranks restore from their machine's shared memory (the local
+tier), or start fresh when the ranks hold no iteration in common.
 """
 
 from __future__ import annotations
@@ -15,8 +22,10 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from services.root.domain.phases import parse_timestamp
+from worker_lib.api.worker import FRESH_START
 
 RELAUNCHED_AT = "relaunched_at"  # the failure event's detail: when the rank's machine registered again
+REACHED = "reached_iteration"  # the failure event's detail: the newest iteration committed before it
 
 
 class OpenFailure(Protocol):
@@ -36,18 +45,28 @@ class RankHolder(Protocol):
 
 
 @dataclass(frozen=True)
+class Progress:
+    """A live machine's heartbeat summary, as far as its registered agent session sent it."""
+
+    committed: int  # checkpoints committed in the session (the registration itself is none)
+    restored: int | None = None  # the iteration its ranks restored (the oldest), FRESH_START, None: not said
+    reached: int | None = None  # the newest iteration its ranks held when they restored (None: not said)
+
+
+@dataclass(frozen=True)
 class Resumed:
     event_id: int
     at: datetime  # the heartbeat that first showed a commit after the relaunch
+    restored: int | None = None  # what the relaunched training restored (Progress.restored)
+    reached: int | None = None  # the newest iteration it held then (Progress.reached)
 
 
 def resumed_after_relaunch(
-    events: Iterable[OpenFailure], holders: Mapping[int, RankHolder], committed: Mapping[int, int]
+    events: Iterable[OpenFailure], holders: Mapping[int, RankHolder], progress: Mapping[int, Progress]
 ) -> list[Resumed]:
     """The open failures whose rank's machine (`holders`: the live machine of each rank) has committed a
     checkpoint since it was relaunched. A heartbeat after the relaunch carries the new session's summary,
-    whose commit count (`committed`, per rank) counts that session's commits only (the registration itself
-    does not count as one)."""
+    whose commit count (`progress`, per rank) counts that session's commits only."""
     resumed = []
     for event in events:
         since = parse_timestamp(event.details.get(RELAUNCHED_AT))
@@ -55,7 +74,30 @@ def resumed_after_relaunch(
         holder = holders.get(rank) if rank is not None else None
         if since is None or rank is None or holder is None or holder.state != "healthy":
             continue
-        seen = holder.last_heartbeat_at
-        if seen is not None and seen > since and committed.get(rank, 0) > 0:
-            resumed.append(Resumed(event.id, seen))
+        seen, now = holder.last_heartbeat_at, progress.get(rank, Progress(0))
+        if seen is not None and seen > since and now.committed > 0:
+            resumed.append(Resumed(event.id, seen, now.restored, now.reached))
     return resumed
+
+
+def reached_iteration(summary: Mapping[str, Any] | None) -> int | None:
+    """The newest iteration a machine's heartbeat summary says any of its ranks committed (None: none)."""
+    local = (summary or {}).get("local")
+    newest = [v for v in local.values() if type(v) is int] if isinstance(local, dict) else []
+    return max(newest, default=None)
+
+
+def newer(first: int | None, second: int | None) -> int | None:
+    return second if first is None else first if second is None else max(first, second)
+
+
+def rollback(reached: int | None, restored: int | None) -> tuple[str | None, int | None]:
+    """The tier a relaunch restored from and the iterations it lost: `reached` was the newest iteration
+    committed before it (None: unknown), `restored` what its training restored (FRESH_START: nothing, None:
+    not said, as by a worker library from before the figure). A fresh start loses every iteration, the
+    first included, as the root's planned restarts count it."""
+    if restored is None:
+        return None, None
+    if restored == FRESH_START:
+        return "none", None if reached is None else reached + 1
+    return "local", None if reached is None else max(0, reached - restored)

@@ -29,6 +29,7 @@ from services.root.db.models import (
     PlanStatus,
     utcnow,
 )
+from services.root.domain import embedded
 from services.root.domain.embedded import RELAUNCHED_AT
 from services.root.domain.persist_schedule import PersistTarget, next_target
 from services.root.domain.placement import Placement
@@ -286,10 +287,13 @@ async def _note_embedded_relaunch(session: AsyncSession, job: Job, machine: Mach
     from services.root.flows.failures import latest_silent_losses, reinstate  # it imports this module
 
     relaunched = {RELAUNCHED_AT: now.isoformat()}
+    # The summary is still the crashed session's: what the relaunch may roll back (domain.embedded).
+    reached = embedded.reached_iteration(machine.summary)
     job_failures = list(await repo.open_failures(session, job.id))
     opened = [e for e in job_failures if e.machine_id == machine.id]
     for event in opened:
         event.details = {**event.details, **relaunched}
+        _note_reached(event, reached)
     silent = latest_silent_losses(opened).get(machine.id)
     if silent is not None:
         reinstate(machine, "its training was relaunched (embedded mode)", silent)
@@ -301,17 +305,26 @@ async def _note_embedded_relaunch(session: AsyncSession, job: Job, machine: Mach
     if crash is not None:
         joined = [*crash.details.get("relaunched_machines", []), machine.rank]
         crash.details = {**crash.details, "relaunched_machines": joined}
+        _note_reached(crash, reached)
         return
     cause = (
         f"the training on machine {machine.rank} ({machine.instance_id}) was relaunched: its processes had "
         "stopped (embedded mode)"
     )
     detected_at = min(last_seen, now) if last_seen is not None else now
-    session.add(
-        _software_failure(
-            job, machine, cause, detected_at=detected_at, classified_at=now, embedded=True, **relaunched
-        )
+    failure = _software_failure(
+        job, machine, cause, detected_at=detected_at, classified_at=now, embedded=True, **relaunched
     )
+    _note_reached(failure, reached)
+    session.add(failure)
+
+
+def _note_reached(event: FailureEvent, reached: int | None) -> None:
+    """A machine of the failure was relaunched, having committed up to `reached` (None: nothing known)."""
+    noted = event.details.get(embedded.REACHED)
+    newest = embedded.newer(noted if type(noted) is int else None, reached)
+    if newest is not None and newest != noted:
+        event.details = {**event.details, embedded.REACHED: newest}
 
 
 def _restarted(request: schemas.RegisterRequest, machine: Machine) -> bool:
@@ -351,6 +364,8 @@ async def _note_replacement(session: AsyncSession, job: Job, failed: Machine, in
             # An embedded machine's: torchrun's training, relaunched on another instance (domain.embedded).
             relaunched = {RELAUNCHED_AT: now.isoformat()} if failed.embedded else {}
             event.details = {**event.details, "replaced_by": instance_id, **relaunched}
+            if failed.embedded:
+                _note_reached(event, embedded.reached_iteration(failed.summary))
 
 
 def _choose_rank(

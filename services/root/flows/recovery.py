@@ -123,8 +123,8 @@ async def _step(
         # torchrun restarts embedded-mode training: failures are recorded, not orchestrated, and closed once
         # the relaunched training commits.
         if events:
-            counts = await repo.live_commit_counts(session, job.id)
-            _close_relaunched(job, events, live, counts, await repo.newest_resumed_at(session, job.id))
+            progress = await repo.live_progress(session, job.id)
+            _close_relaunched(job, events, live, progress, await repo.newest_resumed_at(session, job.id))
         return None
     state = _state_of(job, plan, events, live)
     lost: list[FailureEvent | None] = []  # failures this step records (machines late to report)
@@ -579,28 +579,41 @@ def _finish_recovery(job: Job, plan: RecoveryPlan, events: list[FailureEvent], n
     log.info("job %s: recovered at generation %d", job.name, plan.generation)
 
 
+NOTHING_SAID = embedded.Progress(0)  # a machine whose summary is not its registered session's
+
+
 def _close_relaunched(
     job: Job,
     events: list[FailureEvent],
     live: list[Machine],
-    committed: dict[int, int],
+    progress: dict[int, embedded.Progress],
     charged_until: datetime | None,
 ) -> None:
     """Embedded mode: the failures whose machine trains again since torchrun relaunched it are recovered."""
     by_id = {event.id: event for event in events}
-    resumed = embedded.resumed_after_relaunch(events, {m.rank: m for m in live}, committed)
+    resumed = embedded.resumed_after_relaunch(events, {m.rank: m for m in live}, progress)
     for found in sorted(resumed, key=lambda r: (r.at, by_id[r.event_id].detected_at)):
         event = by_id[found.event_id]
         why = "its training committed again after the relaunch"
-        charged_until = _close_embedded(job, event, found.at, why, charged_until)
+        charged_until = _close_embedded(
+            job, event, found.at, why, charged_until, found.restored, found.reached
+        )
 
 
 def _close_embedded(
-    job: Job, event: FailureEvent, at: datetime, why: str, charged_until: datetime | None
+    job: Job,
+    event: FailureEvent,
+    at: datetime,
+    why: str,
+    charged_until: datetime | None,
+    restored: int | None = None,
+    reached: int | None = None,
 ) -> datetime:
-    """Close one embedded-mode failure at `at`; the job is charged its downtime past `charged_until` (the
-    end of those closed before it: failures of one crash overlap, and their time is lost once). Returns the
-    new end of what is charged."""
+    """Close one embedded-mode failure at `at`, its relaunched training having restored `restored` while
+    holding up to `reached` (see embedded.rollback). The job is charged its downtime past `charged_until`
+    (the end of those closed before it: failures of one crash overlap, and their time is lost once), and
+    the iterations it rolled back unless it overlaps one closed before it (one crash, one rollback).
+    Returns the new end of what is charged."""
     # No plan, no per-rank reports: the restore (torchrun's relaunch, the ranks agreeing on the newest
     # iteration they all hold) ends where the first commit after it is seen.
     at = max(at, event.detected_at)
@@ -608,8 +621,16 @@ def _close_embedded(
     event.resumed_at = at
     event.state = FailureState.RECOVERED
     event.details = {**event.details, "embedded_recovery": why}
+    noted = event.details.get(embedded.REACHED)
+    tier, lost = embedded.rollback(embedded.newer(noted if type(noted) is int else None, reached), restored)
+    if tier is not None:
+        event.tier = tier
+        event.iterations_lost = min(lost, schemas.INT32_MAX) if lost is not None else None
+    overlaps = charged_until is not None and event.detected_at < charged_until
     charged_until = charged_until or event.detected_at
     job.wasted_time_s += max(0.0, (at - max(event.detected_at, charged_until)).total_seconds())
+    if not overlaps and event.iterations_lost:
+        job.wasted_time_s += event.iterations_lost * (iteration_seconds(job.checkpoints_per_minute) or 0.0)
     log.info("job %s: failure %d recovered (embedded mode: %s)", job.name, event.id, why)
     return max(at, charged_until)
 
@@ -642,10 +663,11 @@ async def _close_at_completion(session: AsyncSession, job_id: uuid.UUID) -> None
     assert job is not None
     now = utcnow()
     charged_until = await repo.newest_resumed_at(session, job_id)
+    progress = await repo.live_progress(session, job_id)
     for event in sorted(events, key=lambda e: e.detected_at):
-        charged_until = _close_embedded(
-            job, event, now, "the job completed after the relaunch", charged_until
-        )
+        said = progress.get(event.rank, NOTHING_SAID) if event.rank is not None else NOTHING_SAID
+        why = "the job completed after the relaunch"
+        charged_until = _close_embedded(job, event, now, why, charged_until, said.restored, said.reached)
 
 
 # -- what agents report during a recovery ------------------------------------------------------------------

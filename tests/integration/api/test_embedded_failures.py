@@ -23,15 +23,29 @@ from tests.integration.web.scenario import eventually
 
 
 async def heartbeat(
-    client: httpx.AsyncClient, job: dict[str, Any], rank: int, committed: int, session: str | None = None
-) -> None:
-    summary = {"local": {str(rank): 7}, "committed": committed, "session": session or f"s-{rank}-a"}
+    client: httpx.AsyncClient,
+    job: dict[str, Any],
+    rank: int,
+    committed: int,
+    session: str | None = None,
+    *,
+    newest: int = 7,
+    restored: Any = None,
+    held: int | None = None,
+    status: int = 200,
+) -> httpx.Response:
+    summary = {"local": {str(rank): newest}, "committed": committed, "session": session or f"s-{rank}-a"}
+    if restored is not None:
+        summary["restored"] = {str(rank): restored}
+    if held is not None:
+        summary["newest_at_restore"] = {str(rank): held}
     response = await client.post(
         f"/api/v1/worker/jobs/{job['id']}/machines/{rank}/heartbeat",
         json={"instance_id": f"node-{rank}", "summary": summary},
         headers=bearer(str(job["worker_token"])),
     )
-    assert response.status_code == 200, response.text
+    assert response.status_code == status, response.text
+    return response
 
 
 async def failures(client: httpx.AsyncClient, job: dict[str, Any]) -> list[dict[str, Any]]:
@@ -171,3 +185,56 @@ async def test_one_crash_relaunched_on_every_machine_is_one_failure_charged_once
     assert response.status_code == 200, response.text
     opened = [e for e in await failures(client, job) if e["state"] == "detected"]
     assert sorted((e["rank"], e["kind"]) for e in opened) == [(1, "software"), (2, "hardware")], opened
+
+
+@pytest.mark.parametrize(
+    ("restored", "held", "tier", "lost"),
+    [
+        (5, None, "local", 2),  # the newest held taken at the last heartbeat before the relaunch (7)
+        (5, 9, "local", 4),  # the relaunched ranks held 9: committed after that heartbeat
+        (-1, None, "none", 8),  # a fresh start loses iterations 0..7
+    ],
+)
+async def test_the_failure_records_what_the_relaunch_restored_and_the_iterations_it_lost(
+    client: httpx.AsyncClient, root_app: FastAPI, restored: int, held: int | None, tier: str, lost: int
+) -> None:
+    job = await running_embedded_job(client, machines=1)  # its last heartbeat: iteration 7 committed
+    relaunched = await register(client, job, "node-0", embedded=True, agent_session="s-0-b")
+    assert relaunched.status_code == 200, relaunched.text
+    (event,) = await failures(client, job)
+    assert event["details"]["reached_iteration"] == 7, event
+    # What a summary may not say: an iteration below -1, a count that is not an integer.
+    for bad in (-2, True, "5", 2**31):
+        error = await heartbeat(client, job, 0, committed=1, session="s-0-b", restored=bad, status=422)
+        assert "restored" in error.text, error.text
+    # The relaunched training restored `restored` (-1: nothing, it started fresh) and committed again.
+    await heartbeat(
+        client, job, 0, committed=1, session="s-0-b", newest=restored + 1, restored=restored, held=held
+    )
+
+    async def recovered() -> dict[str, Any] | None:
+        (event,) = await failures(client, job)
+        return event if event["state"] == "recovered" else None
+
+    event = await eventually(recovered, "the failure closed at the relaunched training's first commit")
+    assert (event["tier"], event["iterations_lost"]) == (tier, lost), event
+    signed_in = await client.post("/login", data={"token": ADMIN_TOKEN, "next": "/"})
+    assert signed_in.status_code == 303, signed_in.text
+    page = await client.get(f"/jobs/{job['id']}/failures/{event['id']}")
+    assert page.status_code == 200 and f"tier tier-{tier} big" in page.text, page.text
+
+
+async def test_a_relaunched_machine_that_does_not_say_what_it_restored_leaves_the_rollback_unknown(
+    client: httpx.AsyncClient,
+) -> None:
+    job = await running_embedded_job(client, machines=1)
+    relaunched = await register(client, job, "node-0", embedded=True, agent_session="s-0-b")
+    assert relaunched.status_code == 200, relaunched.text
+    await heartbeat(client, job, 0, committed=1, session="s-0-b")  # a worker library from before the figure
+
+    async def recovered() -> dict[str, Any] | None:
+        (event,) = await failures(client, job)
+        return event if event["state"] == "recovered" else None
+
+    event = await eventually(recovered, "the failure closed at the relaunched training's first commit")
+    assert event["tier"] is None and event["iterations_lost"] is None, event

@@ -8,11 +8,21 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from services.root.db.models import FailureEvent, Job
-from services.root.domain.embedded import RELAUNCHED_AT, Resumed, resumed_after_relaunch
+from services.root.domain.embedded import (
+    FRESH_START,
+    REACHED,
+    RELAUNCHED_AT,
+    Progress,
+    Resumed,
+    reached_iteration,
+    resumed_after_relaunch,
+    rollback,
+)
 from services.root.flows.recovery import _close_embedded
 
 RELAUNCH = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 LATER = RELAUNCH + timedelta(seconds=2)
+NINE = {0: Progress(9)}  # nine commits since the relaunch
 
 
 @dataclass
@@ -29,17 +39,19 @@ class Holder:
 
 
 def test_the_first_commit_seen_after_the_relaunch_ends_the_failure() -> None:
-    assert resumed_after_relaunch([Event(1, 0)], {0: Holder()}, {0: 1}) == [Resumed(1, LATER)]
+    assert resumed_after_relaunch([Event(1, 0)], {0: Holder()}, {0: Progress(1)}) == [Resumed(1, LATER)]
+    resumed = resumed_after_relaunch([Event(1, 0)], {0: Holder()}, {0: Progress(1, restored=5)})
+    assert resumed == [Resumed(1, LATER, restored=5)], "with what the relaunched training restored"
 
 
 def test_no_commit_no_heartbeat_since_the_relaunch_or_no_relaunch_leaves_it_open() -> None:
-    assert resumed_after_relaunch([Event(1, 0)], {0: Holder()}, {0: 0}) == [], "restored, not committed yet"
+    assert resumed_after_relaunch([Event(1, 0)], {0: Holder()}, {0: Progress(0)}) == [], "not committed yet"
     # The registration's own time, and the old session's summary, say nothing about the relaunch.
-    assert resumed_after_relaunch([Event(1, 0)], {0: Holder(last_heartbeat_at=RELAUNCH)}, {0: 9}) == []
-    assert resumed_after_relaunch([Event(1, 0, details={})], {0: Holder()}, {0: 9}) == [], "not relaunched"
-    assert resumed_after_relaunch([Event(1, 0)], {0: Holder(state="suspect")}, {0: 9}) == []
-    assert resumed_after_relaunch([Event(1, 0)], {1: Holder()}, {1: 9}) == [], "another rank's machine"
-    assert resumed_after_relaunch([Event(1, None)], {0: Holder()}, {0: 9}) == [], "no rank"
+    assert resumed_after_relaunch([Event(1, 0)], {0: Holder(last_heartbeat_at=RELAUNCH)}, NINE) == []
+    assert resumed_after_relaunch([Event(1, 0, details={})], {0: Holder()}, NINE) == [], "not relaunched"
+    assert resumed_after_relaunch([Event(1, 0)], {0: Holder(state="suspect")}, NINE) == []
+    assert resumed_after_relaunch([Event(1, 0)], {1: Holder()}, {1: Progress(9)}) == [], "another rank's"
+    assert resumed_after_relaunch([Event(1, None)], {0: Holder()}, NINE) == [], "no rank"
 
 
 def test_failures_of_one_crash_closed_together_charge_the_job_their_downtime_once() -> None:
@@ -55,3 +67,34 @@ def test_failures_of_one_crash_closed_together_charge_the_job_their_downtime_onc
     third = FailureEvent(id=3, detected_at=LATER + timedelta(seconds=60), details={})
     _close_embedded(job, third, LATER + timedelta(seconds=65), "resumed", charged)
     assert job.wasted_time_s == 17.0
+
+
+def test_a_relaunch_loses_the_iterations_past_the_one_its_training_restored() -> None:
+    assert reached_iteration({"local": {"0": 7, "1": 9}, "committed": 3}) == 9
+    assert reached_iteration({"local": {}}) is None and reached_iteration(None) is None
+    assert reached_iteration({"local": {"0": "9"}}) is None, "only what a summary can hold"
+    assert rollback(9, 7) == ("local", 2)
+    assert rollback(9, 9) == ("local", 0)
+    assert rollback(9, FRESH_START) == ("none", 10), "a fresh start loses iteration 0 too"
+    assert rollback(None, 7) == ("local", None), "nothing committed known before the relaunch"
+    assert rollback(9, None) == (None, None), "a worker library that does not say what it restored"
+
+
+def test_closing_records_the_rollback_and_charges_it_once_per_crash() -> None:
+    job = Job(wasted_time_s=0.0, checkpoints_per_minute=30.0)  # 2 s per iteration
+    first = FailureEvent(id=1, detected_at=RELAUNCH - timedelta(seconds=10), details={REACHED: 9})
+    second = FailureEvent(id=2, detected_at=RELAUNCH - timedelta(seconds=8.3), details={REACHED: 8})
+    charged = _close_embedded(job, first, LATER, "resumed", None, restored=6)
+    charged = _close_embedded(job, second, LATER, "resumed", charged, restored=6)
+    assert (first.tier, first.iterations_lost) == ("local", 3)
+    assert (second.tier, second.iterations_lost) == ("local", 2)
+    # 12 s down, and the 3 iterations one crash rolled back (the overlapping failure's 2 are among them).
+    assert job.wasted_time_s == 12.0 + 3 * 2.0
+    # The relaunched ranks say the newest iteration they held: their last heartbeat was one behind.
+    lagging = FailureEvent(id=4, detected_at=RELAUNCH - timedelta(seconds=5), details={REACHED: 8})
+    _close_embedded(Job(wasted_time_s=0.0), lagging, LATER, "resumed", None, restored=6, reached=9)
+    assert (lagging.tier, lagging.iterations_lost) == ("local", 3)
+    unknown = FailureEvent(id=3, detected_at=LATER + timedelta(seconds=60), details={REACHED: 20})
+    _close_embedded(job, unknown, LATER + timedelta(seconds=65), "resumed", charged)
+    assert unknown.tier is None and unknown.iterations_lost is None
+    assert job.wasted_time_s == 12.0 + 6.0 + 5.0
