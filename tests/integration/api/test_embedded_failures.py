@@ -238,3 +238,9 @@ async def test_a_relaunched_machine_that_does_not_say_what_it_restored_leaves_th
 
     event = await eventually(recovered, "the failure closed at the relaunched training's first commit")
     assert event["tier"] is None and event["iterations_lost"] is None, event
+    signed_in = await client.post("/login", data={"token": ADMIN_TOKEN, "next": "/"})
+    assert signed_in.status_code == 303, signed_in.text
+    for page in (f"/jobs/{job['id']}", f"/jobs/{job['id']}/failures/{event['id']}"):
+        response = await client.get(page)
+        assert response.status_code == 200 and "tier unknown" in response.text, page
+        assert "tier pending" not in response.text, "a failure that ended waits for no tier"
