@@ -27,6 +27,10 @@ GENERATION_ENV = "CASTOR_GENERATION"
 # Checkpointer.restore.
 Event = Literal["commit", "skip", "finished", "restored"]
 FRESH_START = -1  # the iteration of a "restored" notice when the process had nothing to restore
+# The notices beyond commit, skip and finished that the agent takes, as its training processes' environment
+# says: an agent from before "restored" counts any other notice as a commit.
+NOTICES_ENV = "CASTOR_AGENT_NOTICES"
+AGENT_NOTICES = "restored"
 
 
 def default_directory() -> Path:
@@ -55,8 +59,9 @@ class AgentNotifier:
     datagram each, never blocking, and any failure ignored (the agent may be down; training must not
     notice)."""
 
-    def __init__(self, path: str | None, rank: int, directory: Path) -> None:
+    def __init__(self, path: str | None, rank: int, directory: Path, takes: str = AGENT_NOTICES) -> None:
         self._path = path
+        self._takes = set(takes.split(","))
         self._rank = rank
         self._directory = directory
         self._socket: socket.socket | None = None
@@ -66,7 +71,7 @@ class AgentNotifier:
         # A process the agent started cold (not from a warm spare) lets its hang watchdog ask for its stacks
         # from here on.
         install_stack_dump()
-        return cls(os.environ.get(NOTIFY_ENV), rank, directory)
+        return cls(os.environ.get(NOTIFY_ENV), rank, directory, os.environ.get(NOTICES_ENV, ""))
 
     def notify(
         self,
@@ -80,7 +85,7 @@ class AgentNotifier:
     ) -> None:
         """`newest`: with "restored", the newest iteration the process's store held then (FRESH_START:
         none), which the restore may have rolled back from."""
-        if not self._path:
+        if not self._path or (event == "restored" and event not in self._takes):
             return
         message: dict[str, object] = {
             "event": event,

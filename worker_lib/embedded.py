@@ -28,6 +28,7 @@ from worker_lib.agent.address import default_address
 from worker_lib.agent.heartbeat import Replaced
 from worker_lib.agent.priority import NICE_ENV, replication_nice
 from worker_lib.agent.services import MachineIdentity, MachineServices
+from worker_lib.agent_ipc import AGENT_NOTICES, NOTICES_ENV
 from worker_lib.client import RootClient
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,7 @@ def attach(
     env["CASTOR_JOB"] = job_id
     env["CASTOR_SHM_DIR"] = str(root / "local" / f"rank-{rank}")
     env["CASTOR_AGENT_NOTIFY"] = str(root / "agent.sock")
+    env[NOTICES_ENV] = AGENT_NOTICES
     if local_rank != 0:
         return None
     identity = MachineIdentity(

@@ -39,6 +39,7 @@ from worker_lib.agent import die_with_parent
 from worker_lib.agent.stacks import STACKS_FILE_ENV, STACKS_SIGNAL
 from worker_lib.agent.stale import record_pid
 from worker_lib.agent.warm import READY_FD_ENV, STDIN_FD_ENV
+from worker_lib.agent_ipc import AGENT_NOTICES, NOTICES_ENV
 from worker_lib.api.worker import HANG_ERROR_TYPE
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class LaunchSpec:
             "CASTOR_JOB": self.job_id,
             "CASTOR_SHM_DIR": self.shm_dir_of[rank],
             "CASTOR_AGENT_NOTIFY": self.notify_socket,
+            NOTICES_ENV: AGENT_NOTICES,
             "CASTOR_GENERATION": str(self.generation),
             "CASTOR_RESTORE_ITERATION": "none"
             if self.restore_iteration is None

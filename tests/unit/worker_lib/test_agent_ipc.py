@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker_lib.agent_ipc import FRESH_START, NOTIFY_ENV, AgentNotifier
+from worker_lib.agent_ipc import AGENT_NOTICES, FRESH_START, NOTICES_ENV, NOTIFY_ENV, AgentNotifier
 from worker_lib.checkpointer import Checkpointer
 from worker_lib.errors import SlotsOnDiskWarning
 from worker_lib.store.slots import storage_filesystem
@@ -56,6 +56,7 @@ def test_a_restore_and_a_fresh_start_tell_the_agent_what_was_restored(
     it (domain.embedded)."""
     listener, path = agent_socket
     monkeypatch.setenv(NOTIFY_ENV, path)
+    monkeypatch.setenv(NOTICES_ENV, AGENT_NOTICES)  # as the agent and attach() set it
     with Checkpointer(tmp_path / "slots", blocking=True) as checkpointer:
         assert checkpointer.restore() is None
         checkpointer.save(5, {"w": torch.ones(4)})
@@ -72,6 +73,18 @@ def test_a_restore_and_a_fresh_start_tell_the_agent_what_was_restored(
         ("restored", 5, 6),
         ("finished", 6, None),
     ]
+
+
+def test_an_agent_that_does_not_take_restored_notices_gets_none(
+    agent_socket: tuple[socket.socket, str], tmp_path: Path
+) -> None:
+    """An agent from before them counts every notice but skip and finished as a commit."""
+    listener, path = agent_socket
+    older = AgentNotifier(path, 0, tmp_path, takes="")
+    older.notify("restored", 5, None, stalled_s=0.0, save_calls=0, newest=6)
+    older.notify("commit", 6, 0, stalled_s=0.0, save_calls=1)
+    assert json.loads(listener.recv(65536))["event"] == "commit"
+    older.close()
 
 
 def test_no_agent_or_a_gone_one_is_never_trainings_problem(tmp_path: Path) -> None:
