@@ -44,8 +44,10 @@ from services.root.db.models import (
     RankProgress,
     RecoveryPlan,
 )
+from services.root.domain import embedded
 from services.root.domain.embedded import Progress
 from services.root.domain.failure_metrics import MetricKey, failure_counters
+from worker_lib.api.worker import FRESH_START
 
 
 async def get_job(
@@ -308,27 +310,40 @@ async def live_progress(session: AsyncSession, job_id: uuid.UUID) -> dict[int, P
             progress[rank] = Progress(0)
             continue
         committed = summary.get("committed")
+        said = functools.partial(embedded.iterations, summary, lowest=FRESH_START)
         progress[rank] = Progress(
             committed if isinstance(committed, int) else 0,
-            restored=min(_per_rank(summary, "restored"), default=None),
-            reached=max(_per_rank(summary, "newest_at_restore"), default=None),
+            restored=min(said("restored"), default=None),
+            reached=max(said("newest_at_restore"), default=None),
         )
     return progress
 
 
-def _per_rank(summary: dict[str, Any], key: str) -> list[int]:
-    """The values of a summary's rank -> iteration map (none where the summary has no such map)."""
-    values = summary.get(key)
-    return [v for v in values.values() if type(v) is int] if isinstance(values, dict) else []
-
-
-async def newest_resumed_at(session: AsyncSession, job_id: uuid.UUID) -> datetime | None:
-    """When the job's most recently ended recovery resumed training (None: none has)."""
-    query = select(func.max(FailureEvent.resumed_at)).where(
-        FailureEvent.job_id == job_id, FailureEvent.state == FailureState.RECOVERED
+async def last_charged(session: AsyncSession, job_id: uuid.UUID) -> embedded.Charged:
+    """What the job's most recently ended recovery charged it (embedded.Charged): training resumed then,
+    and, where it closed an embedded-mode crash, that crash and the iterations it lost. Nothing where no
+    recovery has ended."""
+    query = (
+        select(FailureEvent.id, FailureEvent.resumed_at, FailureEvent.iterations_lost, FailureEvent.details)
+        .where(
+            FailureEvent.job_id == job_id,
+            FailureEvent.state == FailureState.RECOVERED,
+            FailureEvent.resumed_at.is_not(None),
+        )
+        .order_by(FailureEvent.resumed_at.desc(), FailureEvent.id.desc())
+        .limit(1)
     )
-    resumed: datetime | None = (await session.execute(query)).scalar_one_or_none()
-    return resumed
+    row = (await session.execute(query)).first()
+    if row is None:
+        return embedded.Charged()
+    event_id, resumed_at, lost, details = row
+    details = details or {}
+    if embedded.CRASH not in details:  # a recovery the root orchestrated: its time only
+        return embedded.Charged(resumed_at)
+    charged = details.get(embedded.CRASH_LOST)
+    return embedded.Charged(
+        resumed_at, embedded.crash_of(event_id, details), charged if type(charged) is int else lost or 0
+    )
 
 
 async def latest_generation(session: AsyncSession, job_id: uuid.UUID) -> int | None:

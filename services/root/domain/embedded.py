@@ -22,10 +22,15 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from services.root.domain.phases import parse_timestamp
+from worker_lib.api.shared import INT32_MAX
 from worker_lib.api.worker import FRESH_START
 
 RELAUNCHED_AT = "relaunched_at"  # the failure event's detail: when the rank's machine registered again
 REACHED = "reached_iteration"  # the failure event's detail: the newest iteration committed before it
+# The failure event's details once closed: the crash it was part of (the id of its first failure: failures
+# that overlap are one crash, one rollback) and the most iterations that crash lost so far.
+CRASH = "crash"
+CRASH_LOST = "crash_iterations_lost"
 
 
 class OpenFailure(Protocol):
@@ -80,11 +85,18 @@ def resumed_after_relaunch(
     return resumed
 
 
+def iterations(summary: Mapping[str, Any] | None, key: str, *, lowest: int = 0) -> list[int]:
+    """The iterations of a heartbeat summary's rank -> iteration map `key`, those in lowest..INT32_MAX only
+    (a summary sent through etcd reaches the root unvalidated)."""
+    values = (summary or {}).get(key)
+    if not isinstance(values, dict):
+        return []
+    return [v for v in values.values() if type(v) is int and lowest <= v <= INT32_MAX]
+
+
 def reached_iteration(summary: Mapping[str, Any] | None) -> int | None:
     """The newest iteration a machine's heartbeat summary says any of its ranks committed (None: none)."""
-    local = (summary or {}).get("local")
-    newest = [v for v in local.values() if type(v) is int] if isinstance(local, dict) else []
-    return max(newest, default=None)
+    return max(iterations(summary, "local"), default=None)
 
 
 def newer(first: int | None, second: int | None) -> int | None:
@@ -101,3 +113,19 @@ def rollback(reached: int | None, restored: int | None) -> tuple[str | None, int
     if restored == FRESH_START:
         return "none", None if reached is None else reached + 1
     return "local", None if reached is None else max(0, reached - restored)
+
+
+@dataclass(frozen=True)
+class Charged:
+    """What the job's closed embedded-mode failures charged it: their downtime until `until`, and the
+    rollback of the crash closed last (`crash`, see CRASH) up to `lost` iterations."""
+
+    until: datetime | None = None
+    crash: int | None = None
+    lost: int = 0
+
+
+def crash_of(event_id: int, details: Mapping[str, Any]) -> int:
+    """The crash a closed failure was part of (CRASH), the failure itself where none was recorded."""
+    crash = details.get(CRASH)
+    return crash if type(crash) is int else event_id

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from services.root.domain import phases
+from services.root.domain.embedded import crash_of
 
 # The recovery histograms' bucket bounds (seconds).
 PHASE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
@@ -29,8 +30,8 @@ def failure_counters(
     recovered ones by tier ("none" for None), `recovered` are the recovered events (FailureEvent rows, or
     web.queries.FailureTimes). Histogram sums are in integer microseconds. Every sample is a sum over the
     events, so the samples of a set of events are those of its parts added up, as long as the events of one
-    recovery plan stay together (the iterations lost count once per plan): a whole job's events, or
-    events not recovered yet."""
+    recovery plan, or of one embedded-mode crash, stay together (the iterations lost count once per plan
+    or crash): a whole job's events, or events not recovered yet."""
     totals: Counter[MetricKey] = Counter()
     for kind, count in kinds.items():
         totals[(FAILURES, kind, "")] += count
@@ -43,8 +44,11 @@ def failure_counters(
         seconds = phases.recovery_seconds(event)
         if seconds is not None:
             _observe(totals, RECOVERY_SECONDS, event.kind, seconds)
-        # Failures that joined one recovery (a lost group: one event per machine) share its rollback.
-        recovery = event.plan_id if event.plan_id is not None else ("event", event.id)
+        # Failures that joined one recovery (a lost group: one event per machine) share its rollback, as do
+        # the embedded-mode failures of one crash.
+        recovery = (
+            event.plan_id if event.plan_id is not None else ("crash", crash_of(event.id, event.details))
+        )
         lost_by_recovery[recovery] = max(lost_by_recovery.get(recovery, 0), event.iterations_lost or 0)
     totals[(ITERATIONS_LOST, "", "")] += sum(lost_by_recovery.values())
     return totals

@@ -124,7 +124,7 @@ async def _step(
         # the relaunched training commits.
         if events:
             progress = await repo.live_progress(session, job.id)
-            _close_relaunched(job, events, live, progress, await repo.newest_resumed_at(session, job.id))
+            _close_relaunched(job, events, live, progress, await repo.last_charged(session, job.id))
         return None
     state = _state_of(job, plan, events, live)
     lost: list[FailureEvent | None] = []  # failures this step records (machines late to report)
@@ -587,7 +587,7 @@ def _close_relaunched(
     events: list[FailureEvent],
     live: list[Machine],
     progress: dict[int, embedded.Progress],
-    charged_until: datetime | None,
+    charged: embedded.Charged,
 ) -> None:
     """Embedded mode: the failures whose machine trains again since torchrun relaunched it are recovered."""
     by_id = {event.id: event for event in events}
@@ -595,9 +595,7 @@ def _close_relaunched(
     for found in sorted(resumed, key=lambda r: (r.at, by_id[r.event_id].detected_at)):
         event = by_id[found.event_id]
         why = "its training committed again after the relaunch"
-        charged_until = _close_embedded(
-            job, event, found.at, why, charged_until, found.restored, found.reached
-        )
+        charged = _close_embedded(job, event, found.at, why, charged, found.restored, found.reached)
 
 
 def _close_embedded(
@@ -605,34 +603,41 @@ def _close_embedded(
     event: FailureEvent,
     at: datetime,
     why: str,
-    charged_until: datetime | None,
+    charged: embedded.Charged,
     restored: int | None = None,
     reached: int | None = None,
-) -> datetime:
+) -> embedded.Charged:
     """Close one embedded-mode failure at `at`, its relaunched training having restored `restored` while
-    holding up to `reached` (see embedded.rollback). The job is charged its downtime past `charged_until`
-    (the end of those closed before it: failures of one crash overlap, and their time is lost once), and
-    the iterations it rolled back unless it overlaps one closed before it (one crash, one rollback).
-    Returns the new end of what is charged."""
+    holding up to `reached` (see embedded.rollback). `charged`: what the failures closed before it charged
+    the job. Failures of one crash overlap (one failed at or before the previous one's end): the job is
+    charged the downtime past what they charged, and their crash's rollback once, its largest. Returns
+    what is charged after this one."""
     # No plan, no per-rank reports: the restore (torchrun's relaunch, the ranks agreeing on the newest
     # iteration they all hold) ends where the first commit after it is seen.
     at = max(at, event.detected_at)
     event.restored_at = event.restored_at or at
     event.resumed_at = at
     event.state = FailureState.RECOVERED
-    event.details = {**event.details, "embedded_recovery": why}
     noted = event.details.get(embedded.REACHED)
     tier, lost = embedded.rollback(embedded.newer(noted if type(noted) is int else None, reached), restored)
     if tier is not None:
         event.tier = tier
         event.iterations_lost = min(lost, schemas.INT32_MAX) if lost is not None else None
-    overlaps = charged_until is not None and event.detected_at < charged_until
-    charged_until = charged_until or event.detected_at
-    job.wasted_time_s += max(0.0, (at - max(event.detected_at, charged_until)).total_seconds())
-    if not overlaps and event.iterations_lost:
-        job.wasted_time_s += event.iterations_lost * (iteration_seconds(job.checkpoints_per_minute) or 0.0)
+    overlaps = charged.until is not None and event.detected_at <= charged.until
+    crash = charged.crash if overlaps and charged.crash is not None else event.id
+    before = charged.lost if overlaps and charged.crash is not None else 0
+    crash_lost = max(before, event.iterations_lost or 0)
+    event.details = {
+        **event.details,
+        "embedded_recovery": why,
+        embedded.CRASH: crash,
+        embedded.CRASH_LOST: crash_lost,
+    }
+    since = max(event.detected_at, charged.until or event.detected_at)
+    iteration_s = iteration_seconds(job.checkpoints_per_minute) or 0.0
+    job.wasted_time_s += max(0.0, (at - since).total_seconds()) + (crash_lost - before) * iteration_s
     log.info("job %s: failure %d recovered (embedded mode: %s)", job.name, event.id, why)
-    return max(at, charged_until)
+    return embedded.Charged(max(at, charged.until or at), crash, crash_lost)
 
 
 async def complete_if_finished(session: AsyncSession, job_id: uuid.UUID, generation: int) -> None:
@@ -662,12 +667,17 @@ async def _close_at_completion(session: AsyncSession, job_id: uuid.UUID) -> None
     job = await repo.get_job(session, job_id, for_update=True)
     assert job is not None
     now = utcnow()
-    charged_until = await repo.newest_resumed_at(session, job_id)
+    charged = await repo.last_charged(session, job_id)
     progress = await repo.live_progress(session, job_id)
     for event in sorted(events, key=lambda e: e.detected_at):
-        said = progress.get(event.rank, NOTHING_SAID) if event.rank is not None else NOTHING_SAID
+        # What the machine's training restored says nothing of a failure it was not relaunched for (a
+        # silence it came back from).
+        relaunched = embedded.RELAUNCHED_AT in event.details
+        said = (
+            progress.get(event.rank, NOTHING_SAID) if relaunched and event.rank is not None else NOTHING_SAID
+        )
         why = "the job completed after the relaunch"
-        charged_until = _close_embedded(job, event, now, why, charged_until, said.restored, said.reached)
+        charged = _close_embedded(job, event, now, why, charged, said.restored, said.reached)
 
 
 # -- what agents report during a recovery ------------------------------------------------------------------

@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import defer
 
 from services.root.db.models import FailureEvent, FailureState, Job, JobState, Machine, MachineState
+from services.root.domain.embedded import CRASH
 
 
 async def jobs_by_state(session: AsyncSession) -> dict[str, int]:
@@ -41,8 +42,9 @@ async def recoveries_by_tier(session: AsyncSession) -> dict[str, int]:
 @dataclass(frozen=True)
 class FailureTimes:
     """What the phases, the histograms and the ETTR read of a failure event (domain.phases.EventTimes):
-    its timestamps, and of its details only the two times `phases.failed_at` reads; not its cause, its
-    cascade or its replacement's record."""
+    its timestamps, and of its details only the two times `phases.failed_at` reads and the embedded-mode
+    crash it was part of (the histograms count a crash's rollback once); not its cause, its cascade or its
+    replacement's record."""
 
     id: int
     job_id: Any
@@ -73,14 +75,15 @@ def _failure_times() -> Any:  # a select of FailureTimes' fields
         FailureEvent.resumed_at,
         FailureEvent.details["failed_since"],
         FailureEvent.details["last_heartbeat_at"],
+        FailureEvent.details[CRASH],
     )
 
 
 async def _times(session: AsyncSession, query: Any) -> list[FailureTimes]:
     found = []
     for row in (await session.execute(query)).all():
-        *fields, failed_since, last_heartbeat_at = row
-        details = {"failed_since": failed_since, "last_heartbeat_at": last_heartbeat_at}
+        *fields, failed_since, last_heartbeat_at, crash = row
+        details = {"failed_since": failed_since, "last_heartbeat_at": last_heartbeat_at, CRASH: crash}
         kept = {key: value for key, value in details.items() if value is not None}
         found.append(FailureTimes(*fields, details=kept))  # type: ignore[misc]
     return found

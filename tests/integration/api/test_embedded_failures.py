@@ -20,6 +20,7 @@ from services.root.flows.failures import machine_lost
 from tests.integration.api.test_worker import register
 from tests.integration.conftest import ADMIN_TOKEN, admin, bearer, create_job
 from tests.integration.web.scenario import eventually
+from tests.integration.web.test_metrics import scrape, value
 
 
 async def heartbeat(
@@ -32,9 +33,15 @@ async def heartbeat(
     newest: int = 7,
     restored: Any = None,
     held: int | None = None,
+    per_minute: float | None = None,
     status: int = 200,
 ) -> httpx.Response:
-    summary = {"local": {str(rank): newest}, "committed": committed, "session": session or f"s-{rank}-a"}
+    summary: dict[str, Any] = {
+        "local": {str(rank): newest},
+        "committed": committed,
+        "session": session or f"s-{rank}-a",
+        "per_minute": per_minute,
+    }
     if restored is not None:
         summary["restored"] = {str(rank): restored}
     if held is not None:
@@ -46,6 +53,17 @@ async def heartbeat(
     )
     assert response.status_code == status, response.text
     return response
+
+
+async def finish(client: httpx.AsyncClient, job: dict[str, Any], machines: int) -> None:
+    """Every machine reports that its training finished: the job completes."""
+    for rank in range(machines):
+        response = await client.post(
+            f"/api/v1/worker/jobs/{job['id']}/machines/{rank}/progress",
+            json={"instance_id": f"node-{rank}", "generation": 1, "event": "finished"},
+            headers=bearer(str(job["worker_token"])),
+        )
+        assert response.status_code == 204, response.text
 
 
 async def failures(client: httpx.AsyncClient, job: dict[str, Any]) -> list[dict[str, Any]]:
@@ -143,13 +161,7 @@ async def test_a_machine_lost_while_torchrun_restarted_is_reinstated_and_closed_
 
     # The relaunched training finishes before any heartbeat showed a commit: the job completes, and its
     # failure is over with it.
-    for rank in range(2):
-        response = await client.post(
-            f"/api/v1/worker/jobs/{job['id']}/machines/{rank}/progress",
-            json={"instance_id": f"node-{rank}", "generation": 1, "event": "finished"},
-            headers=bearer(str(job["worker_token"])),
-        )
-        assert response.status_code == 204, response.text
+    await finish(client, job, machines=2)
     fetched = (await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())).json()
     assert fetched["state"] == "completed"
     (event,) = await failures(client, job)
@@ -244,3 +256,52 @@ async def test_a_relaunched_machine_that_does_not_say_what_it_restored_leaves_th
         response = await client.get(page)
         assert response.status_code == 200 and "tier unknown" in response.text, page
         assert "tier pending" not in response.text, "a failure that ended waits for no tier"
+
+
+async def test_one_crash_recorded_as_two_failures_closed_apart_counts_its_largest_rollback_once(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    """Both machines declared lost while torchrun relaunched them: two failures of one crash, closed at two
+    leader steps. Before, the job's wasted time charged the rollback of whichever closed first and /metrics
+    added both."""
+    job = await running_embedded_job(client, machines=2)
+    for rank in range(2):
+        await heartbeat(client, job, rank, committed=5, per_minute=30.0)  # 2 s per iteration
+    before = await scrape(client)
+    for rank in range(2):
+        await declare_lost(root_app, job, rank)
+    for rank in range(2):
+        response = await register(client, job, f"node-{rank}", embedded=True, agent_session=f"s-{rank}-b")
+        assert response.status_code == 200, response.text
+
+    async def recovered(rank: int) -> dict[str, Any] | None:
+        event = next(e for e in await failures(client, job) if e["rank"] == rank)
+        return event if event["state"] == "recovered" else None
+
+    # Both restored iteration 5; machine 0 held up to 7, machine 1 up to 8 (a commit after its heartbeat).
+    for rank, held in ((0, 7), (1, 8)):
+        await heartbeat(client, job, rank, 1, f"s-{rank}-b", restored=5, held=held, per_minute=30.0)
+        await eventually(lambda rank=rank: recovered(rank), f"machine {rank}'s failure closed")  # type: ignore[misc]
+    first, second = sorted(await failures(client, job), key=lambda e: e["rank"])
+    assert (first["iterations_lost"], second["iterations_lost"]) == (2, 3), (first, second)
+    assert first["details"]["crash"] == second["details"]["crash"] == first["id"], "one crash"
+    fetched = (await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())).json()
+    downtime = datetime.fromisoformat(second["resumed_at"]) - datetime.fromisoformat(first["detected_at"])
+    assert fetched["wasted_time_s"] == pytest.approx(downtime.total_seconds() + 3 * 2.0, abs=1e-3), fetched
+    after = await scrape(client)
+    assert value(after, "castor_iterations_lost_total") - value(before, "castor_iterations_lost_total") == 3
+
+
+async def test_a_failure_no_relaunch_closed_takes_no_rollback_when_the_job_completes(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    """A machine declared lost while silent, its training never relaunched (it came back): the job's
+    completion closes the failure, without the rollback of a relaunch it was no part of."""
+    job = await running_embedded_job(client, machines=2)
+    await heartbeat(client, job, 1, committed=5, restored=3, held=9)  # its session's own start, long ago
+    await declare_lost(root_app, job, 1)
+    await heartbeat(client, job, 1, committed=6, restored=3, held=9)  # back: reinstated, never relaunched
+    await finish(client, job, machines=2)
+    (event,) = await failures(client, job)
+    assert event["state"] == "recovered", event
+    assert event["tier"] is None and event["iterations_lost"] is None, event

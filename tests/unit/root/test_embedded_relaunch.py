@@ -9,15 +9,20 @@ from typing import Any
 
 from services.root.db.models import FailureEvent, Job
 from services.root.domain.embedded import (
+    CRASH,
+    CRASH_LOST,
     FRESH_START,
     REACHED,
     RELAUNCHED_AT,
+    Charged,
     Progress,
     Resumed,
+    iterations,
     reached_iteration,
     resumed_after_relaunch,
     rollback,
 )
+from services.root.domain.failure_metrics import ITERATIONS_LOST, failure_counters
 from services.root.flows.recovery import _close_embedded
 
 RELAUNCH = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -59,9 +64,9 @@ def test_failures_of_one_crash_closed_together_charge_the_job_their_downtime_onc
     # Two machines declared lost while torchrun relaunched them (1.7 s apart), both resumed at LATER.
     first = FailureEvent(id=1, detected_at=RELAUNCH - timedelta(seconds=10), details={})
     second = FailureEvent(id=2, detected_at=RELAUNCH - timedelta(seconds=8.3), details={})
-    charged = _close_embedded(job, first, LATER, "resumed", None)
+    charged = _close_embedded(job, first, LATER, "resumed", Charged())
     charged = _close_embedded(job, second, LATER, "resumed", charged)
-    assert job.wasted_time_s == 12.0 and charged == LATER
+    assert job.wasted_time_s == 12.0 and charged.until == LATER
     assert first.state == second.state == "recovered" and second.resumed_at == LATER
     # A later crash, after the first ones were closed: its own downtime.
     third = FailureEvent(id=3, detected_at=LATER + timedelta(seconds=60), details={})
@@ -72,7 +77,9 @@ def test_failures_of_one_crash_closed_together_charge_the_job_their_downtime_onc
 def test_a_relaunch_loses_the_iterations_past_the_one_its_training_restored() -> None:
     assert reached_iteration({"local": {"0": 7, "1": 9}, "committed": 3}) == 9
     assert reached_iteration({"local": {}}) is None and reached_iteration(None) is None
-    assert reached_iteration({"local": {"0": "9"}}) is None, "only what a summary can hold"
+    # A summary through etcd is not validated: only iterations count.
+    assert reached_iteration({"local": {"0": "9", "1": -50, "2": 2**40, "3": True}}) is None
+    assert iterations({"restored": {"0": -1, "1": -2, "2": 4}}, "restored", lowest=FRESH_START) == [-1, 4]
     assert rollback(9, 7) == ("local", 2)
     assert rollback(9, 9) == ("local", 0)
     assert rollback(9, FRESH_START) == ("none", 10), "a fresh start loses iteration 0 too"
@@ -84,17 +91,37 @@ def test_closing_records_the_rollback_and_charges_it_once_per_crash() -> None:
     job = Job(wasted_time_s=0.0, checkpoints_per_minute=30.0)  # 2 s per iteration
     first = FailureEvent(id=1, detected_at=RELAUNCH - timedelta(seconds=10), details={REACHED: 9})
     second = FailureEvent(id=2, detected_at=RELAUNCH - timedelta(seconds=8.3), details={REACHED: 8})
-    charged = _close_embedded(job, first, LATER, "resumed", None, restored=6)
+    charged = _close_embedded(job, first, LATER, "resumed", Charged(), restored=6)
     charged = _close_embedded(job, second, LATER, "resumed", charged, restored=6)
     assert (first.tier, first.iterations_lost) == ("local", 3)
     assert (second.tier, second.iterations_lost) == ("local", 2)
+    assert first.details[CRASH] == second.details[CRASH] == 1, "one crash"
     # 12 s down, and the 3 iterations one crash rolled back (the overlapping failure's 2 are among them).
     assert job.wasted_time_s == 12.0 + 3 * 2.0
     # The relaunched ranks say the newest iteration they held: their last heartbeat was one behind.
     lagging = FailureEvent(id=4, detected_at=RELAUNCH - timedelta(seconds=5), details={REACHED: 8})
-    _close_embedded(Job(wasted_time_s=0.0), lagging, LATER, "resumed", None, restored=6, reached=9)
+    _close_embedded(Job(wasted_time_s=0.0), lagging, LATER, "resumed", Charged(), restored=6, reached=9)
     assert (lagging.tier, lagging.iterations_lost) == ("local", 3)
     unknown = FailureEvent(id=3, detected_at=LATER + timedelta(seconds=60), details={REACHED: 20})
     _close_embedded(job, unknown, LATER + timedelta(seconds=65), "resumed", charged)
-    assert unknown.tier is None and unknown.iterations_lost is None
+    assert unknown.tier is None and unknown.iterations_lost is None and unknown.details[CRASH] == 3
     assert job.wasted_time_s == 12.0 + 6.0 + 5.0
+
+
+def test_a_crash_closed_over_several_steps_is_charged_its_largest_rollback_once() -> None:
+    """The failure closed first may have lost fewer iterations than one closed later in the same crash (its
+    machine's last heartbeat was older): the job, the metrics and the ETTR all count the crash's largest."""
+    job = Job(wasted_time_s=0.0, checkpoints_per_minute=30.0)  # 2 s per iteration
+    first = FailureEvent(id=1, detected_at=RELAUNCH - timedelta(seconds=10), details={REACHED: 8})
+    second = FailureEvent(id=2, detected_at=RELAUNCH - timedelta(seconds=8), details={REACHED: 9})
+    _close_embedded(job, first, LATER, "resumed", Charged(), restored=6)
+    # A later leader step: what the first charged comes back from its row (repository.last_charged).
+    charged = Charged(LATER, first.details[CRASH], first.details[CRASH_LOST])
+    _close_embedded(job, second, LATER + timedelta(seconds=1), "resumed", charged, restored=6)
+    assert (first.iterations_lost, second.iterations_lost) == (2, 3)
+    assert job.wasted_time_s == 13.0 + 3 * 2.0, "13 s down, 3 iterations rolled back, once"
+    for event in (first, second):
+        event.plan_id = None
+        event.kind = "hardware"
+    counted = failure_counters({"hardware": 2}, {"local": 2}, [first, second])
+    assert counted[(ITERATIONS_LOST, "", "")] == 3
