@@ -61,7 +61,7 @@ class AgentNotifier:
 
     def __init__(self, path: str | None, rank: int, directory: Path, takes: str = AGENT_NOTICES) -> None:
         self._path = path
-        self._takes = set(takes.split(","))
+        self._takes = {event.strip() for event in takes.split(",")}
         self._rank = rank
         self._directory = directory
         self._socket: socket.socket | None = None

@@ -320,30 +320,20 @@ async def live_progress(session: AsyncSession, job_id: uuid.UUID) -> dict[int, P
 
 
 async def last_charged(session: AsyncSession, job_id: uuid.UUID) -> embedded.Charged:
-    """What the job's most recently ended recovery charged it (embedded.Charged): training resumed then,
-    and, where it closed an embedded-mode crash, that crash and the iterations it lost. Nothing where no
-    recovery has ended."""
-    query = (
-        select(FailureEvent.id, FailureEvent.resumed_at, FailureEvent.iterations_lost, FailureEvent.details)
-        .where(
-            FailureEvent.job_id == job_id,
-            FailureEvent.state == FailureState.RECOVERED,
-            FailureEvent.resumed_at.is_not(None),
-        )
-        .order_by(FailureEvent.resumed_at.desc(), FailureEvent.id.desc())
-        .limit(1)
+    """What the job's most recently ended recovery charged it (embedded.charged_by): the failures that
+    resumed training last, a few rows."""
+    last = (
+        select(func.max(FailureEvent.resumed_at))
+        .where(FailureEvent.job_id == job_id, FailureEvent.state == FailureState.RECOVERED)
+        .scalar_subquery()
     )
-    row = (await session.execute(query)).first()
-    if row is None:
-        return embedded.Charged()
-    event_id, resumed_at, lost, details = row
-    details = details or {}
-    if embedded.CRASH not in details:  # a recovery the root orchestrated: its time only
-        return embedded.Charged(resumed_at)
-    charged = details.get(embedded.CRASH_LOST)
-    return embedded.Charged(
-        resumed_at, embedded.crash_of(event_id, details), charged if type(charged) is int else lost or 0
+    query = select(FailureEvent).where(
+        FailureEvent.job_id == job_id,
+        FailureEvent.state == FailureState.RECOVERED,
+        FailureEvent.resumed_at == last,
     )
+    closed = (await session.execute(query)).scalars().all()
+    return embedded.charged_by(closed, closed[0].resumed_at if closed else None)
 
 
 async def latest_generation(session: AsyncSession, job_id: uuid.UUID) -> int | None:

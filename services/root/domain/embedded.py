@@ -27,10 +27,11 @@ from worker_lib.api.worker import FRESH_START
 
 RELAUNCHED_AT = "relaunched_at"  # the failure event's detail: when the rank's machine registered again
 REACHED = "reached_iteration"  # the failure event's detail: the newest iteration committed before it
-# The failure event's details once closed: the crash it was part of (the id of its first failure: failures
-# that overlap are one crash, one rollback) and the most iterations that crash lost so far.
+# The failure event's details once closed: the crash it was part of (the id of the crash's failure closed
+# first: failures that overlap are one crash, one rollback) and the most iterations that crash lost so far.
 CRASH = "crash"
 CRASH_LOST = "crash_iterations_lost"
+CRASH_SINCE = "crash_detected_at"  # and the earliest detection among its failures so far
 
 
 class OpenFailure(Protocol):
@@ -117,12 +118,47 @@ def rollback(reached: int | None, restored: int | None) -> tuple[str | None, int
 
 @dataclass(frozen=True)
 class Charged:
-    """What the job's closed embedded-mode failures charged it: their downtime until `until`, and the
-    rollback of the crash closed last (`crash`, see CRASH) up to `lost` iterations."""
+    """What the job's closed failures charged it: downtime from `since` (embedded mode: the crash's
+    earliest detection; None: not known) until `until` (the last resume), and the rollback of the
+    embedded-mode crash closed last (`crash`, see CRASH; None: the last recovery was orchestrated) up to
+    `lost` iterations."""
 
     until: datetime | None = None
     crash: int | None = None
     lost: int = 0
+    since: datetime | None = None
+
+
+class ClosedFailure(Protocol):
+    @property
+    def id(self) -> int: ...
+    @property
+    def detected_at(self) -> datetime: ...
+    @property
+    def iterations_lost(self) -> int | None: ...
+    @property
+    def details(self) -> Mapping[str, Any]: ...
+
+
+def charged_by(last: Iterable[ClosedFailure], resumed_at: datetime | None) -> Charged:
+    """What the failures that resumed training last (`last`, all closed at `resumed_at`) charged: their
+    crash's largest rollback and earliest detection, whatever order they were closed in."""
+    closed = list(last)
+    if resumed_at is None or not closed:
+        return Charged()
+    crashes = [e for e in closed if CRASH in e.details]
+    if not crashes:  # a recovery the root orchestrated: its time only
+        return Charged(resumed_at)
+
+    def lost(event: ClosedFailure) -> int:
+        noted = event.details.get(CRASH_LOST)
+        return noted if type(noted) is int else event.iterations_lost or 0
+
+    newest = max(crashes, key=lambda e: (lost(e), e.id))
+    crash = crash_of(newest.id, newest.details)
+    members = [e for e in crashes if crash_of(e.id, e.details) == crash]
+    noted = [parse_timestamp(e.details.get(CRASH_SINCE)) or e.detected_at for e in members]
+    return Charged(resumed_at, crash, max(lost(e) for e in members), min(noted))
 
 
 def crash_of(event_id: int, details: Mapping[str, Any]) -> int:

@@ -41,7 +41,7 @@ from services.root.db.models import (
     RecoveryPlan,
     utcnow,
 )
-from services.root.domain import embedded, persisted, recovery_states
+from services.root.domain import embedded, persisted, phases, recovery_states
 from services.root.domain.ettr import iteration_seconds
 from services.root.domain.recovery import MemoryCopy, PersistedShard, plan_recovery
 from services.root.domain.recovery_states import RecoveryState
@@ -592,7 +592,7 @@ def _close_relaunched(
     """Embedded mode: the failures whose machine trains again since torchrun relaunched it are recovered."""
     by_id = {event.id: event for event in events}
     resumed = embedded.resumed_after_relaunch(events, {m.rank: m for m in live}, progress)
-    for found in sorted(resumed, key=lambda r: (r.at, by_id[r.event_id].detected_at)):
+    for found in sorted(resumed, key=lambda r: (r.at, by_id[r.event_id].detected_at, r.event_id)):
         event = by_id[found.event_id]
         why = "its training committed again after the relaunch"
         charged = _close_embedded(job, event, found.at, why, charged, found.restored, found.reached)
@@ -609,9 +609,9 @@ def _close_embedded(
 ) -> embedded.Charged:
     """Close one embedded-mode failure at `at`, its relaunched training having restored `restored` while
     holding up to `reached` (see embedded.rollback). `charged`: what the failures closed before it charged
-    the job. Failures of one crash overlap (one failed at or before the previous one's end): the job is
-    charged the downtime past what they charged, and their crash's rollback once, its largest. Returns
-    what is charged after this one."""
+    the job. A failure that began (phases.failed_at, as the ETTR counts it) at or before the last resume is
+    part of that crash: the job is charged the downtime its detection and resume add to the crash's span,
+    and the crash's rollback once, its largest. Returns what is charged after this one."""
     # No plan, no per-rank reports: the restore (torchrun's relaunch, the ranks agreeing on the newest
     # iteration they all hold) ends where the first commit after it is seen.
     at = max(at, event.detected_at)
@@ -623,21 +623,28 @@ def _close_embedded(
     if tier is not None:
         event.tier = tier
         event.iterations_lost = min(lost, schemas.INT32_MAX) if lost is not None else None
-    overlaps = charged.until is not None and event.detected_at <= charged.until
-    crash = charged.crash if overlaps and charged.crash is not None else event.id
-    before = charged.lost if overlaps and charged.crash is not None else 0
+    detected, until = event.detected_at, charged.until
+    same_crash = until is not None and charged.crash is not None and phases.failed_at(event) <= until
+    crash = charged.crash if same_crash and charged.crash is not None else event.id
+    before = charged.lost if same_crash else 0
     crash_lost = max(before, event.iterations_lost or 0)
+    since = min(detected, charged.since or detected) if same_crash else detected
+    # Downtime: what this failure adds before the crash's span (detected earlier than any before it) and
+    # after it (resumed later).
+    down = max(0.0, (at - max(detected, until or detected)).total_seconds())
+    if same_crash and charged.since is not None and detected < charged.since:
+        down += (charged.since - detected).total_seconds()
     event.details = {
         **event.details,
         "embedded_recovery": why,
         embedded.CRASH: crash,
         embedded.CRASH_LOST: crash_lost,
+        embedded.CRASH_SINCE: since.isoformat(),
     }
-    since = max(event.detected_at, charged.until or event.detected_at)
     iteration_s = iteration_seconds(job.checkpoints_per_minute) or 0.0
-    job.wasted_time_s += max(0.0, (at - since).total_seconds()) + (crash_lost - before) * iteration_s
+    job.wasted_time_s += down + (crash_lost - before) * iteration_s
     log.info("job %s: failure %d recovered (embedded mode: %s)", job.name, event.id, why)
-    return embedded.Charged(max(at, charged.until or at), crash, crash_lost)
+    return embedded.Charged(max(at, until or at), crash, crash_lost, since)
 
 
 async def complete_if_finished(session: AsyncSession, job_id: uuid.UUID, generation: int) -> None:

@@ -10,13 +10,13 @@ from typing import Any
 from services.root.db.models import FailureEvent, Job
 from services.root.domain.embedded import (
     CRASH,
-    CRASH_LOST,
     FRESH_START,
     REACHED,
     RELAUNCHED_AT,
     Charged,
     Progress,
     Resumed,
+    charged_by,
     iterations,
     reached_iteration,
     resumed_after_relaunch,
@@ -116,7 +116,8 @@ def test_a_crash_closed_over_several_steps_is_charged_its_largest_rollback_once(
     second = FailureEvent(id=2, detected_at=RELAUNCH - timedelta(seconds=8), details={REACHED: 9})
     _close_embedded(job, first, LATER, "resumed", Charged(), restored=6)
     # A later leader step: what the first charged comes back from its row (repository.last_charged).
-    charged = Charged(LATER, first.details[CRASH], first.details[CRASH_LOST])
+    charged = charged_by([first], first.resumed_at)
+    assert (charged.crash, charged.lost, charged.since) == (1, 2, first.detected_at)
     _close_embedded(job, second, LATER + timedelta(seconds=1), "resumed", charged, restored=6)
     assert (first.iterations_lost, second.iterations_lost) == (2, 3)
     assert job.wasted_time_s == 13.0 + 3 * 2.0, "13 s down, 3 iterations rolled back, once"
@@ -125,3 +126,55 @@ def test_a_crash_closed_over_several_steps_is_charged_its_largest_rollback_once(
         event.kind = "hardware"
     counted = failure_counters({"hardware": 2}, {"local": 2}, [first, second])
     assert counted[(ITERATIONS_LOST, "", "")] == 3
+
+
+def test_what_a_crash_charged_is_read_back_whatever_order_its_failures_closed_in() -> None:
+    """Failures closed in one step share their resume time; the row read back may be any of them."""
+    job = Job(wasted_time_s=0.0, checkpoints_per_minute=30.0)
+    early = FailureEvent(id=3, detected_at=RELAUNCH - timedelta(seconds=9), details={REACHED: 8})
+    late = FailureEvent(id=2, detected_at=RELAUNCH - timedelta(seconds=4), details={REACHED: 14})
+    charged = _close_embedded(job, early, LATER, "resumed", Charged(), restored=6)
+    charged = _close_embedded(job, late, LATER, "resumed", charged, restored=6)
+    assert (early.iterations_lost, late.iterations_lost) == (2, 8)
+    for closed in ([early, late], [late, early], [late]):
+        read = charged_by(closed, LATER)
+        assert (read.until, read.crash, read.lost) == (LATER, 3, 8), closed
+    assert charged_by([early, late], LATER).since == early.detected_at
+    # A third failure of the crash, closed at a later step, adds no iteration: the crash lost 8.
+    third = FailureEvent(id=4, detected_at=RELAUNCH - timedelta(seconds=1), details={REACHED: 14})
+    before = job.wasted_time_s
+    _close_embedded(job, third, LATER + timedelta(seconds=1), "resumed", charged_by([early, late], LATER), 6)
+    assert job.wasted_time_s == before + 1.0
+    assert (
+        charged_by([], None) == Charged()
+        and charged_by([FailureEvent(id=9, details={})], LATER).crash is None
+    )
+
+
+def test_a_failure_detected_earlier_but_closed_later_adds_the_downtime_before_the_crash() -> None:
+    """The crash's downtime is the union of its failures' spans, as the ETTR counts it."""
+    job = Job(wasted_time_s=0.0)
+    later = FailureEvent(id=1, detected_at=RELAUNCH + timedelta(seconds=5), details={})
+    earlier = FailureEvent(id=2, detected_at=RELAUNCH, details={})
+    charged = _close_embedded(job, later, RELAUNCH + timedelta(seconds=8), "resumed", Charged())
+    _close_embedded(job, earlier, RELAUNCH + timedelta(seconds=10), "resumed", charged)
+    assert job.wasted_time_s == 10.0, "from the first detection to the last resume"
+
+
+def test_a_machine_silent_before_the_last_resume_is_part_of_that_crash() -> None:
+    """The ETTR dates a lost machine's failure from its last heartbeat: declared lost after the crash's
+    resume, it is still the same crash, whose rollback counts once."""
+    job = Job(wasted_time_s=0.0, checkpoints_per_minute=30.0)
+    crash = FailureEvent(id=1, kind="software", detected_at=RELAUNCH, details={REACHED: 9})
+    charged = _close_embedded(job, crash, LATER, "resumed", Charged(), restored=6)
+    silent_since = (LATER - timedelta(seconds=1)).isoformat()
+    lost = FailureEvent(
+        id=2,
+        kind="hardware",
+        detected_at=LATER + timedelta(seconds=8),
+        details={REACHED: 9, "failed_since": silent_since},
+    )
+    before = job.wasted_time_s
+    _close_embedded(job, lost, LATER + timedelta(seconds=12), "resumed", charged, restored=6)
+    assert lost.details[CRASH] == 1 and lost.iterations_lost == 3
+    assert job.wasted_time_s == before + 4.0, "its downtime, not the crash's 3 iterations again"
