@@ -95,6 +95,23 @@ def iterations(summary: Mapping[str, Any] | None, key: str, *, lowest: int = 0) 
     return [v for v in values.values() if type(v) is int and lowest <= v <= INT32_MAX]
 
 
+def came_back(events: Iterable[OpenFailure], holders: Mapping[int, RankHolder]) -> list[Resumed]:
+    """The open failures of machines declared lost while silent that were reinstated when their heartbeats
+    resumed, with no relaunch: the training process that sends them (local rank 0's services run inside it)
+    never stopped, so nothing was restored and nothing rolled back. Each ends when it was reinstated, once
+    its machine is healthy. (The root's own recovery would have restarted the training; torchrun's did
+    not.)"""
+    back = []
+    for event in events:
+        reinstated = event.details.get("reinstated")
+        at = parse_timestamp(reinstated.get("at")) if isinstance(reinstated, dict) else None
+        holder = holders.get(event.rank) if event.rank is not None else None
+        if at is None or RELAUNCHED_AT in event.details or holder is None or holder.state != "healthy":
+            continue
+        back.append(Resumed(event.id, at))
+    return back
+
+
 def reached_iteration(summary: Mapping[str, Any] | None) -> int | None:
     """The newest iteration a machine's heartbeat summary says any of its ranks committed (None: none)."""
     return max(iterations(summary, "local"), default=None)

@@ -589,12 +589,20 @@ def _close_relaunched(
     progress: dict[int, embedded.Progress],
     charged: embedded.Charged,
 ) -> None:
-    """Embedded mode: the failures whose machine trains again since torchrun relaunched it are recovered."""
+    """Embedded mode: the failures whose machine trains again since torchrun relaunched it are recovered,
+    and those of a machine that came back without a relaunch (embedded.came_back)."""
     by_id = {event.id: event for event in events}
-    resumed = embedded.resumed_after_relaunch(events, {m.rank: m for m in live}, progress)
-    for found in sorted(resumed, key=lambda r: (r.at, by_id[r.event_id].detected_at, r.event_id)):
+    holders = {m.rank: m for m in live}
+    came_back = embedded.came_back(events, holders)
+    back = {r.event_id for r in came_back}
+    closing = embedded.resumed_after_relaunch(events, holders, progress) + came_back
+    for found in sorted(closing, key=lambda r: (r.at, by_id[r.event_id].detected_at, r.event_id)):
         event = by_id[found.event_id]
-        why = "its training committed again after the relaunch"
+        if found.event_id in back:
+            why = "its heartbeats resumed without a relaunch: its training never stopped"
+            event.iterations_lost = 0  # no restore: nothing rolled back
+        else:
+            why = "its training committed again after the relaunch"
         charged = _close_embedded(job, event, found.at, why, charged, found.restored, found.reached)
 
 

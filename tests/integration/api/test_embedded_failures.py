@@ -292,15 +292,38 @@ async def test_one_crash_recorded_as_two_failures_closed_apart_counts_its_larges
     assert value(after, "castor_iterations_lost_total") - value(before, "castor_iterations_lost_total") == 3
 
 
-async def test_a_failure_no_relaunch_closed_takes_no_rollback_when_the_job_completes(
+async def test_a_machine_back_without_a_relaunch_ends_its_failure_when_reinstated(
     client: httpx.AsyncClient, root_app: FastAPI
 ) -> None:
-    """A machine declared lost while silent, its training never relaunched (it came back): the job's
-    completion closes the failure, without the rollback of a relaunch it was no part of."""
+    """Declared lost while silent, its heartbeats resumed from the same session: its training (local rank
+    0's services run inside it) never stopped, and torchrun relaunched nothing. Before, the failure stayed
+    open until the job completed, charging the whole run since as downtime."""
     job = await running_embedded_job(client, machines=2)
     await heartbeat(client, job, 1, committed=5, restored=3, held=9)  # its session's own start, long ago
     await declare_lost(root_app, job, 1)
-    await heartbeat(client, job, 1, committed=6, restored=3, held=9)  # back: reinstated, never relaunched
+    await heartbeat(client, job, 1, committed=6, restored=3, held=9)  # back, the same session
+
+    async def recovered() -> dict[str, Any] | None:
+        (event,) = await failures(client, job)
+        return event if event["state"] == "recovered" else None
+
+    event = await eventually(recovered, "the failure closed once its machine was reinstated")
+    assert "without a relaunch" in event["details"]["embedded_recovery"], event
+    reinstated = datetime.fromisoformat(event["details"]["reinstated"]["at"])
+    assert datetime.fromisoformat(event["resumed_at"]) == reinstated, event
+    assert event["tier"] is None and event["iterations_lost"] == 0, "nothing restored, nothing rolled back"
+    fetched = (await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())).json()
+    assert fetched["state"] == "running" and fetched["failures"] == 1
+
+
+async def test_a_failure_with_no_relaunch_takes_no_rollback_when_the_job_completes(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    """The job completes while a machine's loss is open, its training never relaunched: the completion
+    closes the failure without the figures of the restore its training made when it started."""
+    job = await running_embedded_job(client, machines=2)
+    await heartbeat(client, job, 1, committed=5, restored=3, held=9)  # its session's own start, long ago
+    await declare_lost(root_app, job, 1)
     await finish(client, job, machines=2)
     (event,) = await failures(client, job)
     assert event["state"] == "recovered", event

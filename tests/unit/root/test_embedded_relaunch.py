@@ -16,6 +16,7 @@ from services.root.domain.embedded import (
     Charged,
     Progress,
     Resumed,
+    came_back,
     charged_by,
     iterations,
     reached_iteration,
@@ -178,3 +179,12 @@ def test_a_machine_silent_before_the_last_resume_is_part_of_that_crash() -> None
     _close_embedded(job, lost, LATER + timedelta(seconds=12), "resumed", charged, restored=6)
     assert lost.details[CRASH] == 1 and lost.iterations_lost == 3
     assert job.wasted_time_s == before + 4.0, "its downtime, not the crash's 3 iterations again"
+
+
+def test_a_machine_reinstated_without_a_relaunch_ends_its_failure_when_it_came_back() -> None:
+    back = {"reinstated": {"at": LATER.isoformat(), "why": "its heartbeats resumed"}}
+    assert came_back([Event(1, 0, details=back)], {0: Holder()}) == [Resumed(1, LATER)]
+    relaunched = {**back, RELAUNCHED_AT: RELAUNCH.isoformat()}
+    assert came_back([Event(1, 0, details=relaunched)], {0: Holder()}) == [], "a relaunch: its commit ends it"
+    assert came_back([Event(1, 0, details={})], {0: Holder()}) == [], "not reinstated"
+    assert came_back([Event(1, 0, details=back)], {0: Holder(state="suspect")}) == [], "silent again"
