@@ -47,7 +47,6 @@ from services.root.db.models import (
 from services.root.domain import embedded
 from services.root.domain.embedded import Progress
 from services.root.domain.failure_metrics import MetricKey, failure_counters
-from worker_lib.api.worker import FRESH_START
 
 
 async def get_job(
@@ -295,28 +294,15 @@ async def live_summaries(session: AsyncSession, job_id: uuid.UUID) -> Sequence[d
 
 
 async def live_progress(session: AsyncSession, job_id: uuid.UUID) -> dict[int, Progress]:
-    """Per live machine's rank, its heartbeat summary's commits (its agent session's) and the iteration its
-    ranks restored; nothing (0, None) where the summary is another session's than the one registered: an
-    agent's last heartbeat that arrived after its successor registered. (An agent too old to name its
-    session in the summary is taken at its word.)"""
+    """Per live machine's rank, what its heartbeat summary says of its registered agent session
+    (embedded.progress_of; nothing where the summary is another session's)."""
     query = select(Machine.rank, Machine.summary, Machine.agent_session).where(
         Machine.job_id == job_id, Machine.state != MachineState.REPLACED
     )
-    progress = {}
-    for rank, summary, agent_session in (await session.execute(query)).all():
-        summary = summary or {}
-        sent_by = summary.get("session")
-        if sent_by is not None and sent_by != agent_session:
-            progress[rank] = Progress(0)
-            continue
-        committed = summary.get("committed")
-        said = functools.partial(embedded.iterations, summary, lowest=FRESH_START)
-        progress[rank] = Progress(
-            committed if isinstance(committed, int) else 0,
-            restored=min(said("restored"), default=None),
-            reached=max(said("newest_at_restore"), default=None),
-        )
-    return progress
+    return {
+        rank: embedded.progress_of(summary, agent_session) or Progress(0)
+        for rank, summary, agent_session in (await session.execute(query)).all()
+    }
 
 
 async def last_charged(session: AsyncSession, job_id: uuid.UUID) -> embedded.Charged:

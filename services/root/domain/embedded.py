@@ -32,6 +32,8 @@ REACHED = "reached_iteration"  # the failure event's detail: the newest iteratio
 CRASH = "crash"
 CRASH_LOST = "crash_iterations_lost"
 CRASH_SINCE = "crash_detected_at"  # and the earliest detection among its failures so far
+# A machine loss's detail: the commits its agent session's last heartbeat counted then (came_back).
+COMMITTED_AT_LOSS = "committed_at_loss"
 
 
 class OpenFailure(Protocol):
@@ -95,21 +97,45 @@ def iterations(summary: Mapping[str, Any] | None, key: str, *, lowest: int = 0) 
     return [v for v in values.values() if type(v) is int and lowest <= v <= INT32_MAX]
 
 
-def came_back(events: Iterable[OpenFailure], holders: Mapping[int, RankHolder]) -> list[Resumed]:
+def came_back(
+    events: Iterable[OpenFailure], holders: Mapping[int, RankHolder], progress: Mapping[int, Progress]
+) -> list[Resumed]:
     """The open failures of machines declared lost while silent that were reinstated when their heartbeats
-    resumed, with no relaunch: the training process that sends them (local rank 0's services run inside it)
-    never stopped, so nothing was restored and nothing rolled back. Each ends when it was reinstated, once
-    its machine is healthy. (The root's own recovery would have restarted the training; torchrun's did
-    not.)"""
+    resumed, with no relaunch, and whose training has committed since it was declared lost (the session's
+    commits above COMMITTED_AT_LOSS): it went on, so nothing was restored and nothing rolled back. Each
+    ends at the heartbeat that showed it. Heartbeats alone do not say it: they come from a thread of local
+    rank 0's process, which may still be stuck in a collective that torchrun will restart. (The root's own
+    recovery would have restarted the training; torchrun did not.)"""
     back = []
     for event in events:
         reinstated = event.details.get("reinstated")
         at = parse_timestamp(reinstated.get("at")) if isinstance(reinstated, dict) else None
+        then = event.details.get(COMMITTED_AT_LOSS)
         holder = holders.get(event.rank) if event.rank is not None else None
-        if at is None or RELAUNCHED_AT in event.details or holder is None or holder.state != "healthy":
+        if at is None or type(then) is not int or RELAUNCHED_AT in event.details:
             continue
-        back.append(Resumed(event.id, at))
+        if holder is None or holder.state != "healthy" or holder.last_heartbeat_at is None:
+            continue
+        now = progress.get(event.rank, Progress(0)) if event.rank is not None else Progress(0)
+        if holder.last_heartbeat_at > at and now.committed > then:
+            back.append(Resumed(event.id, holder.last_heartbeat_at))
     return back
+
+
+def progress_of(summary: Mapping[str, Any] | None, session: str | None) -> Progress | None:
+    """A machine's heartbeat summary as Progress; None where it is another agent session's than the one
+    registered (an agent's last heartbeat that arrived after its successor registered). An agent too old to
+    name its session in the summary is taken at its word."""
+    summary = summary or {}
+    sent_by = summary.get("session")
+    if sent_by is not None and sent_by != session:
+        return None
+    committed = summary.get("committed")
+    return Progress(
+        committed if type(committed) is int and 0 <= committed <= INT32_MAX else 0,
+        restored=min(iterations(summary, "restored", lowest=FRESH_START), default=None),
+        reached=max(iterations(summary, "newest_at_restore", lowest=FRESH_START), default=None),
+    )
 
 
 def reached_iteration(summary: Mapping[str, Any] | None) -> int | None:

@@ -30,6 +30,7 @@ from services.root.db.models import (
     PlanStatus,
     utcnow,
 )
+from services.root.domain import embedded
 from services.root.domain.suspicion import implicates_a_peer
 from services.root.flows.machines import live_machine_at
 
@@ -185,6 +186,7 @@ async def machine_lost(
         for e in await joinable_failures(session, job)
         if is_peer_symptom(e) and e.machine_id != machine.id and e.detected_at >= last_seen - SYMPTOM_SLACK
     ]
+    at_loss = embedded.progress_of(machine.summary, machine.agent_session)
     event = FailureEvent(
         job_id=job.id,
         machine_id=machine.id,
@@ -198,6 +200,8 @@ async def machine_lost(
         details={
             "instance_id": machine.instance_id,
             "last_heartbeat_at": machine.last_heartbeat_at.isoformat() if machine.last_heartbeat_at else None,
+            # Embedded mode: a machine back without a relaunch is over once its training committed again.
+            embedded.COMMITTED_AT_LOSS: at_loss.committed if at_loss is not None else None,
             **(details or {}),
             "cascade": [{"cause": e.cause, "at": e.detected_at.isoformat(), **e.details} for e in symptoms],
         },

@@ -593,7 +593,7 @@ def _close_relaunched(
     and those of a machine that came back without a relaunch (embedded.came_back)."""
     by_id = {event.id: event for event in events}
     holders = {m.rank: m for m in live}
-    came_back = embedded.came_back(events, holders)
+    came_back = embedded.came_back(events, holders, progress)
     back = {r.event_id for r in came_back}
     closing = embedded.resumed_after_relaunch(events, holders, progress) + came_back
     for found in sorted(closing, key=lambda r: (r.at, by_id[r.event_id].detected_at, r.event_id)):

@@ -89,6 +89,15 @@ async def declare_lost(
         lost.detected_at -= earlier_by
 
 
+async def leader_step(root_app: FastAPI, job: dict[str, Any]) -> None:
+    """A leader's step on the job, at once."""
+    castor = root_app.state.castor
+    async with castor.database.session() as session:
+        job_row = await repo.get_job(session, uuid.UUID(job["id"]), for_update=True)
+        assert job_row is not None
+        await recovery.advance(session, job_row, castor.settings)
+
+
 async def running_embedded_job(client: httpx.AsyncClient, machines: int) -> dict[str, Any]:
     job = await create_job(client, machines=machines, replicas=min(machines, 2))
     for rank in range(machines):
@@ -116,11 +125,7 @@ async def test_a_relaunch_within_the_heartbeat_timeout_is_a_failure_recovered_at
     # session's.
     await heartbeat(client, job, 0, committed=0, session="s-0-b")
     await heartbeat(client, job, 0, committed=5, session="s-0-a")
-    castor = root_app.state.castor
-    async with castor.database.session() as session:
-        job_row = await repo.get_job(session, uuid.UUID(job["id"]), for_update=True)
-        assert job_row is not None
-        await recovery.advance(session, job_row, castor.settings)  # a leader's step, at once
+    await leader_step(root_app, job)
     (event,) = await failures(client, job)
     assert event["state"] == "detected", "closed on the crashed session's commits"
     await heartbeat(client, job, 0, committed=1, session="s-0-b")
@@ -301,16 +306,28 @@ async def test_a_machine_back_without_a_relaunch_ends_its_failure_when_reinstate
     job = await running_embedded_job(client, machines=2)
     await heartbeat(client, job, 1, committed=5, restored=3, held=9)  # its session's own start, long ago
     await declare_lost(root_app, job, 1)
-    await heartbeat(client, job, 1, committed=6, restored=3, held=9)  # back, the same session
+    (event,) = await failures(client, job)
+    assert event["details"]["committed_at_loss"] == 5, event
+    await heartbeat(client, job, 1, committed=5, restored=3, held=9)  # back, the same session
+
+    async def reinstated() -> dict[str, Any] | None:
+        (event,) = await failures(client, job)
+        return event if "reinstated" in event["details"] else None
+
+    await eventually(reinstated, "the machine reinstated when its heartbeats resumed")
+    await leader_step(root_app, job)
+    (event,) = await failures(client, job)
+    assert event["state"] == "detected", "heartbeats, but no commit yet: its training may still be stuck"
+    await heartbeat(client, job, 1, committed=6, restored=3, held=9)
 
     async def recovered() -> dict[str, Any] | None:
         (event,) = await failures(client, job)
         return event if event["state"] == "recovered" else None
 
-    event = await eventually(recovered, "the failure closed once its machine was reinstated")
+    event = await eventually(recovered, "the failure closed once its machine's training committed again")
     assert "without a relaunch" in event["details"]["embedded_recovery"], event
-    reinstated = datetime.fromisoformat(event["details"]["reinstated"]["at"])
-    assert datetime.fromisoformat(event["resumed_at"]) == reinstated, event
+    back = datetime.fromisoformat(event["details"]["reinstated"]["at"])
+    assert datetime.fromisoformat(event["resumed_at"]) > back, event
     assert event["tier"] is None and event["iterations_lost"] == 0, "nothing restored, nothing rolled back"
     fetched = (await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())).json()
     assert fetched["state"] == "running" and fetched["failures"] == 1

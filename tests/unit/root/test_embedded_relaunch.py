@@ -9,6 +9,7 @@ from typing import Any
 
 from services.root.db.models import FailureEvent, Job
 from services.root.domain.embedded import (
+    COMMITTED_AT_LOSS,
     CRASH,
     FRESH_START,
     REACHED,
@@ -19,6 +20,7 @@ from services.root.domain.embedded import (
     came_back,
     charged_by,
     iterations,
+    progress_of,
     reached_iteration,
     resumed_after_relaunch,
     rollback,
@@ -181,10 +183,27 @@ def test_a_machine_silent_before_the_last_resume_is_part_of_that_crash() -> None
     assert job.wasted_time_s == before + 4.0, "its downtime, not the crash's 3 iterations again"
 
 
-def test_a_machine_reinstated_without_a_relaunch_ends_its_failure_when_it_came_back() -> None:
-    back = {"reinstated": {"at": LATER.isoformat(), "why": "its heartbeats resumed"}}
-    assert came_back([Event(1, 0, details=back)], {0: Holder()}) == [Resumed(1, LATER)]
+def test_a_machine_reinstated_without_a_relaunch_ends_its_failure_once_its_training_committed() -> None:
+    back = {
+        "reinstated": {"at": RELAUNCH.isoformat(), "why": "its heartbeats resumed"},
+        COMMITTED_AT_LOSS: 5,
+    }
+    trained = {0: Progress(6)}
+    assert came_back([Event(1, 0, details=back)], {0: Holder()}, trained) == [Resumed(1, LATER)]
+    # Heartbeats alone are no sign of training: local rank 0 may be stuck in a collective.
+    assert came_back([Event(1, 0, details=back)], {0: Holder()}, {0: Progress(5)}) == []
+    assert came_back([Event(1, 0, details=back)], {0: Holder(last_heartbeat_at=RELAUNCH)}, trained) == []
     relaunched = {**back, RELAUNCHED_AT: RELAUNCH.isoformat()}
-    assert came_back([Event(1, 0, details=relaunched)], {0: Holder()}) == [], "a relaunch: its commit ends it"
-    assert came_back([Event(1, 0, details={})], {0: Holder()}) == [], "not reinstated"
-    assert came_back([Event(1, 0, details=back)], {0: Holder(state="suspect")}) == [], "silent again"
+    assert came_back([Event(1, 0, details=relaunched)], {0: Holder()}, trained) == [], "a relaunch's own end"
+    assert came_back([Event(1, 0, details={COMMITTED_AT_LOSS: 5})], {0: Holder()}, trained) == []
+    unknown = {"reinstated": back["reinstated"]}
+    assert came_back([Event(1, 0, details=unknown)], {0: Holder()}, trained) == [], "commits then unknown"
+    assert came_back([Event(1, 0, details=back)], {0: Holder(state="suspect")}, trained) == []
+
+
+def test_a_summary_counts_for_its_own_agent_session_only() -> None:
+    summary = {"committed": 4, "session": "a", "restored": {"0": 3}, "newest_at_restore": {"0": 5}}
+    assert progress_of(summary, "a") == Progress(4, restored=3, reached=5)
+    assert progress_of(summary, "b") is None, "a late heartbeat of the agent before"
+    assert progress_of({"committed": 4}, "b") == Progress(4), "an agent too old to name its session"
+    assert progress_of({"committed": -3, "session": "a"}, "a") == Progress(0), "through etcd, unvalidated"
