@@ -305,6 +305,13 @@ async def live_progress(session: AsyncSession, job_id: uuid.UUID) -> dict[int, P
     }
 
 
+async def session_progress(session: AsyncSession, machine_id: int) -> Progress | None:
+    """What the machine's heartbeat summary says of its registered agent session (embedded.progress_of)."""
+    query = select(Machine.summary, Machine.agent_session).where(Machine.id == machine_id)
+    row = (await session.execute(query)).first()
+    return None if row is None else embedded.progress_of(row[0], row[1])
+
+
 async def last_charged(session: AsyncSession, job_id: uuid.UUID) -> embedded.Charged:
     """What the job's most recently ended recovery charged it (embedded.charged_by): the failures that
     resumed training last, a few rows."""

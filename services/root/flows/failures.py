@@ -186,7 +186,8 @@ async def machine_lost(
         for e in await joinable_failures(session, job)
         if is_peer_symptom(e) and e.machine_id != machine.id and e.detected_at >= last_seen - SYMPTOM_SLACK
     ]
-    at_loss = embedded.progress_of(machine.summary, machine.agent_session)
+    # Read apart: the leader and the detector load machines without their summaries (a thousand of them).
+    at_loss = await repo.session_progress(session, machine.id) if machine.embedded else None
     event = FailureEvent(
         job_id=job.id,
         machine_id=machine.id,

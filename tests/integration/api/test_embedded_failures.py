@@ -81,7 +81,8 @@ async def declare_lost(
     async with root_app.state.castor.database.session() as session:
         job_row = await repo.get_job(session, uuid.UUID(job["id"]), for_update=True)
         assert job_row is not None
-        (machine,) = await repo.machines_at_ranks(session, job_row.id, [rank])
+        # As the leader and the detector load them: without their JSON documents.
+        (machine,) = [m for m in await repo.live_machines(session, job_row.id) if m.rank == rank]
         lost = await machine_lost(
             session, job_row, machine, "no heartbeat (the test)", details={"silent": True}
         )
