@@ -66,6 +66,10 @@ class AgentNotifier:
         self._directory = directory
         self._socket: socket.socket | None = None
 
+    def takes(self, event: Event) -> bool:
+        """Whether a notice of `event` goes anywhere: there is an agent, and it takes such notices."""
+        return bool(self._path) and (event != "restored" or event in self._takes)
+
     @classmethod
     def from_environment(cls, rank: int, directory: Path) -> AgentNotifier:
         # A process the agent started cold (not from a warm spare) lets its hang watchdog ask for its stacks
@@ -85,7 +89,7 @@ class AgentNotifier:
     ) -> None:
         """`newest`: with "restored", the newest iteration the process's store held then (FRESH_START:
         none), which the restore may have rolled back from."""
-        if not self._path or (event == "restored" and event not in self._takes):
+        if not self._path or not self.takes(event):
             return
         message: dict[str, object] = {
             "event": event,

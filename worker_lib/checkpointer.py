@@ -431,6 +431,8 @@ class Checkpointer:
         """Tell the agent what this process restored (FRESH_START: nothing) and the newest iteration it held:
         its heartbeats carry both, and where torchrun relaunches training (embedded mode) the root takes the
         iterations the relaunch rolled back from them."""
+        if not self._notifier.takes("restored"):
+            return  # the newest iteration held is read only for the agent
         committed = self._store.committed()  # newest first
         newest = committed[0].iteration if committed else FRESH_START
         stats = self.stats

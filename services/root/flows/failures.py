@@ -202,7 +202,7 @@ async def machine_lost(
             "instance_id": machine.instance_id,
             "last_heartbeat_at": machine.last_heartbeat_at.isoformat() if machine.last_heartbeat_at else None,
             # Embedded mode: a machine back without a relaunch is over once its training committed again.
-            embedded.COMMITTED_AT_LOSS: at_loss.committed if at_loss is not None else None,
+            **({embedded.COMMITTED_AT_LOSS: at_loss.committed} if at_loss is not None else {}),
             **(details or {}),
             "cascade": [{"cause": e.cause, "at": e.detected_at.isoformat(), **e.details} for e in symptoms],
         },
