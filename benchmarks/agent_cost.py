@@ -1,7 +1,7 @@
 """What Castor itself costs per training iteration on the agent side; the last line printed is JSON.
 
     .venv/bin/python benchmarks/agent_cost.py            # 4 machines, ~13 MB of model and Adam state per rank
-    .venv/bin/python benchmarks/agent_cost.py --quick    # fewer iterations: checks that it runs
+    .venv/bin/python benchmarks/agent_cost.py --quick    # 2 machines, fewer iterations: checks that it runs
 
 A data-parallel job (an MLP under DistributedDataParallel over gloo, this file in --worker mode) runs on 4
 local machines started by the root's local cloud operator, m = 2, REST heartbeats, persisted every 100
@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-save", dest="save", action="store_false", help=argparse.SUPPRESS)
     parser.add_argument("--log-dir", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="20 iterations: checks that it runs")
+    parser.add_argument("--quick", action="store_true", help="2 machines, 20 iterations: checks that it runs")
     parser.add_argument("--machines", type=int, default=4)
     parser.add_argument("--width", type=int, default=1024, help="MLP width (1024: ~13 MB of state per rank)")
     parser.add_argument("--iterations", type=int, default=200, help="measured iterations")
@@ -174,7 +174,8 @@ def main() -> None:
         worker(args)
         return
     if args.quick:
-        args.iterations, args.warmup, args.width = 20, 5, 256
+        # Two machines (one placement group: each replicates to the other) start in half the time.
+        args.iterations, args.warmup, args.width, args.machines = 20, 5, 256, 2
     with tempfile.TemporaryDirectory(prefix="castor-agent-cost-") as tmp:
         with_saves = run(True, args, Path(tmp) / "save")
         print("with checkpoints:", json.dumps(with_saves), flush=True)

@@ -1,7 +1,7 @@
 """Benchmark of failure recovery on this machine; the last line printed is JSON.
 
     .venv/bin/python benchmarks/recovery.py            # model of ~50 MB of state per rank, 4 machines
-    .venv/bin/python benchmarks/recovery.py --quick    # small model: checks that it runs
+    .venv/bin/python benchmarks/recovery.py --quick    # small model, 2 machines: checks that it runs
 
 A real data-parallel job (tests/e2e/workloads/train_ddp.py: torch.distributed with gloo on CPU, a
 checkpoint every iteration) runs on 4 local machines started by the root's local cloud operator, m = 2,
@@ -59,7 +59,7 @@ def first_iteration_after_restart(log_dir: Path) -> float:
     return max(finished)
 
 
-def run_case(case: str, width: int, workdir: Path) -> dict[str, Any]:
+def run_case(case: str, width: int, workdir: Path, machines: int = 4) -> dict[str, Any]:
     workdir.mkdir(parents=True)
     cluster = LocalCluster(workdir)
     logs = workdir / "logs"
@@ -73,19 +73,19 @@ def run_case(case: str, width: int, workdir: Path) -> dict[str, Any]:
         # persist rarely, as jobs do: a persisted iteration newer than the replicas (which trail training by
         # a few iterations) would win the recovery over the peer's copy (the planner takes the newest).
         persist_every = 5 if case == "group_loss" else PERSIST_RARELY
-        cluster.launch_job(command, machines=4, replicas=2, persist_every=persist_every)
+        cluster.launch_job(command, machines=machines, replicas=2, persist_every=persist_every)
         cluster.wait_until_warm(timeout=300)
         wait_for_iteration(logs, 6, timeout=300)
         if case == "group_loss":  # the newest persisted checkpoint is no longer in anybody's memory
             wait_until(lambda: newest_iteration(logs) % 5 == 2, 60, "iteration 5k+2", 0.01)
         victims = {"software": [], "hang": [], "hardware": [2], "group_loss": [2, 3]}[case]
-        machines = [cluster.root_machine(rank) for rank in victims]
+        lost = [cluster.root_machine(rank) for rank in victims]
         faulted = time.time()
         if case == "software":
             kill_training_process(logs, rank=1)
         if case == "hang":
             hang_file.touch()
-        for machine in machines:
+        for machine in lost:
             cluster.kill_machine(machine)
         events = cluster.wait_for_recoveries(len(victims) or 1, timeout=180)
         wait_until(lambda: first_iteration_after_restart(logs) > faulted, 60, "training to resume", 0.1)
@@ -144,7 +144,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="a small model, the software case and etcd only")
+    parser.add_argument(
+        "--quick", action="store_true", help="a small model on 2 machines, the software case and etcd only"
+    )
     parser.add_argument(
         "--cases",
         default=None,
@@ -161,7 +163,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="castor-bench-") as scratch:
         for case in cases:
-            results[case] = run_case(case, width, Path(scratch) / case)
+            # --quick: 2 machines (one placement group), which start in half the time.
+            results[case] = run_case(case, width, Path(scratch) / case, machines=2 if args.quick else 4)
             print(f"{case:12s} {results[case]}", flush=True)
         results["etcd_detect_s"] = etcd_detection(Path(scratch) / "etcd")
         print(f"{'etcd_detect_s':12s} {results['etcd_detect_s']}", flush=True)
