@@ -75,7 +75,7 @@ def checkpoints_export(client: CliClient, args: argparse.Namespace) -> int:
         )
 
     started = time.monotonic()
-    with export_directory(target):
+    with export_directory(target), client.python_ctrl_c():
         bar.start()
         try:
             store = persisted_store(chosen.location, shards[0].key, endpoint_url=endpoint)

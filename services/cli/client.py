@@ -8,12 +8,13 @@ becomes a CliError with one clear line of advice, printed with exit code 1 by `s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import signal
 import threading
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -153,10 +154,24 @@ class CliClient:
             try:
                 self._loop.close()
             finally:
-                if self._previous_handler is not None:
+                if self._previous_handler is not None and signal.getsignal(signal.SIGINT) == self._on_ctrl_c:
                     signal.signal(signal.SIGINT, self._previous_handler)
         if self.interrupts and exc_type is None:  # a Ctrl-C while the client closed
             raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def python_ctrl_c(self) -> Iterator[None]:
+        """Python's own Ctrl-C handling for work the client does not run: another event loop's
+        (`asyncio.run`, as the export's downloads), which cancels its task on a Ctrl-C only where Python's
+        default handler is in place; with the client's, the interrupt would land anywhere in it."""
+        if self._previous_handler is None:
+            yield
+            return
+        signal.signal(signal.SIGINT, self._previous_handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, self._on_ctrl_c)
 
     def _on_ctrl_c(self, signum: int, frame: object) -> None:
         """A first Ctrl-C during a call cancels it, and `run` raises KeyboardInterrupt once it has ended,

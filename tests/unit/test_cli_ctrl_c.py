@@ -100,3 +100,23 @@ def test_without_python_s_default_handler_the_command_leaves_sigint_as_it_found_
         ctrl_c()
         client.run(client.api.jobs())
     assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+def test_work_on_another_event_loop_gets_python_s_own_handling() -> None:
+    """The export downloads with asyncio.run inside the command: a Ctrl-C cancels that loop's task (which
+    cleans up as cancelled), as it would outside the client, rather than landing anywhere in it."""
+    cleaned_up: list[str] = []
+
+    async def download() -> None:
+        try:
+            ctrl_c()
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            cleaned_up.append("cancelled")
+            raise
+
+    client = _client(httpx.MockTransport(lambda request: httpx.Response(200, json=PAGE)))
+    with pytest.raises(KeyboardInterrupt), client, client.python_ctrl_c():
+        asyncio.run(download())
+    assert cleaned_up == ["cancelled"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
