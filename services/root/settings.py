@@ -82,6 +82,14 @@ class Settings(BaseSettings):
         description="A machine that does not report what it holds within this long after a "
         "recovery starts (or after it registered, for a replacement) is treated as failed.",
     )
+    upload_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="How long a recovery's plan waits, once every machine reported, for uploads to the "
+        "persistent tier that the machines still have in flight, where they would let every rank resume "
+        "from a newer iteration (a lost placement group's ranks uploaded an iteration the survivors are "
+        "still uploading). Past it, the plan takes the newest iteration restorable then. 0: never wait.",
+    )
     replacement_timeout_s: float = Field(
         900.0,
         gt=0,

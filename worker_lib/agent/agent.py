@@ -506,6 +506,7 @@ class Agent:
             "holdings": [h.to_json() for h in holdings],
             "rendezvous_port": free_port(),  # the old store's port may linger in TIME_WAIT
         }
+        body = self._with_uploads(body)
         # The report is also this machine's next directive long poll, sent without waiting for its answer
         # (the directive watcher takes it): in a recovery every agent reports at once, and one request each
         # instead of two is a thousand fewer for the root at 1,000 machines while the plan waits for the
@@ -514,6 +515,14 @@ class Agent:
         self._stop_checks()
         self._checks_stop = threading.Event()
         self._in_background(self._check_holdings(generation, body, self._checks_stop))
+
+    def _with_uploads(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The inventory `body` naming the uploads in flight now. Only when there are some: without them the
+        report is one an older root accepts too."""
+        body = {key: value for key, value in body.items() if key != "uploading"}
+        if uploading := self.machine.uploads.in_flight():
+            body["uploading"] = uploading
+        return body
 
     async def _check_holdings(self, generation: int, body: dict[str, Any], stop: threading.Event) -> None:
         """Verify the copies the report could not vouch for, newest first, until the plan arrives (Restore
@@ -539,6 +548,7 @@ class Agent:
                 found.problem,
             )
         again = {**body, "holdings": [h.to_json() for h in await asyncio.to_thread(holdings.inventory)]}
+        again = self._with_uploads(again)
         try:
             await self.client.report_inventory(self.machine.machine_rank, again)
         except RootError as exc:

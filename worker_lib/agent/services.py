@@ -576,6 +576,15 @@ class Uploads:
         self.target: tuple[int, int] | None = None  # (iteration, generation) announced
         self._handled: dict[int, tuple[int, int]] = {}  # rank -> the target its upload is for (or done)
         self.missed: tuple[int, int] | None = None
+        # rank -> (iteration, generation) staged and not yet reported persisted: a recovery's plan may wait
+        # for it rather than roll back further (the inventory reports these).
+        self._in_flight: dict[int, tuple[int, int]] = {}
+
+    def in_flight(self) -> list[dict[str, int]]:
+        return [
+            {"rank": rank, "iteration": iteration, "generation": generation}
+            for rank, (iteration, generation) in sorted(self._in_flight.items())
+        ]
 
     def missed_report(self) -> dict[str, int] | None:
         if self.missed is None or self.missed != self.target:
@@ -654,6 +663,16 @@ class Uploads:
                 else:
                     self._handled.pop(rank, None)  # this history's commit of it is still to come
             return
+        staged = self._in_flight[rank] = (iteration, manifest_generation(manifest))
+        try:
+            await self._send(rank, iteration, target, manifest, data)
+        finally:
+            if self._in_flight.get(rank) == staged:
+                del self._in_flight[rank]
+
+    async def _send(
+        self, rank: int, iteration: int, target: tuple[int, int] | None, manifest: Manifest, data: memoryview
+    ) -> None:
         attempt = 0
         while True:
             try:

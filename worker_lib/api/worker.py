@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 
+from worker_lib.api.public import MAX_PROCS_PER_MACHINE
 from worker_lib.api.shared import (
     INT32_MAX,
     MAX_JSON_BYTES,
@@ -404,6 +405,16 @@ class Holding(BaseModel):
     problem: Text | None = Field(None, max_length=2000)
 
 
+class UploadInFlight(BaseModel):
+    """A checkpoint this machine is uploading to the persistent tier (staged, not yet reported persisted)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: Count
+    iteration: Count
+    generation: int = Field(strict=True, ge=1, le=INT32_MAX)
+
+
 class InventoryReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -412,6 +423,12 @@ class InventoryReport(BaseModel):
         strict=True, ge=1, le=INT32_MAX, description="The recovery generation being collected."
     )
     holdings: list[Holding]
+    uploading: list[UploadInFlight] = Field(
+        default_factory=list,
+        max_length=MAX_PROCS_PER_MACHINE,
+        description="Uploads to the persistent tier this machine has in flight (one per local rank at "
+        "most): a plan that would resume from a newer iteration once they arrive waits for them a while.",
+    )
     rendezvous_port: Port | None = None
 
 

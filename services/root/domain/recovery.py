@@ -13,10 +13,15 @@ Rules (GEMINI, Section 6, made exact):
   copies on the current timeline count: a checkpoint made before a rollback to an older iteration is a
   different history, even with the same iteration number.
 * Nothing restorable: start from scratch, and say so.
+* Uploads a live machine has in flight to the persistent tier are not copies yet; where they would make a
+  newer iteration restorable, the decision names them (`waits_for`): the caller may wait a bounded time
+  for them rather than roll every rank further back (a whole lost group's ranks uploaded an iteration
+  that the survivors, who hold it only in their upload buffers, are still uploading).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -49,6 +54,17 @@ class PersistedShard:
 
 
 @dataclass(frozen=True)
+class UploadInFlight:
+    """`machine` is uploading `rank`'s checkpoint of `iteration` (made in `generation`) to the persistent
+    tier: not restorable until the root hears it arrived."""
+
+    rank: int
+    iteration: int
+    generation: int
+    machine: int
+
+
+@dataclass(frozen=True)
 class Source:
     rank: int
     tier: TierName
@@ -63,6 +79,8 @@ class RecoveryDecision:
     sources: tuple[Source, ...]
     reason: str
     iterations_lost: int | None
+    # Uploads in flight that would make a newer iteration restorable once they arrive: that iteration's.
+    waits_for: tuple[UploadInFlight, ...] = ()
 
     @property
     def slowest_tier(self) -> TierName | None:
@@ -90,11 +108,13 @@ def plan_recovery(
     persisted: Iterable[PersistedShard],
     resumed_from: Mapping[int, int | None],
     reached: int | None,
+    uploading: Iterable[UploadInFlight] = (),
 ) -> RecoveryDecision:
     """Decide the iteration and the per-rank sources of a recovery.
 
     `live_machines` are the machines that will take part (survivors and replacements); `reached` is the
-    newest iteration any rank committed before the failure (for the iterations-lost count).
+    newest iteration any rank committed before the failure (for the iterations-lost count); `uploading`:
+    the uploads those machines have in flight (see `RecoveryDecision.waits_for`).
     """
     live = set(live_machines)
     usable = [
@@ -116,8 +136,40 @@ def plan_recovery(
     for copy in usable:
         in_memory.setdefault((copy.rank, copy.iteration), []).append(copy)
     on_disk = {(s.rank, s.iteration): s for s in shards}
+    decision = _newest_restorable(world_size, procs_per_machine, in_memory, on_disk, reached)
+    arriving = {
+        (u.rank, u.iteration): u
+        for u in uploading
+        if u.machine in live
+        and 0 <= u.rank < world_size
+        and (u.rank, u.iteration) not in on_disk
+        and on_timeline(u.iteration, u.generation, resumed_from)
+    }
+    if not arriving:
+        return decision
+    hoped_for = {
+        **{key: PersistedShard(u.rank, u.iteration, "", "", u.generation) for key, u in arriving.items()},
+        **on_disk,
+    }
+    newer = _newest_restorable(world_size, procs_per_machine, in_memory, hoped_for, reached)
+    if newer.iteration is None or (decision.iteration is not None and newer.iteration <= decision.iteration):
+        return decision
+    waits_for = tuple(
+        arriving[(s.rank, newer.iteration)]
+        for s in newer.sources
+        if s.tier == "persistent" and (s.rank, newer.iteration) in arriving
+    )
+    return dataclasses.replace(decision, waits_for=waits_for)
 
-    candidates = sorted({c.iteration for c in usable} | {s.iteration for s in shards}, reverse=True)
+
+def _newest_restorable(
+    world_size: int,
+    procs_per_machine: int,
+    in_memory: Mapping[tuple[int, int], list[MemoryCopy]],
+    on_disk: Mapping[tuple[int, int], PersistedShard],
+    reached: int | None,
+) -> RecoveryDecision:
+    candidates = sorted({i for _, i in in_memory} | {i for _, i in on_disk}, reverse=True)
     for iteration in candidates:
         sources = _sources_for(iteration, world_size, procs_per_machine, in_memory, on_disk)
         if sources is not None:

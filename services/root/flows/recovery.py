@@ -43,7 +43,13 @@ from services.root.db.models import (
 )
 from services.root.domain import embedded, persisted, phases, recovery_states
 from services.root.domain.ettr import iteration_seconds
-from services.root.domain.recovery import MemoryCopy, PersistedShard, plan_recovery
+from services.root.domain.recovery import (
+    MemoryCopy,
+    PersistedShard,
+    RecoveryDecision,
+    UploadInFlight,
+    plan_recovery,
+)
 from services.root.domain.recovery_states import RecoveryState
 from services.root.errors import Conflict, NotFound
 from services.root.flows.directives import FINISHED_STATES, directive_changed
@@ -407,10 +413,17 @@ async def _decide(
     now: datetime,
     settings: Settings,
 ) -> None:
-    """Every machine reported: choose the iteration and the sources, and release the plan."""
+    """Every machine reported: choose the iteration and the sources, and release the plan; or wait, while
+    uploads the machines have in flight would let every rank resume from a newer iteration
+    (settings.upload_wait_s)."""
     tier = tier_of(settings)
     inventories = await repo.live_inventories(session, job.id)
     holdings = [(m, h) for m in live for h in inventories.get(m.rank, {}).get("holdings", [])]
+    uploading = [
+        UploadInFlight(int(u["rank"]), int(u["iteration"]), int(u["generation"]), m.rank)
+        for m in live
+        for u in inventories.get(m.rank, {}).get("uploading", [])
+    ]
     decision = plan_recovery(
         world_size=job.num_machines * job.procs_per_machine,
         procs_per_machine=job.procs_per_machine,
@@ -441,7 +454,11 @@ async def _decide(
         ],
         resumed_from=await repo.resumed_from(session, job.id),
         reached=await _reached(session, job, holdings, events),
+        uploading=uploading,
     )
+    if decision.waits_for and not _upload_wait_over(plan, live, now, settings):
+        _note_upload_wait(job, plan, decision, settings)
+        return
     by_rank = {m.rank: m for m in live}
     plan.iteration = decision.iteration
     plan.sources = [_source_json(s, by_rank) for s in decision.sources]
@@ -475,6 +492,25 @@ async def _decide(
         }
     directive_changed(session, job)
     log.info("job %s: generation %d ready: %s", job.name, plan.generation, decision.reason)
+
+
+def _upload_wait_over(plan: RecoveryPlan, live: list[Machine], now: datetime, settings: Settings) -> bool:
+    """The plan has waited upload_wait_s for uploads in flight, counted from when its last machine joined
+    (a replacement registers minutes after the failure: the survivors' uploads are long done by then)."""
+    since = max([plan.created_at, *(m.registered_at for m in live)])
+    return now - since >= timedelta(seconds=settings.upload_wait_s)
+
+
+def _note_upload_wait(job: Job, plan: RecoveryPlan, decision: RecoveryDecision, settings: Settings) -> None:
+    """Say on the plan, once, what it waits for (the plans page and API show the reason)."""
+    newer = decision.waits_for[0].iteration
+    note = (
+        f"waiting up to {settings.upload_wait_s:g} s for {len(decision.waits_for)} upload(s) in flight that "
+        f"would make iteration {newer} restorable (now: {decision.iteration})"
+    )
+    if note not in plan.reason:
+        plan.reason = (plan.reason + " -> " + note)[:500]
+        log.info("job %s: generation %d %s", job.name, plan.generation, note)
 
 
 def _source_json(source: Any, by_rank: dict[int, Machine]) -> dict[str, Any]:
@@ -706,7 +742,10 @@ async def record_inventory(
     read: a thousand of these come at once). A report that races the plan's decision is harmless: the
     leader decides only once every machine's inventory of the generation is in, read from these rows."""
     values: dict[str, Any] = {
-        "inventory": {"holdings": [h.model_dump() for h in report.holdings]},
+        "inventory": {
+            "holdings": [h.model_dump() for h in report.holdings],
+            "uploading": [u.model_dump() for u in report.uploading],
+        },
         "inventory_generation": report.generation,
     }
     if report.rendezvous_port is not None:

@@ -1,16 +1,19 @@
 """The persist schedule across a recovery (issue 13, item 2), on Postgres and SQLite: a target some ranks
 already uploaded is kept by a recovery that restored an iteration at or past it (its shards stay on the
 timeline), so the job completes it instead of starting a new persist round at every recovery; a rollback
-before it chooses a new target of the new generation, past the restored iteration."""
+before it chooses a new target of the new generation, past the restored iteration. A plan waits a while for
+uploads the machines still have in flight where they would make a newer checkpoint complete."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import httpx
+import pytest
+from fastapi import FastAPI
 
 from tests.integration.conftest import ADMIN_TOKEN, create_job
-from tests.integration.web.scenario import Scenario
+from tests.integration.web.scenario import Scenario, eventually
 
 K = 10
 
@@ -155,3 +158,53 @@ async def test_a_persisted_shard_a_restore_found_corrupt_is_passed_over_by_the_n
     assert checkpoints[older]["complete"] and not checkpoints[newer]["complete"]
     condemned = {s["rank"]: s["condemned"] for s in checkpoints[newer]["shards"]}
     assert condemned == {0: None, 1: problem}, "only the reporting machine's own rank is condemned"
+
+
+async def memory_lost_with_an_upload_in_flight(client: httpx.AsyncClient) -> tuple[Scenario, int, int]:
+    """Both ranks persisted `older`; of `newer`, rank 1's shard arrived and rank 0's upload is under way when
+    the machines report that they hold nothing in memory (as a lost group's replacements and survivors
+    holding only newer iterations would). Returns the scenario, older and newer."""
+    scenario, older = await persisting(client)
+    newer = older + K
+    for rank in (0, 1):
+        await report_persisted(scenario, rank, older, 1)
+    await report_persisted(scenario, 1, newer, 1)
+    await scenario.heartbeat(newer + 2)
+    await scenario.kill_process(1)
+    await scenario.plan(2, "collecting")
+    for rank, instance in enumerate(scenario.instances):
+        body: dict[str, Any] = {"instance_id": instance, "generation": 2, "holdings": []}
+        if rank == 0:
+            body["uploading"] = [{"rank": 0, "iteration": newer, "generation": 1}]
+        await scenario.post(f"/machines/{rank}/inventory", body, 204)
+    return scenario, older, newer
+
+
+async def test_a_plan_waits_for_an_upload_in_flight_that_completes_a_newer_checkpoint(
+    client: httpx.AsyncClient,
+) -> None:
+    """Before, the plan took `older` the moment every machine reported, and the upload arrived a second
+    later: every rank lost K more iterations (seen in CI: a whole lost group restored 35, not 40)."""
+    scenario, _, newer = await memory_lost_with_an_upload_in_flight(client)
+
+    async def waiting() -> dict[str, Any] | None:
+        plans = await scenario.api("/recovery-plans")
+        plan = next(p for p in plans if p["generation"] == 2)
+        return plan if "upload(s) in flight" in plan["reason"] else None
+
+    plan = await eventually(waiting, "the plan to say it waits for the upload")
+    assert plan["sources"] == [] and f"iteration {newer} restorable" in plan["reason"], "not decided yet"
+    await report_persisted(scenario, 0, newer, 1)
+    plan = await scenario.plan(2, "ready")
+    assert plan["iteration"] == newer, plan["reason"]
+    assert {s["tier"] for s in plan["sources"]} == {"persistent"}
+
+
+async def test_a_plan_waits_for_an_upload_in_flight_no_longer_than_upload_wait_s(
+    client: httpx.AsyncClient, root_app: FastAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(root_app.state.castor.settings, "upload_wait_s", 1.0)
+    scenario, older, newer = await memory_lost_with_an_upload_in_flight(client)
+    plan = await scenario.plan(2, "ready")  # the upload never arrives
+    assert plan["iteration"] == older, plan["reason"]
+    assert f"upload(s) in flight that would make iteration {newer} restorable" in plan["reason"], plan

@@ -202,14 +202,8 @@ class RecordingStore:
         self.reports.append(body)
 
 
-async def test_a_copy_corrupt_in_memory_is_not_uploaded(shm: Path) -> None:
-    """Before, a local copy corrupted after its commit was uploaded and reported with the manifest's digest:
-    counted toward a complete checkpoint (retention could then delete older good ones), found only by the
-    restore that needed it."""
-    from tests.integration.worker_lib.test_dataplane import flip_a_bit
-
-    holdings = Holdings(shm / "m0")
-    store = RecordingStore()
+def unscheduled_uploads(holdings: Holdings, store: RecordingStore) -> Uploads:
+    """Machine 0's uploads (one rank, every K iterations on its own commits) to `store`."""
     registration = SimpleNamespace(
         persist_every=K, job_id=uuid.uuid4(), persistent=SimpleNamespace(prefix="castor")
     )
@@ -224,6 +218,70 @@ async def test_a_copy_corrupt_in_memory_is_not_uploaded(shm: Path) -> None:
     )
     uploads = Uploads(services)  # type: ignore[arg-type]
     uploads._store = store  # type: ignore[assignment]
+    return uploads
+
+
+async def test_an_upload_is_reported_in_flight_from_its_staging_until_the_root_heard_of_it(shm: Path) -> None:
+    """A recovery's plan waits for the uploads the inventory names (services.root.domain.recovery): one
+    staged and not yet reported is named, one reported or failed is not."""
+
+    class HeldStore(RecordingStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.release = asyncio.Event()
+            self.fail = False
+
+        async def put(self, key: str, manifest: Manifest, data: memoryview) -> PersistedShard:
+            await self.release.wait()
+            if self.fail:
+                raise OSError("the bucket is unreachable")
+            return await super().put(key, manifest, data)
+
+    holdings = Holdings(shm / "m0")
+    store = HeldStore()
+    uploads = unscheduled_uploads(holdings, store)
+
+    async def named_once_staged() -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30.0
+        while not uploads.in_flight():
+            assert loop.time() < deadline, "the upload was not staged in 30 s"
+            await asyncio.sleep(0.001)
+
+    with Checkpointer(holdings.directory("local", 0), blocking=True) as checkpointer:
+        for iteration in (K, 2 * K):
+            assert checkpointer.save(iteration, {"w": torch.full((256,), float(iteration))})
+    try:
+        assert uploads.in_flight() == []
+        uploads.notice_commit(0, K)
+        await named_once_staged()
+        assert uploads.in_flight() == [{"rank": 0, "iteration": K, "generation": 1}]
+        store.release.set()
+        await asyncio.gather(*uploads._running.values())
+        assert uploads.in_flight() == [] and [r["iteration"] for r in store.reports] == [K]
+
+        store.release.clear()
+        store.fail = True
+        uploads.notice_commit(0, 2 * K)
+        await named_once_staged()
+        assert uploads.in_flight() == [{"rank": 0, "iteration": 2 * K, "generation": 1}]
+        store.release.set()
+        await asyncio.gather(*uploads._running.values())
+        assert uploads.in_flight() == [] and uploads.failed == 1  # unscheduled: not retried
+    finally:
+        await uploads.close()
+        holdings.close()
+
+
+async def test_a_copy_corrupt_in_memory_is_not_uploaded(shm: Path) -> None:
+    """Before, a local copy corrupted after its commit was uploaded and reported with the manifest's digest:
+    counted toward a complete checkpoint (retention could then delete older good ones), found only by the
+    restore that needed it."""
+    from tests.integration.worker_lib.test_dataplane import flip_a_bit
+
+    holdings = Holdings(shm / "m0")
+    store = RecordingStore()
+    uploads = unscheduled_uploads(holdings, store)
     with Checkpointer(holdings.directory("local", 0), blocking=True) as checkpointer:
         for iteration in (K, 2 * K):
             assert checkpointer.save(iteration, {"w": torch.full((256,), float(iteration))})

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.root.domain.recovery import MemoryCopy, PersistedShard, on_timeline, plan_recovery
+from services.root.domain.recovery import (
+    MemoryCopy,
+    PersistedShard,
+    UploadInFlight,
+    on_timeline,
+    plan_recovery,
+)
 
 
 def mem(
@@ -178,3 +184,52 @@ def test_checkpoints_from_before_a_rollback_are_another_history() -> None:
 def test_slowest_tier_names_the_recovery() -> None:
     decision = plan(copies=[c for c in SOFTWARE if c.machine != 1])
     assert decision.slowest_tier == "peer"
+
+
+# A whole placement group (machines 2 and 3) is lost after every rank committed iteration 42. Iteration 35 is
+# complete on the persistent tier; the lost group uploaded its ranks of 40 before it died, and the survivors
+# (machines 0, 1, holding 41 and 42 in memory, 40 only in their upload buffers) are still uploading theirs.
+GROUP_LOST = {
+    "live_machines": [0, 1, 4, 5],  # 4 and 5 replace 2 and 3
+    "copies": group_copies({0: [41, 42], 1: [41, 42]}, [[0, 1]]),
+    "persisted": [disk(r, 35) for r in range(4)] + [disk(2, 40), disk(3, 40)],
+    "reached": 42,
+}
+SURVIVORS_UPLOADING = [UploadInFlight(0, 40, 1, machine=0), UploadInFlight(1, 40, 1, machine=1)]
+
+
+def test_uploads_in_flight_that_would_make_a_newer_iteration_restorable_are_named() -> None:
+    decision = plan(**GROUP_LOST, uploading=SURVIVORS_UPLOADING)
+    # What is restorable now does not change: the caller decides whether to wait.
+    assert decision.iteration == 35 and {s.tier for s in decision.sources} == {"persistent"}
+    assert set(decision.waits_for) == set(SURVIVORS_UPLOADING)
+    # Once they arrive, iteration 40: the survivors' ranks from their uploads, the lost group's too.
+    arrived = plan(**GROUP_LOST | {"persisted": [*GROUP_LOST["persisted"], disk(0, 40), disk(1, 40)]})
+    assert arrived.iteration == 40 and arrived.waits_for == ()
+
+
+@pytest.mark.parametrize(
+    ("case", "uploading"),
+    [
+        ("no upload in flight", []),
+        ("only one of the two survivors' uploads: 40 stays incomplete", SURVIVORS_UPLOADING[:1]),
+        (
+            "uploaded by a machine that is not live",
+            [UploadInFlight(0, 40, 1, 2), UploadInFlight(1, 40, 1, 3)],
+        ),
+        ("of a history rolled back from", [UploadInFlight(r, 40, 1, r) for r in (0, 1)]),
+        ("older than what is restorable now", [UploadInFlight(r, 30, 1, r) for r in (0, 1)]),
+    ],
+)
+def test_nothing_to_wait_for(case: str, uploading: list[UploadInFlight]) -> None:
+    resumed_from = {1: None, 2: 38} if "history" in case else {1: None}
+    decision = plan(**GROUP_LOST, uploading=uploading, resumed_from=resumed_from)
+    assert decision.waits_for == (), case
+    assert decision.iteration == 35, case
+
+
+def test_an_upload_is_not_waited_for_where_memory_serves_the_newer_iteration() -> None:
+    """A software failure: every rank holds 42 in memory, so the uploads of 40 change nothing."""
+    copies = group_copies({r: [41, 42] for r in range(4)}, [[0, 1], [2, 3]])
+    decision = plan(copies=copies, reached=42, uploading=SURVIVORS_UPLOADING)
+    assert decision.iteration == 42 and decision.waits_for == ()
