@@ -142,6 +142,7 @@ def plan_recovery(
         for u in uploading
         if u.machine in live
         and 0 <= u.rank < world_size
+        and u.rank // procs_per_machine == u.machine  # an agent uploads only its own ranks
         and (u.rank, u.iteration) not in on_disk
         and on_timeline(u.iteration, u.generation, resumed_from)
     }

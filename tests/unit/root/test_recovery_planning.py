@@ -217,6 +217,10 @@ def test_uploads_in_flight_that_would_make_a_newer_iteration_restorable_are_name
             "uploaded by a machine that is not live",
             [UploadInFlight(0, 40, 1, 2), UploadInFlight(1, 40, 1, 3)],
         ),
+        (
+            "named by machines that do not run the ranks",
+            [UploadInFlight(0, 40, 1, 1), UploadInFlight(1, 40, 1, 0)],
+        ),
         ("of a history rolled back from", [UploadInFlight(r, 40, 1, r) for r in (0, 1)]),
         ("older than what is restorable now", [UploadInFlight(r, 30, 1, r) for r in (0, 1)]),
     ],

@@ -1,0 +1,35 @@
+"""An agent's inventory names the uploads it has in flight, in the shape the root accepts, and never a stale
+list: the report sent again after the background checks names what is in flight then."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from worker_lib.agent.agent import Agent
+from worker_lib.api.worker import InventoryReport
+
+
+def agent_uploading(in_flight: list[dict[str, int]]) -> Agent:
+    agent = Agent.__new__(Agent)  # only the inventory's body is under test: no services started
+    agent.machine = SimpleNamespace(uploads=SimpleNamespace(in_flight=lambda: list(in_flight)))  # type: ignore[assignment]
+    return agent
+
+
+BODY: dict[str, Any] = {"instance_id": "i-0", "generation": 2, "holdings": [], "rendezvous_port": 29500}
+
+
+def test_the_inventory_names_the_uploads_in_flight_and_the_root_accepts_it() -> None:
+    in_flight = [{"rank": 0, "iteration": 40, "generation": 1}, {"rank": 1, "iteration": 40, "generation": 1}]
+    body = agent_uploading(in_flight)._with_uploads(BODY)
+    report = InventoryReport.model_validate(body)
+    assert [(u.rank, u.iteration, u.generation) for u in report.uploading] == [(0, 40, 1), (1, 40, 1)]
+
+
+def test_a_report_sent_again_drops_uploads_that_arrived_since() -> None:
+    first = agent_uploading([{"rank": 0, "iteration": 40, "generation": 1}])._with_uploads(BODY)
+    again = agent_uploading([])._with_uploads(first)
+    assert (
+        "uploading" in first and "uploading" not in again
+    )  # none: the field an older root lacks is left out
+    assert InventoryReport.model_validate(again).uploading == []
