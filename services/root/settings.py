@@ -85,10 +85,11 @@ class Settings(BaseSettings):
     upload_wait_s: float = Field(
         30.0,
         ge=0,
-        description="How long a recovery's plan waits, once every machine reported, for uploads to the "
-        "persistent tier that the machines still have in flight, where they would let every rank resume "
-        "from a newer iteration (a lost placement group's ranks uploaded an iteration the survivors are "
-        "still uploading). Past it, the plan takes the newest iteration restorable then. 0: never wait.",
+        description="How long a recovery's plan waits for uploads to the persistent tier that the machines "
+        "still have in flight, where they would let every rank resume from a newer iteration (a lost "
+        "placement group's ranks uploaded an iteration the survivors are still uploading), counted from the "
+        "first decision that found them (every inventory in). Past it, the plan takes the newest iteration "
+        "restorable then. 0: never wait.",
     )
     replacement_timeout_s: float = Field(
         900.0,

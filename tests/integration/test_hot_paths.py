@@ -234,6 +234,32 @@ async def test_the_suspicion_pass_loads_only_the_machines_it_has_to_judge(
     assert [m.rank for m in rest] == [3, 5, 7, 11], "REST: and those silent past the timeout"
 
 
+async def recovery_step_selects(root_app: FastAPI, job_id: str, **advance: Any) -> list[str]:
+    """The SELECT statements one step of the job's recovery makes (flows.recovery.advance with `advance`),
+    this task's only, not the in-process leader's."""
+    from services.root.db import repository as repo
+    from services.root.flows import recovery
+
+    castor = root_app.state.castor
+    statements: list[str] = []
+    mine = asyncio.current_task()
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if asyncio.current_task() is mine:
+            statements.append(" ".join(statement.split()).lower())
+
+    engine = castor.database.engine.sync_engine
+    async with castor.database.session() as session:
+        job_row = await repo.get_job(session, uuid.UUID(job_id), for_update=True)
+        assert job_row is not None and job_row.state == "recovering"
+        event.listen(engine, "before_cursor_execute", record)
+        try:
+            await recovery.advance(session, job_row, castor.settings, **advance)
+        finally:
+            event.remove(engine, "before_cursor_execute", record)
+    return [s for s in statements if s.startswith("select")]
+
+
 async def test_a_recovering_jobs_step_reads_neither_the_plans_sources_nor_the_machines_documents(
     client: httpx.AsyncClient, root_app: FastAPI
 ) -> None:
@@ -242,36 +268,16 @@ async def test_a_recovering_jobs_step_reads_neither_the_plans_sources_nor_the_ma
     every machine's row to find who had not reported was its largest cost after that. Only the plan's
     decision reads the inventories (once), which the plans the other tests check depend on; while the
     agents' reports are awaited the step counts them (repo.recovery_progress) and reads no machine's row."""
-    from services.root.db import repository as repo
-    from services.root.flows import recovery
     from tests.integration.api.test_recovery_flow import report_inventories
     from tests.integration.web.scenario import Scenario
 
     scenario = Scenario(client, await create_job(client, machines=2, replicas=2))
     await scenario.register(["i-0", "i-1"])
     await scenario.heartbeat(5)
-    castor = root_app.state.castor
-    mine = asyncio.current_task()
 
     async def step_reads() -> list[str]:
-        """What one step of the recovery selects, each statement's column list (this task's statements
-        only, not the leader's)."""
-        statements: list[str] = []
-
-        def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-            if asyncio.current_task() is mine:
-                statements.append(" ".join(statement.split()).lower())
-
-        engine = castor.database.engine.sync_engine
-        async with castor.database.session() as session:
-            job_row = await repo.get_job(session, uuid.UUID(scenario.id), for_update=True)
-            assert job_row is not None and job_row.state == "recovering"
-            event.listen(engine, "before_cursor_execute", record)
-            try:
-                await recovery.advance(session, job_row, castor.settings)
-            finally:
-                event.remove(engine, "before_cursor_execute", record)
-        return [s.split(" from ")[0].removeprefix("select ") for s in statements if s.startswith("select")]
+        reads = await recovery_step_selects(root_app, scenario.id)
+        return [s.split(" from ")[0].removeprefix("select ") for s in reads]
 
     await scenario.kill_process(1)
     await scenario.plan(2, "collecting")
@@ -287,3 +293,36 @@ async def test_a_recovering_jobs_step_reads_neither_the_plans_sources_nor_the_ma
     assert any("sum(" in s and "machines.resumed_generation" in s for s in resuming), resuming
     assert not [s for s in resuming if "machines.rank" in s], "no machine's row while reports are awaited"
     assert not [s for s in resuming if documents & set(s.split(", "))], resuming
+
+
+async def test_a_plan_waiting_for_uploads_reads_no_inventory_until_one_arrives(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    """A plan that waits for uploads in flight (flows.recovery._decide) decided once: every later step
+    until an awaited shard arrives looks for that shard only. Before, each of the 5 steps a second decided
+    again, reading every machine's inventory and every persisted shard (0.2-0.4 s at 1,000 machines)."""
+    from services.root.flows import recovery
+    from tests.integration.api.test_persist_recovery import (
+        memory_lost_with_an_upload_in_flight,
+        report_persisted,
+    )
+
+    scenario, _, newer = await memory_lost_with_an_upload_in_flight(client)
+    waits: dict[uuid.UUID, recovery.UploadWait] = {}
+
+    async def step_reads() -> list[str]:
+        return await recovery_step_selects(root_app, scenario.id, upload_waits=waits)
+
+    def decides(reads: list[str]) -> bool:
+        columns = [set(s.split(" from ")[0].removeprefix("select ").split(", ")) for s in reads]
+        return any("machines.inventory" in c for c in columns)
+
+    assert decides(await step_reads())
+    (wait,) = waits.values()
+    assert wait.awaiting == {(newer, 0, 1)}, wait
+    for _ in range(3):
+        reads = await step_reads()
+        assert not decides(reads) and not [s for s in reads if "persisted_shards.digest" in s], reads
+    # Once it arrives, the plan decides (here or in the in-process leader, whichever steps first).
+    await report_persisted(scenario, 0, newer, 1)
+    assert (await scenario.plan(2, "ready"))["iteration"] == newer

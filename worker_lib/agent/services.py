@@ -642,8 +642,29 @@ class Uploads:
         self, rank: int, iteration: int, generation: int | None = None, passed: bool = False
     ) -> None:
         target = None if generation is None else (iteration, generation)
+        # Named in flight from the start where the generation is known (scheduled): staging is a copy and a
+        # checksum pass, and an inventory sent meanwhile should name it too.
+        named = target
+        if named is not None:
+            self._in_flight[rank] = named
         try:
-            manifest, data = await asyncio.to_thread(self._stage, rank, iteration, generation)
+            staged = await self._staged(rank, iteration, generation, passed)
+            if staged is None:
+                return
+            manifest, data = staged
+            named = self._in_flight[rank] = (iteration, manifest_generation(manifest))
+            await self._send(rank, iteration, target, manifest, data)
+        finally:
+            if named is not None and self._in_flight.get(rank) == named:
+                del self._in_flight[rank]
+
+    async def _staged(
+        self, rank: int, iteration: int, generation: int | None, passed: bool
+    ) -> tuple[Manifest, memoryview] | None:
+        """The rank's commit of `iteration` copied out of its slot and checked; None: nothing to upload."""
+        target = None if generation is None else (iteration, generation)
+        try:
+            return await asyncio.to_thread(self._stage, rank, iteration, generation)
         except CheckpointCorruptError as exc:
             self.failed += 1
             log.error(
@@ -651,7 +672,7 @@ class Uploads:
             )
             if target is not None and self.target == target:
                 self.missed = target  # the root announces another iteration
-            return
+            return None
         except CheckpointNotFoundError:
             # Overwritten before we got to it (the training is faster than the upload), or a commit of
             # another history: on the schedule, a rank that committed past the target missed it.
@@ -662,13 +683,7 @@ class Uploads:
                     log.warning("rank %d cannot persist iteration %d: it no longer holds it", rank, iteration)
                 else:
                     self._handled.pop(rank, None)  # this history's commit of it is still to come
-            return
-        staged = self._in_flight[rank] = (iteration, manifest_generation(manifest))
-        try:
-            await self._send(rank, iteration, target, manifest, data)
-        finally:
-            if self._in_flight.get(rank) == staged:
-                del self._in_flight[rank]
+            return None
 
     async def _send(
         self, rank: int, iteration: int, target: tuple[int, int] | None, manifest: Manifest, data: memoryview

@@ -488,6 +488,19 @@ async def persisted_shards(
     return [(c, s) for c, s in (await session.execute(query)).all()]
 
 
+async def persisted_shard_keys(
+    session: AsyncSession, job_id: uuid.UUID, iterations: Collection[int]
+) -> set[tuple[int, int, int]]:
+    """(iteration, rank, generation) of the job's persisted shards of `iterations`: a few rows, where
+    `persisted_shards` reads them all."""
+    query = (
+        select(PersistedCheckpoint.iteration, PersistedShard.rank, PersistedShard.generation)
+        .join(PersistedShard, PersistedShard.checkpoint_id == PersistedCheckpoint.id)
+        .where(PersistedCheckpoint.job_id == job_id, PersistedCheckpoint.iteration.in_(list(iterations)))
+    )
+    return {(int(i), int(r), int(g)) for i, r, g in (await session.execute(query)).all()}
+
+
 async def persisted_checkpoint(
     session: AsyncSession, job_id: uuid.UUID, iteration: int
 ) -> PersistedCheckpoint | None:

@@ -16,9 +16,10 @@ execute outside the transaction.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
-from collections.abc import Collection, MutableMapping
+from collections.abc import Collection, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -61,6 +62,7 @@ from services.root.settings import Settings
 log = logging.getLogger(__name__)
 
 REPLACEMENT_RETRY_S = 10.0
+REASON_LIMIT = 500  # RecoveryPlan.reason's column
 
 
 @dataclass(frozen=True)
@@ -74,20 +76,33 @@ class ReplaceMachine:
     intent: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class UploadWait:
+    """The leader's memory of a plan waiting for uploads in flight (`_decide`): its generation, until when,
+    and the shards it waits for, (iteration, rank, generation). Lost with the leadership: the next leader
+    decides afresh and waits anew, at most upload_wait_s more."""
+
+    generation: int
+    until: datetime
+    awaiting: frozenset[tuple[int, int, int]]
+
+
 async def advance(
     session: AsyncSession,
     job: Job,
     settings: Settings,
     seen: MutableMapping[uuid.UUID, RecoveryState] | None = None,
     in_flight: Collection[int] | None = None,
+    upload_waits: MutableMapping[uuid.UUID, UploadWait] | None = None,
 ) -> list[ReplaceMachine]:
     """One step of the job's recovery: derive its state (domain.recovery_states) from the database, do
     what that state calls for, and check the state it leaves the recovery in against the protocol's
     transition table. With `seen` (the driver's memory of the state each job was left in at its last
     step), the moves made between two steps (a failure recorded, a replacement registered, machines
     restored) are checked too. `in_flight`: the failure events whose replacement the caller is running
-    (see `_replacements`)."""
-    step = await _step(session, job, settings, in_flight)
+    (see `_replacements`). `upload_waits`: the driver's memory of the plans waiting for uploads in flight;
+    without it a plan never waits for them."""
+    step = await _step(session, job, settings, in_flight, upload_waits)
     if step is None:
         if seen is not None:
             seen.pop(job.id, None)
@@ -104,7 +119,11 @@ async def advance(
 
 
 async def _step(
-    session: AsyncSession, job: Job, settings: Settings, in_flight: Collection[int] | None = None
+    session: AsyncSession,
+    job: Job,
+    settings: Settings,
+    in_flight: Collection[int] | None = None,
+    upload_waits: MutableMapping[uuid.UUID, UploadWait] | None = None,
 ) -> tuple[RecoveryState | None, RecoveryState | None, list[ReplaceMachine]] | None:
     """What `advance` does: the state the step found, the state it left, the cloud actions it decided;
     None for a job whose recovery is not orchestrated (not running or recovering, embedded mode)."""
@@ -121,7 +140,7 @@ async def _step(
     plan = await repo.latest_plan(session, job.id, sources=False)
     assert plan is not None, "every job has a plan from its creation"
     events = list(await repo.open_failures(session, job.id))
-    waiting = await _waiting_for_agents(session, job, plan, events, now, settings)
+    waiting = await _waiting_for_agents(session, job, plan, events, now, settings, upload_waits)
     if waiting is not None:
         return waiting, waiting, []
     live = list(await repo.live_machines(session, job.id))
@@ -167,7 +186,7 @@ async def _step(
     if state == RecoveryState.COLLECTING:
         missing = [m for m in live if m.inventory_generation != plan.generation]
         if not missing:
-            await _decide(session, job, plan, live, events, now, settings)
+            await _decide(session, job, plan, live, events, now, settings, upload_waits)
         late = [m for m in missing if _inventory_overdue(plan, m.registered_at, now, settings)]
         for machine in late:
             lost.append(await machine_lost(session, job, machine, "did not report its inventory in time"))
@@ -198,11 +217,12 @@ async def _waiting_for_agents(
     events: list[FailureEvent],
     now: datetime,
     settings: Settings,
+    upload_waits: Mapping[uuid.UUID, UploadWait] | None = None,
 ) -> RecoveryState | None:
     """The recovery's state when the step below would find nothing to do but wait for the agents'
-    reports (inventories, restores, resumes), none of them overdue; else None (the full step runs). Found
-    with one aggregate query instead of every machine's row: a recovery waits like this most of its time.
-    Only the common cases: no fresh failure, no failed or embedded machine."""
+    reports (inventories, restores, resumes, uploads a plan waits for), none of them overdue; else None
+    (the full step runs). Found with one aggregate query instead of every machine's row: a recovery waits
+    like this most of its time. Only the common cases: no fresh failure, no failed or embedded machine."""
     if job.state != JobState.RECOVERING or plan.status not in (PlanStatus.COLLECTING, PlanStatus.READY):
         return None
     if any(e.state == FailureState.DETECTED for e in events):
@@ -212,10 +232,14 @@ async def _waiting_for_agents(
         return None
     if plan.status == PlanStatus.COLLECTING:
         if not progress.not_inventoried:
-            return None  # every inventory is in: decide
-        assert progress.oldest_not_inventoried_registered_at is not None
-        if _inventory_overdue(plan, progress.oldest_not_inventoried_registered_at, now, settings):
-            return None
+            # Every inventory is in: decide, or, where the plan waits for uploads, once one arrived (the
+            # decision reads every inventory and every persisted shard: not 5 times a second).
+            if not await _awaiting_uploads(session, job.id, plan, now, upload_waits):
+                return None
+        else:
+            assert progress.oldest_not_inventoried_registered_at is not None
+            if _inventory_overdue(plan, progress.oldest_not_inventoried_registered_at, now, settings):
+                return None
     else:
         if not progress.not_resumed:
             return None  # every rank resumed: finish
@@ -230,6 +254,23 @@ async def _waiting_for_agents(
         machine_failed=False,
         all_restored=not progress.not_restored,
     )
+
+
+async def _awaiting_uploads(
+    session: AsyncSession,
+    job_id: uuid.UUID,
+    plan: RecoveryPlan,
+    now: datetime,
+    upload_waits: Mapping[uuid.UUID, UploadWait] | None,
+) -> bool:
+    """The plan waits for uploads in flight, none of which has arrived, and its wait is not over."""
+    wait = upload_waits.get(job_id) if upload_waits is not None else None
+    if wait is None or wait.generation != plan.generation or now >= wait.until:
+        return False
+    arrived = await repo.persisted_shard_keys(
+        session, job_id, {iteration for iteration, _, _ in wait.awaiting}
+    )
+    return not wait.awaiting & arrived
 
 
 def _resumed(machine: Machine, generation: int) -> bool:
@@ -412,10 +453,11 @@ async def _decide(
     events: list[FailureEvent],
     now: datetime,
     settings: Settings,
+    upload_waits: MutableMapping[uuid.UUID, UploadWait] | None = None,
 ) -> None:
     """Every machine reported: choose the iteration and the sources, and release the plan; or wait, while
-    uploads the machines have in flight would let every rank resume from a newer iteration
-    (settings.upload_wait_s)."""
+    uploads the machines have in flight would let every rank resume from a newer iteration, up to
+    settings.upload_wait_s from the first decision that found them."""
     tier = tier_of(settings)
     inventories = await repo.live_inventories(session, job.id)
     holdings = [(m, h) for m in live for h in inventories.get(m.rank, {}).get("holdings", [])]
@@ -456,13 +498,22 @@ async def _decide(
         reached=await _reached(session, job, holdings, events),
         uploading=uploading,
     )
-    if decision.waits_for and not _upload_wait_over(plan, live, now, settings):
-        _note_upload_wait(job, plan, decision, settings)
-        return
+    if upload_waits is not None:
+        wait = upload_waits.pop(job.id, None)
+        if decision.waits_for:
+            if wait is None or wait.generation != plan.generation:
+                wait = UploadWait(
+                    plan.generation, now + timedelta(seconds=settings.upload_wait_s), frozenset()
+                )
+            if now < wait.until:
+                awaiting = frozenset((u.iteration, u.rank, u.generation) for u in decision.waits_for)
+                upload_waits[job.id] = dataclasses.replace(wait, awaiting=awaiting)
+                _note_upload_wait(job, plan, decision, settings)
+                return
     by_rank = {m.rank: m for m in live}
     plan.iteration = decision.iteration
     plan.sources = [_source_json(s, by_rank) for s in decision.sources]
-    plan.reason = (plan.reason + " -> " + decision.reason)[:500]
+    plan.reason = _reason_then(plan.reason, decision.reason)
     plan.status, plan.ready_at = PlanStatus.READY, now
     rank0 = by_rank[0]
     plan.rendezvous = {"master_addr": rank0.address, "master_port": rank0.rendezvous_port}
@@ -494,23 +545,27 @@ async def _decide(
     log.info("job %s: generation %d ready: %s", job.name, plan.generation, decision.reason)
 
 
-def _upload_wait_over(plan: RecoveryPlan, live: list[Machine], now: datetime, settings: Settings) -> bool:
-    """The plan has waited upload_wait_s for uploads in flight, counted from when its last machine joined
-    (a replacement registers minutes after the failure: the survivors' uploads are long done by then)."""
-    since = max([plan.created_at, *(m.registered_at for m in live)])
-    return now - since >= timedelta(seconds=settings.upload_wait_s)
-
-
 def _note_upload_wait(job: Job, plan: RecoveryPlan, decision: RecoveryDecision, settings: Settings) -> None:
-    """Say on the plan, once, what it waits for (the plans page and API show the reason)."""
+    """Say on the plan, once per iteration hoped for, what it waits for (the plans page and API show the
+    reason)."""
     newer = decision.waits_for[0].iteration
     note = (
-        f"waiting up to {settings.upload_wait_s:g} s for {len(decision.waits_for)} upload(s) in flight that "
-        f"would make iteration {newer} restorable (now: {decision.iteration})"
+        f"waiting up to {settings.upload_wait_s:g} s for uploads in flight that would make iteration "
+        f"{newer} restorable (now: {decision.iteration})"
     )
-    if note not in plan.reason:
-        plan.reason = (plan.reason + " -> " + note)[:500]
+    if not plan.reason.endswith(note):
+        plan.reason = _reason_then(plan.reason, note)
         log.info("job %s: generation %d %s", job.name, plan.generation, note)
+
+
+def _reason_then(reason: str, then: str) -> str:
+    """`reason -> then` within the plan's 500 characters, `then` whole: what the plan decided is never the
+    part cut off (a long failure cause is)."""
+    joined = f"{reason} -> {then}"
+    if len(joined) <= REASON_LIMIT:
+        return joined
+    keep = max(0, REASON_LIMIT - len(then) - len("... -> "))
+    return f"{reason[:keep]}... -> {then}"[:REASON_LIMIT]
 
 
 def _source_json(source: Any, by_rank: dict[int, Machine]) -> dict[str, Any]:

@@ -39,6 +39,7 @@ class RecoveryDriver:
         # next step checks the moves made in between against the protocol's table. A new leader starts
         # without: it never saw the steps before it.
         self.states: dict[uuid.UUID, RecoveryState] = {}
+        self.upload_waits: dict[uuid.UUID, recovery.UploadWait] = {}  # plans waiting for uploads in flight
         self._tasks: set[asyncio.Task[Any]] = set()
         # Jobs owed a completion check (recovery.complete_if_finished): a step closed their recovery and the
         # check after its commit has not yet run through. A new leader owes it to every job: the one before
@@ -47,6 +48,7 @@ class RecoveryDriver:
 
     async def drive(self) -> None:
         self.states.clear()
+        self.upload_waits.clear()
         first = True
         try:
             while True:
@@ -58,6 +60,8 @@ class RecoveryDriver:
                     self._owed &= set(job_ids)
                     for gone in self.states.keys() - set(job_ids):  # finished, stopped or deleted jobs
                         del self.states[gone]
+                    for gone in self.upload_waits.keys() - set(job_ids):
+                        del self.upload_waits[gone]
                     await self.per_job.each(job_ids, self.step)
                 except Deposed:
                     return
@@ -85,7 +89,12 @@ class RecoveryDriver:
                     return
                 recovering = job.state == JobState.RECOVERING
                 actions = await recovery.advance(
-                    session, job, self.settings, seen=self.states, in_flight=frozenset(self._replacing)
+                    session,
+                    job,
+                    self.settings,
+                    seen=self.states,
+                    in_flight=frozenset(self._replacing),
+                    upload_waits=self.upload_waits,
                 )
                 closed = recovering and job.state == JobState.RUNNING
         except BaseException:

@@ -190,7 +190,7 @@ async def test_a_plan_waits_for_an_upload_in_flight_that_completes_a_newer_check
     async def waiting() -> dict[str, Any] | None:
         plans = await scenario.api("/recovery-plans")
         plan = next(p for p in plans if p["generation"] == 2)
-        return plan if "upload(s) in flight" in plan["reason"] else None
+        return plan if "uploads in flight" in plan["reason"] else None
 
     plan = await eventually(waiting, "the plan to say it waits for the upload")
     assert plan["sources"] == [] and f"iteration {newer} restorable" in plan["reason"], "not decided yet"
@@ -207,4 +207,4 @@ async def test_a_plan_waits_for_an_upload_in_flight_no_longer_than_upload_wait_s
     scenario, older, newer = await memory_lost_with_an_upload_in_flight(client)
     plan = await scenario.plan(2, "ready")  # the upload never arrives
     assert plan["iteration"] == older, plan["reason"]
-    assert f"upload(s) in flight that would make iteration {newer} restorable" in plan["reason"], plan
+    assert f"uploads in flight that would make iteration {newer} restorable" in plan["reason"], plan

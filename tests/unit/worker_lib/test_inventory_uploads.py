@@ -8,11 +8,17 @@ from typing import Any
 
 from worker_lib.agent.agent import Agent
 from worker_lib.api.worker import InventoryReport
+from worker_lib.client import RootRejected
 
 
 def agent_uploading(in_flight: list[dict[str, int]]) -> Agent:
     agent = Agent.__new__(Agent)  # only the inventory's body is under test: no services started
-    agent.machine = SimpleNamespace(uploads=SimpleNamespace(in_flight=lambda: list(in_flight)))  # type: ignore[assignment]
+    agent.machine = SimpleNamespace(  # type: ignore[assignment]
+        uploads=SimpleNamespace(in_flight=lambda: list(in_flight)),
+        machine_rank=0,
+        registered=SimpleNamespace(directive_wait_s=1.0),
+    )
+    agent._directive_revision = 0
     return agent
 
 
@@ -33,3 +39,22 @@ def test_a_report_sent_again_drops_uploads_that_arrived_since() -> None:
         "uploading" in first and "uploading" not in again
     )  # none: the field an older root lacks is left out
     assert InventoryReport.model_validate(again).uploading == []
+
+
+async def test_a_root_that_refuses_the_field_gets_the_inventory_without_it() -> None:
+    """A root older than `uploading` answers 422 (its report model forbids unknown fields): the agent
+    reports again without it. Before, the report was lost and the root declared the machine failed for not
+    reporting its inventory."""
+    sent: list[dict[str, Any]] = []
+
+    class OlderRoot:
+        async def report_inventory(self, rank: int, body: dict[str, Any], **_: Any) -> None:
+            sent.append(body)
+            if "uploading" in body:
+                raise RootRejected(422, "validation_error", "invalid request: body.uploading: extra inputs")
+
+    agent = agent_uploading([{"rank": 0, "iteration": 40, "generation": 1}])
+    agent.client = OlderRoot()  # type: ignore[assignment]
+    await agent._send_inventory(2, agent._with_uploads(BODY))
+    assert ["uploading" in body for body in sent] == [True, False]
+    assert sent[1] == BODY
