@@ -85,6 +85,7 @@ class Settings(BaseSettings):
     upload_wait_s: float = Field(
         30.0,
         ge=0,
+        le=3600,
         description="How long a recovery's plan waits for uploads to the persistent tier that the machines "
         "still have in flight, where they would let every rank resume from a newer iteration (a lost "
         "placement group's ranks uploaded an iteration the survivors are still uploading), counted from the "

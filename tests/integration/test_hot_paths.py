@@ -299,15 +299,16 @@ async def test_a_plan_waiting_for_uploads_reads_no_inventory_until_one_arrives(
     client: httpx.AsyncClient, root_app: FastAPI
 ) -> None:
     """A plan that waits for uploads in flight (flows.recovery._decide) decided once: every later step
-    until an awaited shard arrives looks for that shard only. Before, each of the 5 steps a second decided
-    again, reading every machine's inventory and every persisted shard (0.2-0.4 s at 1,000 machines)."""
+    until the awaited shards have all arrived looks for those shards only. Before, each of the 5 steps a
+    second decided again, reading every machine's inventory and every persisted shard (0.2-0.4 s at 1,000
+    machines)."""
     from services.root.flows import recovery
     from tests.integration.api.test_persist_recovery import (
         memory_lost_with_an_upload_in_flight,
         report_persisted,
     )
 
-    scenario, _, newer = await memory_lost_with_an_upload_in_flight(client)
+    scenario, _, newer = await memory_lost_with_an_upload_in_flight(client, uploading=(0, 1))
     waits: dict[uuid.UUID, recovery.UploadWait] = {}
 
     async def step_reads() -> list[str]:
@@ -319,10 +320,13 @@ async def test_a_plan_waiting_for_uploads_reads_no_inventory_until_one_arrives(
 
     assert decides(await step_reads())
     (wait,) = waits.values()
-    assert wait.awaiting == {(newer, 0, 1)}, wait
-    for _ in range(3):
-        reads = await step_reads()
-        assert not decides(reads) and not [s for s in reads if "persisted_shards.digest" in s], reads
-    # Once it arrives, the plan decides (here or in the in-process leader, whichever steps first).
+    assert wait.awaiting == {(newer, 0, 1), (newer, 1, 1)}, wait
+    for arrived in (None, 1):  # nothing yet; then one of the two (nothing restorable changed)
+        if arrived is not None:
+            await report_persisted(scenario, arrived, newer, 1)
+        for _ in range(3):
+            reads = await step_reads()
+            assert not decides(reads) and not [s for s in reads if "persisted_shards.digest" in s], reads
+    # Once both arrived, the plan decides (here or in the in-process leader, whichever steps first).
     await report_persisted(scenario, 0, newer, 1)
     assert (await scenario.plan(2, "ready"))["iteration"] == newer

@@ -550,7 +550,7 @@ class Agent:
         again = {**body, "holdings": [h.to_json() for h in await asyncio.to_thread(holdings.inventory)]}
         again = self._with_uploads(again)
         try:
-            await self.client.report_inventory(self.machine.machine_rank, again)
+            await self._report(again)
         except RootError as exc:
             log.error("could not report the inventory of generation %d again: %s", generation, exc)
 
@@ -560,27 +560,26 @@ class Agent:
 
     async def _send_inventory(self, generation: int, body: dict[str, Any]) -> DirectiveOut | None:
         try:
-            try:
-                return await self._report(body)
-            except RootRejected as exc:
-                if exc.status != 422 or "uploading" not in body:
-                    raise
-                # A root older than the field refuses the report: without it the plan just does not wait
-                # for the uploads, where otherwise this machine would be declared lost for not reporting.
-                log.warning("the root refused the uploads in flight in the inventory; reporting without them")
-                return await self._report({key: value for key, value in body.items() if key != "uploading"})
+            return await self._report(
+                body, after=self._directive_revision, wait_s=self.machine.registered.directive_wait_s
+            )
         except RootError as exc:
             log.error("could not report the inventory of generation %d: %s", generation, exc)
             self._stop_if_replaced(exc)
             return None
 
-    async def _report(self, body: dict[str, Any]) -> DirectiveOut | None:
-        return await self.client.report_inventory(
-            self.machine.machine_rank,
-            body,
-            after=self._directive_revision,
-            wait_s=self.machine.registered.directive_wait_s,
-        )
+    async def _report(self, body: dict[str, Any], **poll: Any) -> DirectiveOut | None:
+        """Send the inventory `body` (`poll`: as the next directive long poll). A root older than the uploads
+        in flight refuses a report naming them (422): it gets the report without them (its plan then does not
+        wait for them), where otherwise this machine would be declared lost for not reporting."""
+        try:
+            return await self.client.report_inventory(self.machine.machine_rank, body, **poll)
+        except RootRejected as exc:
+            if exc.status != 422 or "uploading" not in body or "uploading" not in exc.message:
+                raise
+            log.warning("the root refused the uploads in flight in the inventory; reporting without them")
+            without = {key: value for key, value in body.items() if key != "uploading"}
+            return await self.client.report_inventory(self.machine.machine_rank, without, **poll)
 
     async def _restore(self, directive: DirectiveOut) -> dict[str, Any]:
         """Make the plan's iteration present in each local rank's store: it is there (local), or comes from

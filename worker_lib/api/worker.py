@@ -406,7 +406,8 @@ class Holding(BaseModel):
 
 
 class UploadInFlight(BaseModel):
-    """A checkpoint this machine is uploading to the persistent tier (staged, not yet reported persisted)."""
+    """A checkpoint this machine is uploading to the persistent tier: started (on the root's schedule) or
+    staged, and not yet acknowledged as persisted."""
 
     model_config = ConfigDict(extra="forbid")
 

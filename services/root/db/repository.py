@@ -489,14 +489,18 @@ async def persisted_shards(
 
 
 async def persisted_shard_keys(
-    session: AsyncSession, job_id: uuid.UUID, iterations: Collection[int]
+    session: AsyncSession, job_id: uuid.UUID, keys: Collection[tuple[int, int, int]]
 ) -> set[tuple[int, int, int]]:
-    """(iteration, rank, generation) of the job's persisted shards of `iterations`: a few rows, where
+    """Which of `keys`, (iteration, rank, generation), the job has persisted: their rows only, where
     `persisted_shards` reads them all."""
     query = (
         select(PersistedCheckpoint.iteration, PersistedShard.rank, PersistedShard.generation)
         .join(PersistedShard, PersistedShard.checkpoint_id == PersistedCheckpoint.id)
-        .where(PersistedCheckpoint.job_id == job_id, PersistedCheckpoint.iteration.in_(list(iterations)))
+        .where(
+            PersistedCheckpoint.job_id == job_id,
+            PersistedCheckpoint.iteration.in_({iteration for iteration, _, _ in keys}),
+            PersistedShard.rank.in_({rank for _, rank, _ in keys}),
+        )
     )
     return {(int(i), int(r), int(g)) for i, r, g in (await session.execute(query)).all()}
 

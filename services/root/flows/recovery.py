@@ -263,14 +263,14 @@ async def _awaiting_uploads(
     now: datetime,
     upload_waits: Mapping[uuid.UUID, UploadWait] | None,
 ) -> bool:
-    """The plan waits for uploads in flight, none of which has arrived, and its wait is not over."""
+    """The plan waits for uploads in flight, not all of which have arrived, and its wait is not over (until
+    they all are, nothing restorable changes: deciding again at each arrival of a thousand would read
+    everything at every step while they trickle in)."""
     wait = upload_waits.get(job_id) if upload_waits is not None else None
     if wait is None or wait.generation != plan.generation or now >= wait.until:
         return False
-    arrived = await repo.persisted_shard_keys(
-        session, job_id, {iteration for iteration, _, _ in wait.awaiting}
-    )
-    return not wait.awaiting & arrived
+    arrived = await repo.persisted_shard_keys(session, job_id, wait.awaiting)
+    return not wait.awaiting <= arrived
 
 
 def _resumed(machine: Machine, generation: int) -> bool:
@@ -499,7 +499,9 @@ async def _decide(
         uploading=uploading,
     )
     if upload_waits is not None:
-        wait = upload_waits.pop(job.id, None)
+        # Left in place once decided (the driver forgets a job's when it ends): a step that fails to commit
+        # after taking it out would give the next step a fresh deadline.
+        wait = upload_waits.get(job.id)
         if decision.waits_for:
             if wait is None or wait.generation != plan.generation:
                 wait = UploadWait(

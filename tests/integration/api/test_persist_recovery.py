@@ -160,22 +160,25 @@ async def test_a_persisted_shard_a_restore_found_corrupt_is_passed_over_by_the_n
     assert condemned == {0: None, 1: problem}, "only the reporting machine's own rank is condemned"
 
 
-async def memory_lost_with_an_upload_in_flight(client: httpx.AsyncClient) -> tuple[Scenario, int, int]:
-    """Both ranks persisted `older`; of `newer`, rank 1's shard arrived and rank 0's upload is under way when
-    the machines report that they hold nothing in memory (as a lost group's replacements and survivors
-    holding only newer iterations would). Returns the scenario, older and newer."""
+async def memory_lost_with_an_upload_in_flight(
+    client: httpx.AsyncClient, uploading: tuple[int, ...] = (0,)
+) -> tuple[Scenario, int, int]:
+    """Both ranks persisted `older`; of `newer`, the ranks `uploading` are still uploading theirs (the others'
+    shards arrived) when the machines report that they hold nothing in memory (as a lost group's
+    replacements and survivors holding only newer iterations would). Returns the scenario, older and newer."""
     scenario, older = await persisting(client)
     newer = older + K
     for rank in (0, 1):
         await report_persisted(scenario, rank, older, 1)
-    await report_persisted(scenario, 1, newer, 1)
+        if rank not in uploading:
+            await report_persisted(scenario, rank, newer, 1)
     await scenario.heartbeat(newer + 2)
     await scenario.kill_process(1)
     await scenario.plan(2, "collecting")
     for rank, instance in enumerate(scenario.instances):
         body: dict[str, Any] = {"instance_id": instance, "generation": 2, "holdings": []}
-        if rank == 0:
-            body["uploading"] = [{"rank": 0, "iteration": newer, "generation": 1}]
+        if rank in uploading:
+            body["uploading"] = [{"rank": rank, "iteration": newer, "generation": 1}]
         await scenario.post(f"/machines/{rank}/inventory", body, 204)
     return scenario, older, newer
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from worker_lib.agent.agent import Agent
 from worker_lib.api.worker import InventoryReport
 from worker_lib.client import RootRejected
@@ -58,3 +60,18 @@ async def test_a_root_that_refuses_the_field_gets_the_inventory_without_it() -> 
     await agent._send_inventory(2, agent._with_uploads(BODY))
     assert ["uploading" in body for body in sent] == [True, False]
     assert sent[1] == BODY
+
+
+async def test_a_refusal_about_something_else_is_not_sent_again() -> None:
+    sent: list[dict[str, Any]] = []
+
+    class Refusing:
+        async def report_inventory(self, rank: int, body: dict[str, Any], **_: Any) -> None:
+            sent.append(body)
+            raise RootRejected(422, "validation_error", "invalid request: body.holdings.0.digest: too long")
+
+    agent = agent_uploading([{"rank": 0, "iteration": 40, "generation": 1}])
+    agent.client = Refusing()  # type: ignore[assignment]
+    with pytest.raises(RootRejected):
+        await agent._report(agent._with_uploads(BODY))
+    assert len(sent) == 1
