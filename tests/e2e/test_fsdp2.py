@@ -81,21 +81,31 @@ def hold_past_a_persisted_checkpoint(cluster: LocalCluster, logs: Path) -> tuple
     host the first complete checkpoint once came at the job's last iteration. Held, the agents finish the
     uploads of an iteration every rank has committed, whatever the pace. A target given up meanwhile (a
     rank's copy overwritten before its upload) is followed by a newer one, past the held iteration: then
-    release and try the new one."""
+    release and try the new one. So is a target read just before the root announced the next one (right
+    after a recovery): waiting out the 120 s for it cost a fresh-clone run 2 minutes."""
+
+    def complete_up_to(reached: int) -> set[int]:
+        return {i for i in complete_checkpoints(cluster) if i <= reached}
+
     for _ in range(3):
         target = wait_until(cluster.persist_target, 120, "a persist target", 0.25)
         wait_until(lambda t=target: newest_iteration(logs) >= t, 240, f"iteration {target}", 0.1)
         reached = hold(logs)
-        try:
-            done = wait_until(
-                lambda r=reached: {i for i in complete_checkpoints(cluster) if i <= r} or None,
-                120,
-                f"a complete persisted checkpoint of an iteration up to {reached}",
-                0.25,
-            )
-        except TimeoutError:
-            if cluster.persist_target() == target:
-                raise  # still the target, and every rank holds it: its upload is stuck
+
+        def settled(reached: int = reached, target: int = target) -> tuple[set[int]] | None:
+            """The complete ones, or none once the target moved on without one (checked in that order: a
+            complete target moves on too); None: not yet."""
+            if done := complete_up_to(reached):
+                return (done,)
+            return None if cluster.persist_target() == target else (complete_up_to(reached),)
+
+        (done,) = wait_until(
+            settled,
+            120,
+            f"a complete persisted checkpoint of an iteration up to {reached}, or a new target",
+            0.25,
+        )
+        if not done:
             release(logs)
             continue
         return reached, max(done)
