@@ -232,8 +232,8 @@ async def _waiting_for_agents(
         return None
     if plan.status == PlanStatus.COLLECTING:
         if not progress.not_inventoried:
-            # Every inventory is in: decide, or, where the plan waits for uploads, once one arrived (the
-            # decision reads every inventory and every persisted shard: not 5 times a second).
+            # Every inventory is in: decide, or, where the plan waits for uploads, once they all arrived
+            # (the decision reads every inventory and every persisted shard: not 5 times a second).
             if not await _awaiting_uploads(session, job.id, plan, now, upload_waits):
                 return None
         else:
