@@ -576,8 +576,9 @@ class Uploads:
         self.target: tuple[int, int] | None = None  # (iteration, generation) announced
         self._handled: dict[int, tuple[int, int]] = {}  # rank -> the target its upload is for (or done)
         self.missed: tuple[int, int] | None = None
-        # rank -> (iteration, generation) staged and not yet reported persisted: a recovery's plan may wait
-        # for it rather than roll back further (the inventory reports these).
+        # rank -> (iteration, generation) of the upload under way: from its start (on the schedule) or its
+        # staging until the root acknowledged it. A recovery's plan may wait for it rather than roll back
+        # further (the inventory reports these).
         self._in_flight: dict[int, tuple[int, int]] = {}
 
     def in_flight(self) -> list[dict[str, int]]:
