@@ -29,7 +29,10 @@ def _running_job(root: Root, name: str, machines: int = 2) -> dict[str, Any]:
 
 
 def _watch(root: Root, name: str) -> subprocess.Popen[str]:
-    """`castor jobs watch NAME` with a pipe as stdout (no terminal), as a log collector would run it."""
+    """`castor jobs watch NAME` with a pipe as stdout (no terminal), as a log collector would run it, with
+    SIGINT at its default as a shell's foreground command has it. Not inherited from the suite: pytest run
+    as a background job of a non-interactive shell (`./scripts/test ... &`, nohup) ignores SIGINT, the
+    command rightly keeps it ignored then, and a Ctrl-C test would wait for an exit that never comes."""
     env = {**base_env(), "CASTOR_ROOT_URL": root.url, "CASTOR_ADMIN_TOKEN": ADMIN_TOKEN}
     return subprocess.Popen(
         [sys.executable, "-m", "services.cli", "jobs", "watch", name, "--interval", "0.2"],
@@ -39,7 +42,12 @@ def _watch(root: Root, name: str) -> subprocess.Popen[str]:
         text=True,
         env=env,
         cwd=root.workdir,
+        preexec_fn=_sigint_default,
     )
+
+
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_watch_exits_when_the_job_ends_and_shows_its_machines(root: Root) -> None:
