@@ -134,6 +134,38 @@ async def test_a_small_jobs_batch_refreshes_its_counters_in_its_transaction_job_
         assert counted.newest_iteration == 7, "every rank has reported: the oldest newest iteration"
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"local": {"0": "x"}},
+        {"local": {"a": 1}},
+        {"committed": "5"},
+        {"per_minute": float("nan")},
+        {"local": {str(rank): 1 for rank in range(70_000)}},
+    ],
+    ids=["iteration-not-a-number", "rank-not-a-number", "count-as-text", "nan-rate", "70000-ranks"],
+)
+async def test_a_summary_that_fails_the_heartbeat_schema_is_recorded_empty_and_the_batch_goes_through(
+    client: httpx.AsyncClient, root_app: FastAPI, bad: dict[str, Any]
+) -> None:
+    """An etcd key holds whatever its agent wrote. Before, one such summary raised in the batch at every pass
+    (every machine of the job lost its summary, a returning suspect its sign of life), or was stored for the
+    recovery planner to trip on."""
+    job, instances = await registered(client, 3)
+    job_id = uuid.UUID(job["id"])
+    before = await rows(root_app, job_id)
+    batch = {instances[0]: summary(0, 7), instances[1]: bad, instances[2]: summary(2, 9)}
+    async with root_app.state.castor.database.session() as session:
+        await machine_flows.record_summaries(session, job_id, batch)
+        counted = (await session.execute(select(Job).where(Job.id == job_id))).scalar_one()
+        assert counted.checkpoints_committed == 7 + 9
+    after = await rows(root_app, job_id)
+    assert after[instances[1]].summary == {}
+    assert after[instances[0]].summary == summary(0, 7)
+    for instance in instances:  # every machine's sign of life recorded
+        assert after[instance].last_heartbeat_at > before[instance].last_heartbeat_at  # type: ignore[operator]
+
+
 async def detectors_leading(app: FastAPI) -> Detectors:
     orchestrator = app.state.castor.orchestrator
     await eventually(lambda: _true(orchestrator.is_leader), "the root to lead")

@@ -26,6 +26,7 @@ MAX_MACHINES = 100_000
 
 
 MAX_PROCS_PER_MACHINE = 64
+MAX_REPLICAS = 16
 
 
 def _env_name(name: str) -> str:
@@ -46,7 +47,9 @@ class LaunchSpec(BaseModel):
     command: list[Text] = Field(
         min_length=1, description='The training command, e.g. ["python", "train.py"].'
     )
-    cwd: Text | None = Field(None, description="Working directory of the training processes.")
+    cwd: Text | None = Field(
+        None, max_length=4096, description="Working directory of the training processes."
+    )
     env: dict[EnvName, Text] = Field(default_factory=dict, description="Extra environment variables.")
     warm_start: bool = Field(
         True,
@@ -68,7 +71,11 @@ class JobCreate(BaseModel):
         "4096), and CASTOR_LOCAL_MAX_MACHINES (default 64) with a launch spec.",
     )
     replicas: int = Field(
-        2, strict=True, ge=1, le=16, description="Copies of each checkpoint m, the local one included."
+        2,
+        strict=True,
+        ge=1,
+        le=MAX_REPLICAS,
+        description="Copies of each checkpoint m, the local one included.",
     )
     procs_per_machine: int = Field(
         1, strict=True, ge=1, le=MAX_PROCS_PER_MACHINE, description="Training processes per machine."
@@ -105,6 +112,7 @@ class JobCreate(BaseModel):
     )
     replication_bandwidth_gbps: float | None = Field(
         None,
+        strict=True,
         gt=0,
         le=10_000,
         description="Optional cap on each agent's replication traffic, in Gbit/s (both policies); null: "

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 
-from worker_lib.api.public import MAX_PROCS_PER_MACHINE
+from worker_lib.api.public import MAX_PROCS_PER_MACHINE, MAX_REPLICAS
 from worker_lib.api.shared import (
     INT32_MAX,
     MAX_JSON_BYTES,
@@ -145,24 +145,34 @@ class PersistSchedule(WireModel):
     )
 
 
+# The peer ranks one machine can hold replicas of: procs_per_machine x (replicas - 1) at most.
+REPLICA_RANKS_MAX = MAX_PROCS_PER_MACHINE * (MAX_REPLICAS - 1)
+
+
 class CheckpointSummary(BaseModel):
     """What an agent holds, in brief (the full inventory is asked for only during a recovery)."""
 
     local: dict[CountKey, Count] = Field(
-        default_factory=dict, description="rank -> newest committed iteration."
+        default_factory=dict,
+        max_length=MAX_PROCS_PER_MACHINE,
+        description="rank -> newest committed iteration.",
     )
     replicas: dict[CountKey, Count] = Field(
-        default_factory=dict, description="peer rank -> newest replicated iteration."
+        default_factory=dict,
+        max_length=REPLICA_RANKS_MAX,
+        description="peer rank -> newest replicated iteration.",
     )
     committed: Count = Field(0, description="Checkpoints committed since the agent started.")
     restored: dict[CountKey, RestoredIteration] = Field(
         default_factory=dict,
+        max_length=MAX_PROCS_PER_MACHINE,
         description="rank -> the iteration its newest training process restored when it started (-1: it "
         "started fresh, with nothing to restore). In embedded (torchrun) mode the root takes the iterations "
         "a relaunch lost from it.",
     )
     newest_at_restore: dict[CountKey, RestoredIteration] = Field(
         default_factory=dict,
+        max_length=MAX_PROCS_PER_MACHINE,
         description="rank -> the newest iteration it held when that process restored (-1: none): what the "
         "restore rolled back from.",
     )
@@ -245,12 +255,15 @@ class CheckpointSummary(BaseModel):
     )
     stalled_s: dict[CountKey, Rate] = Field(
         default_factory=dict,
+        max_length=MAX_PROCS_PER_MACHINE,
         description="rank -> seconds its training thread was blocked in Castor (save() calls and waits for a "
         "copy at the optimizer step, a forward, wait()), summed over its training processes since the agent "
         "started. The job's ETTR charges the slowest rank's as checkpoint stalls.",
     )
     save_calls: dict[CountKey, Count] = Field(
-        default_factory=dict, description="rank -> save() calls over which stalled_s was counted."
+        default_factory=dict,
+        max_length=MAX_PROCS_PER_MACHINE,
+        description="rank -> save() calls over which stalled_s was counted.",
     )
     store_filesystem: Text | None = Field(
         None,

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.root.domain.recovery import on_timeline
-from worker_lib.api.shared import MAX_CHECKPOINTS_PER_MINUTE
+from worker_lib.api.shared import INT32_MAX, MAX_CHECKPOINTS_PER_MINUTE
 
 
 @dataclass(frozen=True)
@@ -145,8 +145,9 @@ def next_target(
     uploaded: int = 0,
 ) -> PersistTarget | None:
     """The target to announce now: `current` while it is in progress, else a new one (None: the job has no
-    persistent tier). `complete`: every rank persisted `current`. `resumed_from` and `uploaded`: see
-    given_up (needed only once a recovery opened a generation newer than `current`'s)."""
+    persistent tier, or the next would be past what a report can name). `complete`: every rank persisted
+    `current`. `resumed_from` and `uploaded`: see given_up (needed only once a recovery opened a generation
+    newer than `current`'s)."""
     if every <= 0:
         return None
     summaries = list(summaries)
@@ -165,4 +166,9 @@ def next_target(
         floors.append(resumed_from.get(generation))
     newest = max((f for f in floors if f is not None), default=None)
     lead = lead_iterations(fastest_rate(summaries), latency_s)
-    return PersistTarget(first_multiple_after((newest or 0) + lead, every), generation)
+    iteration = first_multiple_after((newest or 0) + lead, every)
+    if iteration > INT32_MAX:
+        # No shard of it could be reported (iterations are 32-bit on the wire): a summary claiming an
+        # absurd iteration would hold the schedule there for good. Announce nothing until it is sane.
+        return None
+    return PersistTarget(iteration, generation)

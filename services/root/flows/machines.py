@@ -11,6 +11,7 @@ from dataclasses import asdict
 from datetime import datetime, timedelta
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy import event as orm_event
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
@@ -534,6 +535,7 @@ async def record_summaries(
     job = await repo.get_job(session, job_id)
     if job is None or not summaries:
         return
+    summaries = {instance: checked_summary(instance, summary) for instance, summary in summaries.items()}
     latency_s = _etcd_persist_latency_s(job.num_machines)
     if job.num_machines <= COUNTERS_INLINE_MAX_MACHINES:
         generation = await repo.latest_generation(session, job_id)
@@ -541,6 +543,26 @@ async def record_summaries(
     else:
         refresh_counters_soon(session, job_id, latency_s)
     await repo.touch_machines(session, job_id, summaries, at=utcnow())
+
+
+def checked_summary(instance_id: str, summary: dict[str, Any]) -> dict[str, Any]:
+    """An etcd key's summary held to the schema a REST heartbeat's is (the key's value is whatever the agent
+    wrote): one that fails it is recorded as empty, the machine still alive, rather than failing its whole
+    batch at every pass, or being stored for the recovery planner to trip on."""
+    try:
+        schemas.CheckpointSummary.model_validate(summary)
+        return summary
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        log.warning(
+            "machine %s: its etcd summary is not valid (%d problems; %s: %s), taken as empty",
+            instance_id,
+            exc.error_count(),
+            where,
+            first["msg"],
+        )
+        return {}
 
 
 async def _counters_inline(

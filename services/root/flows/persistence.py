@@ -100,6 +100,7 @@ async def _record_shard(
             code="rank_not_hosted",
             details={"rank": report.rank, "hosted": [hosted.start, hosted.stop - 1]},
         )
+    await _check_announced(session, job, report)
     job_id = str(job.id)
     key = persisted.shard_of(tier, job_id, report.iteration, report.rank, report.generation)
     location = persisted.checkpoint_location(tier, job_id, report.iteration)
@@ -125,6 +126,34 @@ async def _record_shard(
     if not recorded:
         return None  # a late upload from before a rollback: the newer history's shard stays recorded
     return checkpoint_id
+
+
+async def _check_announced(session: AsyncSession, job: Job, report: schemas.PersistedReport) -> None:
+    """Once the root has announced an iteration to persist (a current root does from the job's first
+    heartbeats), a shard may be of no generation the job has not reached and of no iteration past the
+    announced one. Agents persist only announced iterations; a target moves back only with a rollback,
+    past which the older generation's shards are off the timeline anyway. Without this, a report of an
+    iteration never trained (a confused agent) could complete a checkpoint that retention then keeps in
+    place of the real ones, deleting them. Before any announcement (older agents persist every K on their
+    own) reports are taken as they come."""
+    announced = job.persist_iteration
+    if announced is None:
+        return
+    current = await repo.latest_generation(session, job.id) or 1
+    if report.generation > current:
+        raise Invalid(
+            f"rank {report.rank}'s persisted shard is of generation {report.generation}; the job's newest "
+            f"is {current}",
+            code="persisted_generation_unknown",
+            details={"generation": current},
+        )
+    if report.iteration > announced:
+        raise Invalid(
+            f"rank {report.rank}'s persisted shard is of iteration {report.iteration}, past the iteration "
+            f"{announced} the root announced for persisting",
+            code="persisted_iteration_unannounced",
+            details={"announced": announced},
+        )
 
 
 async def _completed(

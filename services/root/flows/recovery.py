@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Collection, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeGuard
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -925,6 +925,13 @@ class UnusableShard:
     problem: str
 
 
+DIGEST_MAX = 64  # persisted_shards.digest
+
+
+def _is_count(value: Any) -> TypeGuard[int]:
+    return type(value) is int and 0 <= value <= schemas.INT32_MAX
+
+
 def unusable_persisted(details: dict[str, Any]) -> list[UnusableShard]:
     """The persisted shards a `restore_failed` report says were missing or failed their checksums
     (`unusable_persisted`: [{"rank", "iteration", "digest", "problem"}]); malformed entries are skipped."""
@@ -934,6 +941,13 @@ def unusable_persisted(details: dict[str, Any]) -> list[UnusableShard]:
         if not isinstance(entry, dict):
             continue
         rank, iteration, digest = entry.get("rank"), entry.get("iteration"), entry.get("digest")
-        if type(rank) is int and type(iteration) is int and isinstance(digest, str) and digest:
+        # Free-form details: bounded here as the columns they are matched against are (an out-of-range
+        # integer would fail the statement, and with it the report that records the failure).
+        if (
+            _is_count(rank)
+            and _is_count(iteration)
+            and isinstance(digest, str)
+            and 0 < len(digest) <= DIGEST_MAX
+        ):
             found.append(UnusableShard(rank, iteration, digest, str(entry.get("problem") or "unusable")))
     return found

@@ -62,6 +62,11 @@ async def test_query_and_path_numbers_out_of_range(client: httpx.AsyncClient) ->
     [
         ("heartbeat", {"summary": {"committed": HUGE}}, "committed"),
         ("heartbeat", {"summary": {"local": {"0": HUGE}}}, "local"),
+        # More ranks than a machine runs (or holds replicas of): before, a summary of 70,000 ranks was stored
+        # and every heartbeat of the job decoded it.
+        ("heartbeat", {"summary": {"local": {str(rank): 1 for rank in range(65)}}}, "local"),
+        ("heartbeat", {"summary": {"stalled_s": {str(rank): 0.1 for rank in range(65)}}}, "stalled_s"),
+        ("heartbeat", {"summary": {"replicas": {str(rank): 1 for rank in range(64 * 15 + 1)}}}, "replicas"),
         ("heartbeat", {"summary": {"per_minute": "Infinity"}}, "per_minute"),
         # Finite but absurd: an announced iteration beyond the database's columns, an infinite interval.
         ("heartbeat", {"summary": {"per_minute": 1e21}}, "per_minute"),
@@ -119,16 +124,25 @@ async def test_registration_refuses_instance_ids_that_could_name_a_path(
         assert (await register(client, job, accepted)).status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("name", "code"),
+    [
+        ("gone", "launch_cwd_missing"),
+        # A name the filesystem cannot look up (ENAMETOOLONG from the stat: before, a 500).
+        ("gone" + "x" * 300, "launch_cwd_missing"),
+        # Longer than any path (PATH_MAX): refused by the schema.
+        ("gone/" * 1000, "validation_error"),
+    ],
+    ids=["missing", "name-too-long", "path-too-long"],
+)
 async def test_a_launch_directory_that_does_not_exist_is_refused(
-    client: httpx.AsyncClient, tmp_path: Path
+    client: httpx.AsyncClient, tmp_path: Path, name: str, code: str
 ) -> None:
     body = {
         "name": "nowhere",
         "machines": 2,
-        "launch": {"command": ["python"], "cwd": str(tmp_path / "gone")},
+        "launch": {"command": ["python"], "cwd": str(tmp_path / name)},
     }
-    error = assert_error(
-        await client.post("/api/v1/jobs", json=body, headers=admin()), 422, "launch_cwd_missing"
-    )
-    assert "gone" in error["message"]
+    error = assert_error(await client.post("/api/v1/jobs", json=body, headers=admin()), 422, code)
+    assert "gone" in error["message"] or "cwd" in error["message"]
     assert (await client.get("/api/v1/jobs", headers=admin())).json()["total"] == 0

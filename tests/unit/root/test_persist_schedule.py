@@ -58,6 +58,24 @@ def test_no_tier_no_target() -> None:
     assert next_target(None, every=0, generation=1, summaries=[summary(5)], latency_s=1) is None
 
 
+def test_no_target_past_what_a_report_can_name() -> None:
+    """A summary claiming an absurd iteration (a confused agent) would otherwise set a target no shard can
+    ever be reported for (iterations are 32-bit on the wire), and it would never complete nor be given up;
+    with none announced, the next sane summaries announce one."""
+    absurd = [summary(12), summary(2**31 - 1)]
+    assert next_target(None, every=10, generation=1, summaries=absurd, latency_s=0) is None
+    done = PersistTarget(10, 1)
+    assert next_target(done, every=10, generation=1, summaries=absurd, latency_s=0, complete=True) is None
+    sane = [summary(12), summary(13)]
+    assert next_target(
+        done, every=10, generation=1, summaries=sane, latency_s=0, complete=True
+    ) == PersistTarget(20, 1)
+    # The largest multiple that fits is still announced.
+    assert next_target(None, every=10, generation=1, summaries=[summary(2**31 - 20)], latency_s=0) == (
+        PersistTarget(2_147_483_630, 1)
+    )
+
+
 def test_a_target_in_progress_stays_whatever_the_machines_report() -> None:
     """The point of the schedule: ranks far ahead do not move it; only completion or giving up does."""
     current = PersistTarget(40, 1)
