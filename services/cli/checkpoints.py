@@ -22,7 +22,7 @@ def checkpoints_export(client: CliClient, args: argparse.Namespace) -> int:
     have = ", ".join(str(c.iteration) + ("" if c.complete else " (incomplete)") for c in persisted)
     in_memory = (
         "an iteration held only in memory is exported from the job's ranks with worker_lib.export_dcp "
-        '(README "torch.distributed.checkpoint (DCP)")'
+        '(docs/training.md, "torch.distributed.checkpoint (DCP)")'
     )
     if args.iteration is None:
         chosen = next((c for c in persisted if c.complete), None)

@@ -144,7 +144,7 @@ def _machine_iteration(machine: dict[str, Any]) -> int | None:
 
 
 def ettr_text(ettr: dict[str, Any] | None) -> str:
-    """The measured ETTR and where the rest of the time went (README: "Planning a cluster")."""
+    """The measured ETTR and where the rest of the time went (docs/planning.md)."""
     if not ettr or ettr.get("ettr") is None:
         return "-"
     parts = [

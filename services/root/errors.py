@@ -112,6 +112,18 @@ def _body(
     return JSONResponse(content, status_code=status, headers={**default, **(headers or {})})
 
 
+def _parse_problem(cause: BaseException) -> str:
+    """What FastAPI's JSON parse of a body raised, in a few words."""
+    if isinstance(cause, RecursionError):
+        return "nested too deep"
+    if isinstance(cause, UnicodeDecodeError):
+        return "not UTF-8 text"
+    # Python refuses integers of more than 4300 digits (int_max_str_digits), as a denial-of-service guard.
+    if "digits" in str(cause):
+        return "a number has too many digits"
+    return str(cause)[:200]
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -134,9 +146,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 400 and isinstance(exc.__cause__, ValueError | RecursionError):
             # FastAPI's "error parsing the body": not UTF-8 (UnicodeDecodeError), or nested deeper than
             # the JSON parser recurses. Malformed input like any other: a 422 in the one shape.
-            problem = "not valid JSON: " + (
-                "nested too deep" if isinstance(exc.__cause__, RecursionError) else "not UTF-8 text"
-            )
+            problem = "not valid JSON: " + _parse_problem(exc.__cause__)
             errors = [{"field": "body", "problem": problem}]
             return _body(422, "validation_error", f"invalid request: body: {problem}", {"errors": errors})
         code = _HTTP_CODES.get(exc.status_code, "http_error")

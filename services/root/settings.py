@@ -46,8 +46,8 @@ class Settings(BaseSettings):
 
     etcd_endpoints: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="etcd v3 endpoints as host:port, comma-separated. Empty: agents heartbeat over REST and "
-        "this replica is the only leader.",
+        description="etcd v3 endpoints as host:port, comma-separated. Empty: agents heartbeat over REST, and "
+        "replicas elect a leader through a Postgres advisory lock (SQLite: this replica is the only one).",
     )
     etcd_prefix: str = Field("/castor", description="Key prefix for heartbeats and leader election in etcd.")
     lease_ttl_s: int = Field(1, ge=1, description="TTL of an agent's etcd lease: failure detection latency.")

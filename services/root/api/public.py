@@ -74,9 +74,9 @@ async def create_job(
             code="launch_too_large",
         )
     cwd = body.launch.cwd if body.launch is not None else None
-    if cwd is not None and not pathlib.Path(cwd).is_dir():  # noqa: ASYNC240 (one stat of a local path)
+    if cwd is not None and not _is_directory(cwd):
         raise Invalid(
-            f"launch.cwd {cwd!r} is not a directory on this host, where the local operator "
+            f"launch.cwd {cwd[:200]!r} is not a directory on this host, where the local operator "
             "starts the job's machines",
             code="launch_cwd_missing",
         )
@@ -84,6 +84,14 @@ async def create_job(
     info = JobInfo(job.id, job.name, job.num_machines, job.launch)
     background.add_task(job_flows.provision_machines, state.database, state.operator, info, token)
     return schemas.JobCreated(**(await job_flows.job_out(db, job)).model_dump(), worker_token=token)
+
+
+def _is_directory(path: str) -> bool:
+    """One stat of a local path; a path the host cannot stat (too long, not searchable) is none."""
+    try:
+        return pathlib.Path(path).is_dir()
+    except (OSError, ValueError):
+        return False
 
 
 @router.get("/jobs", response_model=schemas.JobPage)

@@ -12,10 +12,12 @@ from typing import Any, Literal, NamedTuple
 
 from sqlalchemy import (
     ColumnElement,
+    Float,
     Table,
     and_,
     bindparam,
     case,
+    cast,
     delete,
     exists,
     func,
@@ -998,7 +1000,8 @@ async def checkpoint_lines(
             PersistedCheckpoint.created_at,
             PersistedShard.generation,
             func.count(PersistedShard.id),
-            func.coalesce(func.sum(PersistedShard.nbytes), 0),
+            # As a float: SQLite's integer sum raises on overflow (shard sizes are reports, up to 2**63 each).
+            func.coalesce(func.sum(cast(PersistedShard.nbytes, Float)), 0),
         )
         .join(newest, newest.c.id == PersistedCheckpoint.id)
         # A condemned shard (a restore found it corrupt) does not count: its checkpoint is not

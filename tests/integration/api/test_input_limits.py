@@ -165,6 +165,8 @@ async def test_request_bodies_over_the_limit_get_413(client: httpx.AsyncClient) 
     [
         (b'{"name": "caf\xe9", "machines": 2}', "UTF-8"),
         (b"[" * 100_000 + b"]" * 100_000, "deep"),
+        # Past Python's 4300-digit limit for integers (before: said "not UTF-8 text").
+        (b'{"name": "big", "machines": ' + b"1" * 5000 + b"}", "too many digits"),
     ],
 )
 async def test_undecodable_bodies_get_422(client: httpx.AsyncClient, body: bytes, problem: str) -> None:
@@ -187,6 +189,8 @@ async def test_undecodable_bodies_get_422(client: httpx.AsyncClient, body: bytes
         ({"procs_per_machine": "1"}, "procs_per_machine"),
         ({"persist_every": False}, "persist_every"),
         ({"keep_persisted": "3"}, "keep_persisted"),
+        ({"replication_bandwidth_gbps": True}, "replication_bandwidth_gbps"),
+        ({"replication_bandwidth_gbps": "1.5"}, "replication_bandwidth_gbps"),
     ],
 )
 async def test_job_numbers_are_strict(client: httpx.AsyncClient, fields: dict[str, Any], field: str) -> None:

@@ -56,3 +56,17 @@ async def test_a_condemned_shard_leaves_its_checkpoint_out_of_the_persisted_iter
     assert checkpoints == {10: True, 20: False}
     page = (await signed_in.get(f"/jobs/{job.id}")).text
     assert 'class="badge state-recovering">partial</span> 1/2' in page
+
+
+async def test_the_job_page_adds_up_shard_sizes_past_64_bits(
+    client: httpx.AsyncClient, signed_in: httpx.AsyncClient
+) -> None:
+    """Two shards reported at the largest size the API takes: their sum is past SQLite's integers (before,
+    the job page answered 500 until the checkpoint expired)."""
+    job = await running_job(client, machines=2)
+    for rank in (0, 1):
+        body = {"instance_id": job.instances[rank], "rank": rank, "iteration": 10, "digest": "ab" * 8}
+        await job.post(f"/machines/{rank}/persisted", body | {"nbytes": 2**63 - 1}, 204)
+    page = await signed_in.get(f"/jobs/{job.id}")
+    assert page.status_code == 200, page.text
+    assert 'data-label="Size">16777216.0 TiB</td>' in page.text  # 2**64 bytes
