@@ -67,8 +67,11 @@ def persist_out(job: Job) -> schemas.PersistSchedule | None:
     """The iteration every rank persists next, as announced (domain.persist_schedule); None: no tier."""
     if job.persist_every <= 0:
         return None
+    announced = job.persist_generation is not None  # none after a target completed with no successor
     return schemas.PersistSchedule(
-        every=job.persist_every, iteration=job.persist_iteration, generation=job.persist_generation
+        every=job.persist_every,
+        iteration=job.persist_iteration if announced else None,
+        generation=job.persist_generation,
     )
 
 

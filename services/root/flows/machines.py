@@ -749,6 +749,19 @@ async def schedule_persist(
         resumed_from=resumed_from,
         uploaded=uploaded,
     )
+    if target is None and complete and current is not None:
+        # No successor a report could name (a summary claims an iteration near 2**31): announce none, so the
+        # next calls choose afresh from the summaries (a complete target would otherwise stay announced, its
+        # completion seen only once); its iteration stays the bound reports are held to (flows.persistence).
+        log.warning(
+            "job %s: iteration %d is persisted and no next one can be announced: a machine reports an "
+            "iteration near 2**31",
+            job.name,
+            current.iteration,
+        )
+        job.persist_generation = None
+        directive_changed(session, job)
+        return
     if target is None or target == current:
         return
     log.info(

@@ -91,6 +91,35 @@ async def test_a_shard_past_the_announced_iteration_or_the_jobs_generation_is_re
     assert {(s["rank"], s["generation"]) for s in checkpoints[0]["shards"]} == {(0, 1), (1, 1)}
 
 
+async def test_a_summary_claiming_an_absurd_iteration_pauses_the_schedule_until_the_summaries_are_sane(
+    client: httpx.AsyncClient,
+) -> None:
+    """A confused agent claims iteration 2**31-1 when the target completes: no successor could be reported
+    (before, it was announced anyway and never completed, or, capped, the complete target stayed announced
+    for good). None is announced, shards past the completed one are still refused, and the next sane
+    heartbeats announce one."""
+    scenario, target = await persisting(client)
+    body = {"instance_id": scenario.instances[1], "summary": {"local": {"1": INT32_MAX}}}
+    await scenario.post("/machines/1/heartbeat", body, 200)
+    for rank in (0, 1):
+        await report_persisted(scenario, rank, target, 1)
+    assert (await persist_schedule(scenario))["iteration"] is None
+    past = {
+        "instance_id": "i-0",
+        "rank": 0,
+        "iteration": target + K,
+        "generation": 1,
+        "digest": "0",
+        "nbytes": 1,
+    }
+    refused = await scenario.post("/machines/0/persisted", past, 422)
+    assert refused.json()["error"]["code"] == "persisted_iteration_unannounced"
+
+    await scenario.heartbeat(target + 3)
+    announced = await persist_schedule(scenario)
+    assert (announced["iteration"], announced["generation"]) == (target + K, 1), announced
+
+
 async def test_a_recovery_past_a_half_uploaded_target_keeps_it_and_the_job_completes_it(
     client: httpx.AsyncClient,
 ) -> None:

@@ -66,10 +66,9 @@ def test_no_target_past_what_a_report_can_name() -> None:
     assert next_target(None, every=10, generation=1, summaries=absurd, latency_s=0) is None
     done = PersistTarget(10, 1)
     assert next_target(done, every=10, generation=1, summaries=absurd, latency_s=0, complete=True) is None
+    # The root then announces none (services.root.flows.machines.schedule_persist), and chooses afresh.
     sane = [summary(12), summary(13)]
-    assert next_target(
-        done, every=10, generation=1, summaries=sane, latency_s=0, complete=True
-    ) == PersistTarget(20, 1)
+    assert next_target(None, every=10, generation=1, summaries=sane, latency_s=0) == PersistTarget(20, 1)
     # The largest multiple that fits is still announced.
     assert next_target(None, every=10, generation=1, summaries=[summary(2**31 - 20)], latency_s=0) == (
         PersistTarget(2_147_483_630, 1)
