@@ -609,8 +609,12 @@ class Replicator:
             "replicated_iteration": stats.replicated_iteration if self.targets else None,
             "replication_interval": stats.interval,
             "replication_lag_iterations": lag,
+            # Never negative: a wall clock stepped back (NTP, a resumed VM) would make the whole heartbeat
+            # invalid (a 422, and the machine suspect) until the clock passed the last round again.
             "replication_age_s": (
-                round(time.time() - stats.replicated_at, 3) if stats.replicated_at is not None else None
+                max(0.0, round(time.time() - stats.replicated_at, 3))
+                if stats.replicated_at is not None
+                else None
             ),
             "replication_rounds": stats.rounds,
             "replication_aborted": stats.aborted,

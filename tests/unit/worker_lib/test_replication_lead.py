@@ -48,3 +48,13 @@ def test_pushed_the_lead_follows_the_measured_trips(replicator: Replicator) -> N
     # A slow trip (the root busy): the longest of the last few counts.
     replicator._travels.append(0.5)
     assert replicator._needed_lead() == 4  # 0.5 s of 0.125 s iterations
+
+
+def test_the_replication_age_is_never_negative_when_the_wall_clock_steps_back(replicator: Replicator) -> None:
+    """A negative age fails the heartbeat's schema: the root refuses the whole heartbeat (REST) or records
+    the summary empty (etcd)."""
+    replicator.stats.replicated_at = time.time() + 60.0  # the last round, as stamped before the step back
+    assert replicator.summary()["replication_age_s"] == 0.0
+    replicator.stats.replicated_at = time.time() - 2.0
+    age = replicator.summary()["replication_age_s"]
+    assert age is not None and 2.0 <= age < 60.0
