@@ -38,6 +38,8 @@ from worker_lib.store.slots import storage_filesystem
 log = logging.getLogger(__name__)
 
 NOTIFY_SOCKET = "agent.sock"
+# 4xx answers worth sending again: a request timeout, too many requests. Any other 4xx refuses the request.
+RETRIED_STATUSES = frozenset({408, 429})
 # The directive long poll's answers (changed or not) keep the peers' addresses current. They are fetched
 # apart only while a peer this machine sends to has no address yet, or once the long poll has been silent
 # for its wait plus PEERS_REFRESH_S (the agent is busy acting on a directive), then every PEERS_REFRESH_S.
@@ -700,6 +702,14 @@ class Uploads:
                 raise
             except Exception as exc:  # best effort: training goes on
                 self.failed += 1
+                if isinstance(exc, RootRejected) and exc.status not in RETRIED_STATUSES:
+                    # The root refused the report itself (an iteration it no longer announces, a rank this
+                    # machine does not run): the same report gets the same answer, and uploading the shard
+                    # again on every backoff only costs the NIC. The next heartbeat says what to persist.
+                    log.error(
+                        "the root refused rank %d iteration %d's persisted shard: %s", rank, iteration, exc
+                    )
+                    return
                 log.warning("uploading rank %d iteration %d failed: %s", rank, iteration, exc)
                 if target is None or self.target != target:
                     return  # unscheduled: the next multiple of K retries

@@ -30,6 +30,7 @@ from worker_lib import Checkpointer
 from worker_lib.agent.holdings import Holdings
 from worker_lib.agent.services import Uploads
 from worker_lib.api.worker import HeartbeatResponse, RegisterResponse
+from worker_lib.client import RootRejected, RootUnavailable
 from worker_lib.persistent import LocalDirStore, ObjectStore, PersistedShard
 from worker_lib.store.manifest import Manifest
 
@@ -271,6 +272,49 @@ async def test_an_upload_is_reported_in_flight_from_its_staging_until_the_root_h
     finally:
         await uploads.close()
         holdings.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "puts"),
+    [
+        # The root refused the report: the same shard is not uploaded again while the target stands.
+        (RootRejected(422, "persisted_iteration_unannounced", "past the announced iteration"), 1),
+        # The root was unreachable: the staged shard is sent again.
+        (RootUnavailable("no root replica answered"), 2),
+    ],
+    ids=["refused", "unavailable"],
+)
+async def test_a_report_the_root_refuses_is_not_uploaded_again(
+    shm: Path, answer: Exception, puts: int
+) -> None:
+    """Before, a 4xx answer to a scheduled shard's report was retried like an unreachable root: the shard was
+    uploaded again on every backoff (up to 30 s apart) for as long as the agent still held the target, and
+    the upload stayed named in flight, so a recovery's plan could wait for it."""
+
+    class AnsweringStore(RecordingStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.answers: list[Exception] = [answer]
+
+        async def report_persisted(self, rank: int, body: dict[str, Any]) -> None:
+            if self.answers:
+                raise self.answers.pop(0)
+            await super().report_persisted(rank, body)
+
+    holdings = Holdings(shm / "m0")
+    store = AnsweringStore()
+    uploads = unscheduled_uploads(holdings, store)
+    uploads.RETRY_S = (0.01,)
+    with Checkpointer(holdings.directory("local", 0), blocking=True) as checkpointer:
+        assert checkpointer.save(K, {"w": torch.full((256,), float(K))})
+    try:
+        uploads.announce(SimpleNamespace(iteration=K, generation=1))
+        await asyncio.wait_for(asyncio.gather(*uploads._running.values()), 30)
+    finally:
+        await uploads.close()
+        holdings.close()
+    assert len(store.puts) == puts and uploads.failed == 1
+    assert len(store.reports) == puts - 1 and uploads.in_flight() == []
 
 
 async def test_a_copy_corrupt_in_memory_is_not_uploaded(shm: Path) -> None:
