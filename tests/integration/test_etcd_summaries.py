@@ -33,6 +33,13 @@ def summary(rank: int, iteration: int) -> dict[str, Any]:
     return {"local": {str(rank): iteration}, "committed": iteration, "skipped": 0, "per_minute": 60.0}
 
 
+def keyed(job_id: uuid.UUID, batch: dict[str, dict[str, Any]]) -> dict[MachineKey, dict[str, Any]]:
+    """The batch under the etcd keys its agents write (`registered`'s instance ids end in their rank)."""
+    return {
+        MachineKey(job_id, int(i.rsplit("-", 1)[1]) if i[-1].isdigit() else 0, i): s for i, s in batch.items()
+    }
+
+
 async def registered(client: httpx.AsyncClient, machines: int) -> tuple[dict[str, Any], list[str]]:
     """A job with every rank registered; its instance ids (unique: the leader's throttle is per instance)."""
     job = await create_job(client, machines=machines, replicas=2)
@@ -84,7 +91,7 @@ async def test_a_batch_is_one_statement_for_every_machine_and_skips_a_replaced_o
     batch["i-unknown"] = summary(0, 1)  # an instance the job does not know: nothing to write
     with statements_of_this_task(root_app) as statements:
         async with database.session() as session:
-            await machine_flows.record_summaries(session, job_id, batch)
+            await machine_flows.record_summaries(session, job_id, keyed(job_id, batch))
     writes = [(s, many) for s, many in statements if s.startswith(("update", "insert", "delete"))]
     assert writes == [(writes[0][0], True)] and writes[0][0].startswith("update machines"), writes
     machine_reads = [s for s, _ in statements if s.startswith("select") and "from machines" in s]
@@ -119,7 +126,7 @@ async def test_a_small_jobs_batch_refreshes_its_counters_in_its_transaction_job_
     batch = {instance: summary(rank, 7 + rank) for rank, instance in enumerate(instances[:3])}
     with statements_of_this_task(root_app) as statements:
         async with database.session() as session:
-            await machine_flows.record_summaries(session, job_id, batch)
+            await machine_flows.record_summaries(session, job_id, keyed(job_id, batch))
             # Read in the same transaction: the counters are the batch's, not a later refresh's.
             counted = (await session.execute(select(Job).where(Job.id == job_id))).scalar_one()
             assert counted.checkpoints_committed == 7 + 8 + 9
@@ -129,7 +136,7 @@ async def test_a_small_jobs_batch_refreshes_its_counters_in_its_transaction_job_
     assert [s.split()[1] for s in writes] == ["jobs", "machines"], writes
 
     async with database.session() as session:
-        await machine_flows.record_summaries(session, job_id, {instances[3]: summary(3, 8)})
+        await machine_flows.record_summaries(session, job_id, keyed(job_id, {instances[3]: summary(3, 8)}))
         counted = (await session.execute(select(Job).where(Job.id == job_id))).scalar_one()
         assert counted.newest_iteration == 7, "every rank has reported: the oldest newest iteration"
 
@@ -156,7 +163,7 @@ async def test_a_summary_that_fails_the_heartbeat_schema_is_recorded_empty_and_t
     before = await rows(root_app, job_id)
     batch = {instances[0]: summary(0, 7), instances[1]: bad, instances[2]: summary(2, 9)}
     async with root_app.state.castor.database.session() as session:
-        await machine_flows.record_summaries(session, job_id, batch)
+        await machine_flows.record_summaries(session, job_id, keyed(job_id, batch))
         counted = (await session.execute(select(Job).where(Job.id == job_id))).scalar_one()
         assert counted.checkpoints_committed == 7 + 9
     after = await rows(root_app, job_id)
@@ -164,6 +171,32 @@ async def test_a_summary_that_fails_the_heartbeat_schema_is_recorded_empty_and_t
     assert after[instances[0]].summary == summary(0, 7)
     for instance in instances:  # every machine's sign of life recorded
         assert after[instance].last_heartbeat_at > before[instance].last_heartbeat_at  # type: ignore[operator]
+
+
+async def test_a_summary_is_confined_to_its_machines_ranks_and_written_only_at_its_keys_rank(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    """An etcd summary naming ranks its machine does not run moves no counter (flows.machines.own_summary),
+    and one under a key of a rank its instance does not hold is not written at all."""
+    job, instances = await registered(client, 3)
+    job_id = uuid.UUID(job["id"])
+    before = await rows(root_app, job_id)
+    claims = {"local": {"0": 7, "2": 10_000}, "committed": 7, "skipped": 0, "per_minute": 60.0}
+    batch = {
+        MachineKey(job_id, 0, instances[0]): claims,
+        MachineKey(job_id, 1, instances[1]): summary(1, 8),
+        MachineKey(job_id, 0, instances[2]): summary(0, 10_000),  # machine 2's instance under rank 0's key
+    }
+    async with root_app.state.castor.database.session() as session:
+        await machine_flows.record_summaries(session, job_id, batch)
+    after = await rows(root_app, job_id)
+    assert after[instances[0]].summary == {**claims, "local": {"0": 7}}
+    assert after[instances[2]].summary == before[instances[2]].summary
+    assert after[instances[2]].last_heartbeat_at == before[instances[2]].last_heartbeat_at
+    async with root_app.state.castor.database.session() as session:
+        await machine_flows.record_summaries(session, job_id, keyed(job_id, {instances[2]: summary(2, 9)}))
+        counted = (await session.execute(select(Job).where(Job.id == job_id))).scalar_one()
+        assert counted.newest_iteration == 7, "rank 2's newest is machine 2's own: 9"
 
 
 async def detectors_leading(app: FastAPI) -> Detectors:

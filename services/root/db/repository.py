@@ -254,12 +254,18 @@ async def touch_machine(
 
 
 async def touch_machines(
-    session: AsyncSession, job_id: uuid.UUID, summaries: Mapping[str, dict[str, Any]], *, at: datetime
+    session: AsyncSession,
+    job_id: uuid.UUID,
+    summaries: Mapping[str, dict[str, Any]],
+    ranks: Mapping[str, int],
+    *,
+    at: datetime,
 ) -> None:
     """etcd mode: heartbeats of many machines of a job in one statement run once per machine (executemany):
-    each live machine whose instance id is a key of `summaries` gets `at` and its summary (a replaced one,
-    or an instance the job does not know, is left alone). Indexed rows only (the job's unique instance id),
-    nothing else locked."""
+    each live machine whose instance id is a key of `summaries`, at the rank `ranks` names for it, gets `at`
+    and its summary (a replaced one, an instance the job does not know, or one at another rank (a key written
+    under a rank it does not hold) is left alone). Indexed rows only (the job's unique instance id), nothing
+    else locked."""
     if not summaries:
         return
     machines = Machine.__table__  # Core, not the ORM: its bulk UPDATE matches rows by primary key only
@@ -269,11 +275,15 @@ async def touch_machines(
         .where(
             machines.c.job_id == job_id,
             machines.c.instance_id == bindparam("b_instance_id"),
+            machines.c.rank == bindparam("b_rank"),
             machines.c.state != MachineState.REPLACED,
         )
         .values(last_heartbeat_at=at, summary=bindparam("b_summary", type_=machines.c.summary.type))
     )
-    rows = [{"b_instance_id": iid, "b_summary": summary} for iid, summary in summaries.items()]
+    rows = [
+        {"b_instance_id": iid, "b_rank": ranks[iid], "b_summary": summary}
+        for iid, summary in summaries.items()
+    ]
     await session.execute(query, rows)
 
 

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from services.root import schemas
-from services.root.clients.etcd import machine_key
+from services.root.clients.etcd import MachineKey, machine_key
 from services.root.db import repository as repo
 from services.root.db.database import Database, mark_changed
 from services.root.db.models import (
@@ -33,8 +33,10 @@ from services.root.db.models import (
 from services.root.domain import embedded
 from services.root.domain.embedded import RELAUNCHED_AT
 from services.root.domain.persist_schedule import PersistTarget, next_target
+from services.root.domain.persisted import hosted_ranks
 from services.root.domain.placement import Placement
 from services.root.domain.replication import job_replication, replication_alignment
+from services.root.domain.summaries import confined_to_machine
 from services.root.errors import Conflict, NotFound
 from services.root.flows.directives import directive_changed, make_ready, persist_out
 from services.root.flows.jobs import placement_out, stored_placement
@@ -490,7 +492,7 @@ async def record_heartbeat(
     """A heartbeat: one indexed UPDATE of this machine's row, nothing shared locked (the job row is read, not
     locked: a thousand machines heartbeat a second). Its group's peers and the newest plan's generation are
     small reads; the job-wide counters follow off the request for jobs past COUNTERS_INLINE_MAX_MACHINES."""
-    summary = request.summary.model_dump(mode="json")
+    summary = own_summary(job, rank, request.instance_id, request.summary.model_dump(mode="json"))
     latency_s = persist_latency_s(settings, job.num_machines)
     generation = await repo.latest_generation(session, job.id)
     if job.num_machines <= COUNTERS_INLINE_MAX_MACHINES:
@@ -519,9 +521,9 @@ async def record_heartbeat(
 
 
 async def record_summaries(
-    session: AsyncSession, job_id: uuid.UUID, summaries: Mapping[str, dict[str, Any]]
+    session: AsyncSession, job_id: uuid.UUID, summaries: Mapping[MachineKey, dict[str, Any]]
 ) -> None:
-    """etcd mode: heartbeats' summaries read from the agents' keys (instance id -> its newest), recorded as
+    """etcd mode: heartbeats' summaries read from the agents' keys (key -> its newest), recorded as
     REST heartbeats record theirs, a batch of one job's machines in one transaction: the machines' rows in
     one statement (a replaced machine's summary is dropped), the job's counters and persist schedule once
     (inline for a handful of machines, else off the transaction: refresh_counters_soon).
@@ -535,14 +537,20 @@ async def record_summaries(
     job = await repo.get_job(session, job_id)
     if job is None or not summaries:
         return
-    summaries = {instance: checked_summary(instance, summary) for instance, summary in summaries.items()}
+    checked = {
+        key.instance_id: own_summary(
+            job, key.rank, key.instance_id, checked_summary(key.instance_id, summary)
+        )
+        for key, summary in summaries.items()
+    }
     latency_s = _etcd_persist_latency_s(job.num_machines)
     if job.num_machines <= COUNTERS_INLINE_MAX_MACHINES:
         generation = await repo.latest_generation(session, job_id)
-        await _counters_inline(session, job, summaries, generation, latency_s)
+        await _counters_inline(session, job, checked, generation, latency_s)
     else:
         refresh_counters_soon(session, job_id, latency_s)
-    await repo.touch_machines(session, job_id, summaries, at=utcnow())
+    ranks = {key.instance_id: key.rank for key in summaries}
+    await repo.touch_machines(session, job_id, checked, ranks, at=utcnow())
 
 
 def checked_summary(instance_id: str, summary: dict[str, Any]) -> dict[str, Any]:
@@ -563,6 +571,35 @@ def checked_summary(instance_id: str, summary: dict[str, Any]) -> dict[str, Any]
             first["msg"],
         )
         return {}
+
+
+# (job, instance) pairs whose summaries named ranks their machine cannot hold: warned of once per process.
+_confined_warned: set[tuple[uuid.UUID, str]] = set()
+CONFINED_WARNED_MAX = 10_000
+
+
+def own_summary(job: Job, machine_rank: int, instance_id: str, summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary without entries of ranks its machine neither runs nor replicates (domain.summaries)."""
+    world_size = job.num_machines * job.procs_per_machine
+    confined, dropped = confined_to_machine(summary, machine_rank, job.procs_per_machine, world_size)
+    if dropped and (job.id, instance_id) not in _confined_warned:
+        if len(_confined_warned) >= CONFINED_WARNED_MAX:
+            _confined_warned.clear()
+        _confined_warned.add((job.id, instance_id))
+        hosted = hosted_ranks(machine_rank, job.procs_per_machine)
+        log.warning(
+            "job %s: machine %d (%s) names ranks %s in its summary where it cannot: it runs ranks %d..%d "
+            "and holds replicas of other machines' ranks only. Those entries are ignored (does the training "
+            "run %d processes per machine?)",
+            job.name,
+            machine_rank,
+            instance_id,
+            ", ".join(map(str, dropped[:8])) + (" ..." if len(dropped) > 8 else ""),
+            hosted.start,
+            hosted.stop - 1,
+            job.procs_per_machine,
+        )
+    return confined
 
 
 async def _counters_inline(

@@ -413,7 +413,7 @@ class Detectors:
             if not batch:
                 return
             async with self.leadership.session() as session:
-                await record_summaries(session, job_id, {k.instance_id: s for k, s in batch.items()})
+                await record_summaries(session, job_id, batch)
             for key in batch:  # written: a returned machine's next summary waits its turn again
                 self._summaries_written[(key.instance_id, key.rank)] = now
                 self._silent_keys.discard(key)

@@ -153,6 +153,36 @@ async def test_heartbeat_updates_counters(client: httpx.AsyncClient) -> None:
     assert_error(bad, 422, "validation_error")
 
 
+async def test_a_summary_claiming_ranks_its_machine_does_not_run_moves_no_counter(
+    client: httpx.AsyncClient,
+) -> None:
+    """Before, machine 0 claiming rank 1's newest iteration (a rank machine 1 runs) set the job's newest
+    iteration, which the counters take as each rank's highest claim, and a rank outside the job left it
+    unknown; the persist schedule follows the same summaries. Entries of ranks a machine neither runs nor
+    can replicate are now ignored; the rest of its summary stands."""
+    job = await create_job(client, machines=2, replicas=2)
+    token = bearer(str(job["worker_token"]))
+    summaries = {
+        0: {
+            "local": {"0": 41, "1": 10_000, "7": 10_000},
+            "replicas": {"0": 10_000, "1": 39},
+            "committed": 41,
+        },
+        1: {"local": {"1": 40}, "replicas": {"0": 39}, "committed": 40},
+    }
+    for instance in ("i-0", "i-1"):
+        await register(client, job, instance)
+    for rank, instance in enumerate(("i-0", "i-1")):
+        response = await client.post(
+            f"/api/v1/worker/jobs/{job['id']}/machines/{rank}/heartbeat",
+            json={"instance_id": instance, "summary": summaries[rank]},
+            headers=token,
+        )
+        assert response.status_code == 200, response.text
+    fetched = (await client.get(f"/api/v1/jobs/{job['id']}", headers=admin())).json()
+    assert fetched["newest_iteration"] == 40 and fetched["checkpoints_committed"] == 81
+
+
 async def test_exit_reports_open_failures_only_for_crashes(client: httpx.AsyncClient) -> None:
     job = await create_job(client, machines=2, replicas=2)
     token = bearer(str(job["worker_token"]))
