@@ -9,9 +9,12 @@ datagrams.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Literal
 
@@ -31,6 +34,42 @@ FRESH_START = -1  # the iteration of a "restored" notice when the process had no
 # says: an agent from before "restored" counts any other notice as a commit.
 NOTICES_ENV = "CASTOR_AGENT_NOTICES"
 AGENT_NOTICES = "restored"
+
+
+NOTIFY_SOCKET = "agent.sock"
+# The longest path a Unix socket address holds (sun_path is 108 bytes on Linux, with its terminating NUL).
+UNIX_PATH_MAX = 107
+
+
+def notify_socket_path(machine_root: Path) -> Path:
+    """Where the agent of the machine directory `machine_root` listens for its training processes' notices:
+    `machine_root/agent.sock`, or, where that path is longer than a socket address holds (a deep shm base, a
+    long instance id: a 64-character hostname in embedded mode does it), a short one in the user's private
+    directory under /tmp, named after `machine_root` (binding the long one failed with "AF_UNIX path too
+    long", and the agent never started)."""
+    path = machine_root / NOTIFY_SOCKET
+    if len(os.fsencode(path)) <= UNIX_PATH_MAX:
+        return path
+    digest = hashlib.sha256(os.fsencode(machine_root.absolute())).hexdigest()[:32]
+    return Path("/tmp") / f"castor-{os.getuid()}" / f"{digest}.sock"
+
+
+def prepare_notify_socket(path: Path) -> None:
+    """Make the directory a short notify socket lives in (see notify_socket_path): created private (0700),
+    and, if it exists, refused unless it is a real directory of this user that no one else can write to
+    (another user could otherwise put a socket of theirs, or a link, where training sends its notices)."""
+    directory = path.parent
+    if path.name == NOTIFY_SOCKET:
+        directory.mkdir(parents=True, exist_ok=True)
+        return
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700)
+    status = os.lstat(directory)
+    if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or status.st_mode & 0o022:
+        raise PermissionError(
+            f"{directory} (where the agent's notify socket goes, its machine directory's path being too "
+            "long for a socket) must be a directory of this user that others cannot write to"
+        )
 
 
 def default_directory() -> Path:

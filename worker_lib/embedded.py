@@ -28,7 +28,7 @@ from worker_lib.agent.address import default_address
 from worker_lib.agent.heartbeat import Replaced
 from worker_lib.agent.priority import NICE_ENV, replication_nice
 from worker_lib.agent.services import MachineIdentity, MachineServices
-from worker_lib.agent_ipc import AGENT_NOTICES, NOTICES_ENV
+from worker_lib.agent_ipc import AGENT_NOTICES, NOTICES_ENV, notify_socket_path
 from worker_lib.client import RootClient
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ def attach(
     root = Path(shm_root or env.get("CASTOR_AGENT_SHM_DIR") or Path("/dev/shm/castor") / job_id / instance)
     env["CASTOR_JOB"] = job_id
     env["CASTOR_SHM_DIR"] = str(root / "local" / f"rank-{rank}")
-    env["CASTOR_AGENT_NOTIFY"] = str(root / "agent.sock")
+    env["CASTOR_AGENT_NOTIFY"] = str(notify_socket_path(root))
     env[NOTICES_ENV] = AGENT_NOTICES
     if local_rank != 0:
         return None

@@ -25,7 +25,7 @@ from worker_lib.agent.holdings import SLOTS, Holdings, local_slots, manifest_gen
 from worker_lib.agent.pacing import replication_pacer
 from worker_lib.agent.priority import REPLICATION_NICE
 from worker_lib.agent.replication import Replicator, aligned_rounds
-from worker_lib.agent_ipc import FRESH_START
+from worker_lib.agent_ipc import FRESH_START, notify_socket_path, prepare_notify_socket
 from worker_lib.api.shared import INT32_MAX, MAX_CHECKPOINTS_PER_MINUTE, Peer, RankPlacement
 from worker_lib.api.worker import DirectiveOut, HeartbeatResponse, RegisterResponse, ReplicationAlignment
 from worker_lib.client import RootClient, RootRejected, RootUnavailable, UnexpectedAnswer
@@ -37,7 +37,6 @@ from worker_lib.store.slots import storage_filesystem
 
 log = logging.getLogger(__name__)
 
-NOTIFY_SOCKET = "agent.sock"
 # 4xx answers worth sending again: a request timeout, too many requests. Any other 4xx refuses the request.
 RETRIED_STATUSES = frozenset({408, 429})
 # The directive long poll's answers (changed or not) keep the peers' addresses current. They are fetched
@@ -130,7 +129,7 @@ class MachineServices:
 
     @property
     def notify_socket(self) -> Path:
-        return self.holdings.root / NOTIFY_SOCKET
+        return notify_socket_path(self.holdings.root)
 
     async def start(self) -> None:
         """Listen on the data plane, register, start replicating and listening for commits."""
@@ -166,6 +165,8 @@ class MachineServices:
         await self.uploads.close()
         if self._notices is not None:
             self._notices.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.notify_socket)  # outside the machine directory when its path is too long
         if self.replicator is not None:
             # Not through an executor: at interpreter exit (the embedded mode's atexit) none is left.
             self.replicator.stop()
@@ -287,6 +288,7 @@ class MachineServices:
     # -- commits from the training processes -------------------------------------------------------------
 
     async def _listen_for_commits(self) -> asyncio.DatagramTransport:
+        prepare_notify_socket(self.notify_socket)
         path = str(self.notify_socket)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -12,7 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker_lib.agent_ipc import AGENT_NOTICES, FRESH_START, NOTICES_ENV, NOTIFY_ENV, AgentNotifier
+from worker_lib.agent_ipc import (
+    AGENT_NOTICES,
+    FRESH_START,
+    NOTICES_ENV,
+    NOTIFY_ENV,
+    AgentNotifier,
+    prepare_notify_socket,
+)
 from worker_lib.checkpointer import Checkpointer
 from worker_lib.errors import SlotsOnDiskWarning
 from worker_lib.store.slots import storage_filesystem
@@ -92,3 +100,48 @@ def test_no_agent_or_a_gone_one_is_never_trainings_problem(tmp_path: Path) -> No
     gone = AgentNotifier(str(tmp_path / "no-agent.sock"), 0, tmp_path)
     gone.notify("commit", 1, 0, stalled_s=0.0, save_calls=1)  # ENOENT, swallowed
     gone.close()
+
+
+async def test_an_agent_whose_machine_directory_is_too_deep_for_a_socket_address_hears_its_ranks(
+    tmp_path: Path,
+) -> None:
+    """A socket address holds 107 bytes of path. Before, an agent whose machine directory was deeper (a
+    deep shm base, or a long instance id: a 64-character hostname in embedded mode) failed to start with
+    "AF_UNIX path too long"; its notify socket now lives at a short path in a private directory."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from worker_lib.agent.services import MachineIdentity, MachineServices
+
+    machine_root = tmp_path / ("deep-" * 20) / "i-0"
+    machine_root.mkdir(parents=True)
+
+    async def close() -> None:
+        pass
+
+    client: Any = SimpleNamespace(job_id="job", close=close)
+    services = MachineServices(client, "castor-job.x.secret", MachineIdentity("i-0"), machine_root)
+    path = services.notify_socket
+    assert len(os.fsencode(machine_root / "agent.sock")) > 107 >= len(os.fsencode(path))
+    services._notices = await services._listen_for_commits()
+    assert path.is_socket() and (os.stat(path.parent).st_mode & 0o777) == 0o700
+    AgentNotifier(str(path), 0, machine_root).notify("skip", 4, None, stalled_s=0.5, save_calls=2)
+    for _ in range(500):
+        if services.skipped:
+            break
+        await asyncio.sleep(0.01)
+    assert services.skipped == 1 and services.summary()["stalled_s"] == {"0": 0.5}
+    await services.close()
+    assert not path.exists(), "the agent removes the socket it made outside its machine directory"
+
+
+def test_a_short_notify_socket_is_refused_a_directory_others_can_write_to(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match="others cannot write to"):
+        prepare_notify_socket(shared / "0123.sock")
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    with pytest.raises(PermissionError, match="a directory of this user"):
+        prepare_notify_socket(link / "0123.sock")
