@@ -18,7 +18,7 @@ from tests.integration.conftest import ADMIN_TOKEN, bearer, create_job
 
 @pytest.mark.parametrize(
     "path",
-    ["/", "/?state=running&page=2", f"/jobs/{uuid.uuid4()}", f"/jobs/{uuid.uuid4()}/failures/3"],
+    ["/", "/?state=running&page=2", f"/jobs/{uuid.UUID(int=1)}", f"/jobs/{uuid.UUID(int=2)}/failures/3"],
 )
 async def test_pages_without_a_session_redirect_to_the_login_with_next(
     client: httpx.AsyncClient, path: str
