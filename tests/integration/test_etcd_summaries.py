@@ -177,7 +177,7 @@ async def test_a_summary_is_confined_to_its_machines_ranks_and_written_only_at_i
     client: httpx.AsyncClient, root_app: FastAPI
 ) -> None:
     """An etcd summary naming ranks its machine does not run moves no counter (flows.machines.own_summary),
-    and one under a key of a rank its instance does not hold is not written at all."""
+    and one under a key of a rank its instance does not hold is neither written nor counted."""
     job, instances = await registered(client, 3)
     job_id = uuid.UUID(job["id"])
     before = await rows(root_app, job_id)
@@ -189,6 +189,10 @@ async def test_a_summary_is_confined_to_its_machines_ranks_and_written_only_at_i
     }
     async with root_app.state.castor.database.session() as session:
         await machine_flows.record_summaries(session, job_id, batch)
+        counted = (await session.execute(select(Job).where(Job.id == job_id))).scalar_one()
+        # Nor does the summary under another rank's key move a counter, or the persist schedule.
+        assert counted.checkpoints_committed == 7 + 8
+        assert counted.persist_iteration is None or counted.persist_iteration < 10_000
     after = await rows(root_app, job_id)
     assert after[instances[0]].summary == {**claims, "local": {"0": 7}}
     assert after[instances[2]].summary == before[instances[2]].summary

@@ -543,13 +543,13 @@ async def record_summaries(
         )
         for key, summary in summaries.items()
     }
+    ranks = {key.instance_id: key.rank for key in summaries}
     latency_s = _etcd_persist_latency_s(job.num_machines)
     if job.num_machines <= COUNTERS_INLINE_MAX_MACHINES:
         generation = await repo.latest_generation(session, job_id)
-        await _counters_inline(session, job, checked, generation, latency_s)
+        await _counters_inline(session, job, checked, generation, latency_s, ranks)
     else:
         refresh_counters_soon(session, job_id, latency_s)
-    ranks = {key.instance_id: key.rank for key in summaries}
     await repo.touch_machines(session, job_id, checked, ranks, at=utcnow())
 
 
@@ -608,13 +608,17 @@ async def _counters_inline(
     fresh: Mapping[str, dict[str, Any]],
     generation: int | None,
     latency_s: float,
+    ranks: Mapping[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     """A handful of machines: the job's counters and persist schedule at once, from its live machines'
     summaries with `fresh` (instance id -> summary, not written yet) in place of their rows'; the job row
     written (flushed) before the machines' are (the orchestrator's lock order, job then machines: no
-    deadlock between the two). The live summaries."""
+    deadlock between the two). `ranks`: the rank each of `fresh` was sent for (etcd keys), taken only for
+    the machine at that rank, as touch_machines writes it. The live summaries."""
     live = [
         fresh.get(m.instance_id, m.summary)
+        if ranks is None or ranks.get(m.instance_id) == m.rank
+        else m.summary
         for m in await repo.live_machines(session, job.id, documents=["summary"])
     ]
     _refresh_job_counters(job, live)
