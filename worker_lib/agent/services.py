@@ -37,8 +37,23 @@ from worker_lib.store.slots import storage_filesystem
 
 log = logging.getLogger(__name__)
 
-# 4xx answers worth sending again: a request timeout, too many requests. Any other 4xx refuses the request.
+# 4xx answers worth sending again: a request timeout, too many requests, and the root's "conflict" (a race
+# between two writers it asks the client to retry). Any other 4xx refuses the request for good.
 RETRIED_STATUSES = frozenset({408, 429})
+RETRIED_CODES = frozenset({"conflict"})
+
+
+def _identity(status: os.stat_result) -> tuple[int, int]:
+    return status.st_dev, status.st_ino
+
+
+def refused_for_good(exc: BaseException) -> bool:
+    """Whether the root refused a request in a way that sending it again cannot change."""
+    return (
+        isinstance(exc, RootRejected) and exc.status not in RETRIED_STATUSES and exc.code not in RETRIED_CODES
+    )
+
+
 # The directive long poll's answers (changed or not) keep the peers' addresses current. They are fetched
 # apart only while a peer this machine sends to has no address yet, or once the long poll has been silent
 # for its wait plus PEERS_REFRESH_S (the agent is busy acting on a directive), then every PEERS_REFRESH_S.
@@ -122,6 +137,7 @@ class MachineServices:
             )
         self.uploads = Uploads(self)
         self._notices: asyncio.DatagramTransport | None = None
+        self._notices_bound: tuple[int, int] | None = None  # (device, inode) of the socket it bound
 
     @property
     def job_id(self) -> str:
@@ -165,8 +181,11 @@ class MachineServices:
         await self.uploads.close()
         if self._notices is not None:
             self._notices.close()
+            # Removed (outside the machine directory when its path is too long), unless another agent of
+            # the same machine directory has bound the path since: its socket stays.
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.notify_socket)  # outside the machine directory when its path is too long
+                if _identity(os.stat(self.notify_socket)) == self._notices_bound:
+                    os.unlink(self.notify_socket)
         if self.replicator is not None:
             # Not through an executor: at interpreter exit (the embedded mode's atexit) none is left.
             self.replicator.stop()
@@ -301,6 +320,7 @@ class MachineServices:
         transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
             Notices, local_addr=path, family=socket.AF_UNIX
         )
+        self._notices_bound = _identity(os.stat(path))
         return transport
 
     def on_notice(self, data: bytes) -> None:
@@ -704,13 +724,16 @@ class Uploads:
                 raise
             except Exception as exc:  # best effort: training goes on
                 self.failed += 1
-                if isinstance(exc, RootRejected) and exc.status not in RETRIED_STATUSES:
+                if refused_for_good(exc):
                     # The root refused the report itself (an iteration it no longer announces, a rank this
                     # machine does not run): the same report gets the same answer, and uploading the shard
-                    # again on every backoff only costs the NIC. The next heartbeat says what to persist.
+                    # again on every backoff only costs the NIC. Still the target, it is reported missed, so
+                    # the root announces another rather than wait for this rank's shard for good.
                     log.error(
                         "the root refused rank %d iteration %d's persisted shard: %s", rank, iteration, exc
                     )
+                    if target is not None and self.target == target:
+                        self.missed = target
                     return
                 log.warning("uploading rank %d iteration %d failed: %s", rank, iteration, exc)
                 if target is None or self.target != target:

@@ -279,17 +279,19 @@ async def test_an_upload_is_reported_in_flight_from_its_staging_until_the_root_h
     [
         # The root refused the report: the same shard is not uploaded again while the target stands.
         (RootRejected(422, "persisted_iteration_unannounced", "past the announced iteration"), 1),
-        # The root was unreachable: the staged shard is sent again.
+        # The root was unreachable, or lost a race it asks to have retried: the staged shard is sent again.
         (RootUnavailable("no root replica answered"), 2),
+        (RootRejected(409, "conflict", "the request conflicts with existing data; retry or change it"), 2),
     ],
-    ids=["refused", "unavailable"],
+    ids=["refused", "unavailable", "conflict"],
 )
 async def test_a_report_the_root_refuses_is_not_uploaded_again(
     shm: Path, answer: Exception, puts: int
 ) -> None:
     """Before, a 4xx answer to a scheduled shard's report was retried like an unreachable root: the shard was
     uploaded again on every backoff (up to 30 s apart) for as long as the agent still held the target, and
-    the upload stayed named in flight, so a recovery's plan could wait for it."""
+    the upload stayed named in flight, so a recovery's plan could wait for it. A refused target is reported
+    missed, so the root announces another instead of waiting for this rank's shard for good."""
 
     class AnsweringStore(RecordingStore):
         def __init__(self) -> None:
@@ -315,6 +317,8 @@ async def test_a_report_the_root_refuses_is_not_uploaded_again(
         holdings.close()
     assert len(store.puts) == puts and uploads.failed == 1
     assert len(store.reports) == puts - 1 and uploads.in_flight() == []
+    refused = {"iteration": K, "generation": 1} if puts == 1 else None
+    assert uploads.missed_report() == refused
 
 
 async def test_a_copy_corrupt_in_memory_is_not_uploaded(shm: Path) -> None:
