@@ -79,6 +79,8 @@ async def test_without_a_capacity_each_agent_takes_an_equal_share(
     assert registration["checkpoint_bytes_max"] is None
     free, _ = free_bytes(Path("/dev/shm"))
     share = machine_services(job, registration, shm)._rank_capacity()
+    # Free memory read on both sides: a test running beside this one may free some meanwhile.
+    free = max(free, free_bytes(Path("/dev/shm"))[0])
     assert 0 < share <= free // 8 + (1 << 20)  # 4 ranks kept, 2 slots each
 
 

@@ -321,6 +321,8 @@ def test_the_rank_capacity_is_checked_against_shared_memory_or_is_a_fair_share(s
         rank_capacity(shm, ranks=4, configured=free // 4)
     # Not configured: an equal share, so the replicas a peer sends cannot take the machine's own share.
     share = rank_capacity(shm, ranks=4)
+    # Free memory read on both sides: a test running beside this one may free some meanwhile.
+    free = max(free, free_bytes(Path("/dev/shm"))[0])
     assert 0 < share <= free // 8 + (1 << 20)
 
 

@@ -134,6 +134,16 @@ async def test_an_agent_whose_machine_directory_is_too_deep_for_a_socket_address
     await services.close()
     assert not path.exists(), "the agent removes the socket it made outside its machine directory"
 
+    # An agent closing after another of the same machine directory bound the path leaves that one's socket.
+    first = MachineServices(client, "castor-job.x.secret", MachineIdentity("i-0"), machine_root)
+    first._notices = await first._listen_for_commits()
+    second = MachineServices(client, "castor-job.x.secret", MachineIdentity("i-0"), machine_root)
+    second._notices = await second._listen_for_commits()
+    await first.close()
+    assert path.is_socket(), "the newer agent's socket stays"
+    await second.close()
+    assert not path.exists()
+
 
 def test_a_short_notify_socket_is_refused_a_directory_others_can_write_to(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
