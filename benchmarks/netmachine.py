@@ -1,4 +1,4 @@
-"""One machine of benchmarks/network.py's interleaving run (and of tests/integration/test_interleave.py), run
+"""One machine of benchmarks/network.py's interleaving run (and of tests/e2e/test_interleave.py), run
 inside its network namespace (tests/netemu.py). Two roles, two processes, as on a real machine:
 
     netmachine.py train --rank R --world N --master ADDR --root DIR --out FILE [workload options]

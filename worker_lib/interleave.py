@@ -171,10 +171,15 @@ def chunk_size(
 ) -> int:
     """Bytes that fit in mu of `idle_s` at `bandwidth` bytes/s after the startup time (Algorithm 2's line
     12, capped at R/p); 0 when less than `chunk_min` fits."""
-    if bandwidth <= 0 or idle_s <= 0:
+    return _fitting(mu * idle_s, bandwidth, alpha=alpha, chunk_max=chunk_max, chunk_min=chunk_min)
+
+
+def _fitting(usable_s: float, bandwidth: float, *, alpha: float, chunk_max: int, chunk_min: int) -> int:
+    """Bytes that cross the link in `usable_s` seconds after the startup time, capped at `chunk_max`; 0
+    when less than `chunk_min` fits."""
+    if bandwidth <= 0 or usable_s <= 0:
         return 0
-    size = int(max(0.0, mu * idle_s - alpha) * bandwidth)
-    size = min(size, chunk_max)
+    size = min(int(max(0.0, usable_s - alpha) * bandwidth), chunk_max)
     return size if size >= chunk_min else 0
 
 
@@ -205,18 +210,25 @@ def next_grant(
     idle span, else wait until the next one opens. Without a profile (training not measured yet, or not
     communicating through a timed model) nothing is known to protect: the chunk is sent whole.
     `quiet_for`: seconds since the latest iteration's collectives all ended (as many as the profile's
-    `collectives`; None while some are still to come): the idle span then lasts until the profile's `gap`
-    after that end, when this is longer than what the phase alone says (a collective that ended early)."""
+    `collectives`; None while some are still to come): the idle span then lasts until mu of the profile's
+    `gap` after that end, when this is longer than what the phase alone says (a collective that ended
+    early)."""
     if wanted <= 0:
         return Grant(0)
     if profile is None:
         return Grant(min(wanted, chunk_max))
     if in_flight > 0:
         return Grant(0, poll_s)  # training is on the wire: whatever the profile says
-    left = idle_left(profile, phase)
+    # The two estimates of the idle span's end are guarded differently. The phase's span ends where the
+    # earliest iteration of the profile's window began communicating (profile: a busy span starts at the
+    # union's start), so mu of what is left of it is margin enough. The gap after the collectives' end is
+    # the value 3/4 of the iterations reached, so a quarter had a shorter one: it is used only up to mu of
+    # its whole length, as Algorithm 2 plans a span, and its last (1 - mu) is a guard against an early
+    # next collective (docs/architecture.md, Interleaving: what filling it to its end cost).
+    usable = mu * idle_left(profile, phase)
     if quiet_for is not None and profile.gap > 0:
-        left = max(left, profile.gap - quiet_for)
-    size = chunk_size(left, bandwidth, mu=mu, alpha=alpha, chunk_max=chunk_max, chunk_min=chunk_min)
+        usable = max(usable, mu * profile.gap - quiet_for)
+    size = _fitting(usable, bandwidth, alpha=alpha, chunk_max=chunk_max, chunk_min=chunk_min)
     if size > 0:
         return Grant(min(size, wanted))
     # Wait for the next idle span of this iteration that can carry a chunk; past the last one, poll (the

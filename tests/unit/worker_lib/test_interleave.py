@@ -171,7 +171,10 @@ def test_a_collective_that_ended_early_opens_the_gap_after_it() -> None:
     bandwidth = 100e6
     assert next_grant(found, 0.5, 0, 100 * MB, bandwidth).size == 0  # the phase alone: busy
     granted = next_grant(found, 0.5, 0, 100 * MB, bandwidth, quiet_for=0.05).size
-    assert granted > 0 and granted == pytest.approx(chunk_size(0.35, bandwidth), abs=1)  # mu of 0.35 s
+    # Up to mu of the whole gap (0.32 s), of which 0.05 s passed.
+    assert granted > 0 and granted == pytest.approx((0.8 * 0.4 - 0.05 - 0.002) * bandwidth, abs=1)
+    # The gap's last (1 - mu) is a guard: a quarter of the iterations had a shorter gap than the profile's.
+    assert next_grant(found, 0.5, 0, 100 * MB, bandwidth, quiet_for=0.33).size == 0
     assert next_grant(found, 0.5, 0, 100 * MB, bandwidth, quiet_for=0.5).size == 0  # the gap is over
     assert next_grant(found, 0.5, 1, 100 * MB, bandwidth, quiet_for=0.05).size == 0  # on the wire again
     # Past the phase's own idle span the longer of the two counts: the phase at 0.9 leaves 0.4 s.
