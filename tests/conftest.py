@@ -44,6 +44,18 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalClu
         local.close()
 
 
+E2E = Path(__file__).parent / "e2e"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every e2e test runs in ./scripts/test's one-at-a-time part (`-m serial`), beside the tests that
+    mark themselves `serial`."""
+    for item in items:
+        if E2E in item.path.parents:
+            item.add_marker(pytest.mark.serial)
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
     report = yield
