@@ -18,14 +18,22 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 class _Recording:
-    """A transfer that notes which thread copied each piece."""
+    """A transfer that notes which thread copied each piece. A piece waits until `expected` threads have
+    copied one (for at most 5 s in all): on a loaded host a pool thread may wake after the others took
+    every piece, and a fixed sleep per piece would then count it missing."""
 
-    def __init__(self) -> None:
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
         self.threads: set[int] = set()
+        self._arrived = threading.Condition()
+        self._deadline = time.monotonic() + 5
 
     def copy(self, lo: int, hi: int) -> None:
-        self.threads.add(threading.get_ident())
-        time.sleep(0.002)  # long enough that every thread gets pieces
+        with self._arrived:
+            self.threads.add(threading.get_ident())
+            self._arrived.notify_all()
+            left = max(0.0, self._deadline - time.monotonic())
+            self._arrived.wait_for(lambda: len(self.threads) >= self.expected, timeout=left)
 
 
 def _stripes(count: int) -> list[StripePlan]:
@@ -33,7 +41,7 @@ def _stripes(count: int) -> list[StripePlan]:
 
 
 def test_the_calling_thread_copies_stripes_too(engine: CopyEngine) -> None:
-    transfer = _Recording()
+    transfer = _Recording(engine.threads)
     engine.copy(_stripes(40), [transfer])
     assert threading.get_ident() in transfer.threads
     assert len(transfer.threads) == engine.threads  # the caller and threads - 1 of the pool
@@ -44,7 +52,7 @@ def test_a_copy_can_be_held_to_fewer_threads_than_the_engine_has() -> None:
     copy_engine = CopyEngine(threads=4)
     try:
         for workers, expected in ((1, 1), (2, 2), (9, 4)):
-            transfer = _Recording()
+            transfer = _Recording(expected)
             copy_engine.copy(_stripes(40), [transfer], workers=workers)
             assert len(transfer.threads) == expected
     finally:
