@@ -53,7 +53,7 @@ def wait_for_port(port: int, process: subprocess.Popen[bytes] | None = None, tim
 
 
 def start_listening(
-    command_for: Callable[[list[int]], list[str]], ports: int = 1, **popen: Any
+    command_for: Callable[[list[int]], list[str]], ports: int = 1, timeout: float = 30, **popen: Any
 ) -> tuple[subprocess.Popen[bytes], list[int]]:
     """Start a server on `ports` freshly chosen ports (`command_for` builds its command line from them) and
     wait until it listens on the first. A port is free when chosen, not necessarily when the server binds it
@@ -63,7 +63,7 @@ def start_listening(
         chosen = [free_port() for _ in range(ports)]
         process: subprocess.Popen[bytes] = subprocess.Popen(command_for(chosen), **popen)
         try:
-            wait_for_port(chosen[0], process)
+            wait_for_port(chosen[0], process, timeout=timeout)
             return process, chosen
         except RuntimeError:  # it exited: most likely one of its ports was taken
             if attempt == 2:

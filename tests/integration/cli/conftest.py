@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import free_port, stop_process, wait_for_port
+from tests.harness import start_listening, stop_process
 
 ADMIN_TOKEN = "castor-admin.cli-test-token"
 
@@ -41,7 +41,6 @@ def base_env() -> dict[str, str]:
 @pytest.fixture(scope="session")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Root]:
     state_dir = tmp_path_factory.mktemp("cli-root")
-    port = free_port()
     env = {
         **base_env(),
         "CASTOR_STATE_DIR": str(state_dir),
@@ -52,15 +51,20 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Root]:
         "CASTOR_LOCAL_SHM_BASE": str(state_dir / "shm"),
     }
     log = (state_dir / "serve.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--log-level", "warning"],
+    # Every CLI test of this worker uses this one server: a port taken between its choice and the bind (the
+    # other xdist worker's processes take ephemeral ports too) starts it again on another.
+    process, (port,) = start_listening(
+        lambda ports: [
+            *(sys.executable, "-m", "services.cli", "serve"),
+            *("--port", str(ports[0]), "--log-level", "warning"),
+        ],
+        timeout=60,
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
     )
     server = Root(f"http://127.0.0.1:{port}", state_dir, tmp_path_factory.mktemp("cli-workdir"), process)
     try:
-        wait_for_port(port, process, timeout=60)
         yield server
     finally:
         try:

@@ -267,7 +267,7 @@ def test_wait_shows_a_progress_line_on_a_terminal(root: Root) -> None:
     name = unique("wait-tty")
     job = create_job(root, name, machines=2)
     code, screen = castor_on_tty(
-        root, "jobs", "wait", name, "--state", "running", "--timeout", "1.5", "--interval", "0.2"
+        root, "jobs", "wait", name, "--state", "running", "--timeout", "3", "--interval", "0.2"
     )
     assert code == 1 and "timed out" in screen
     assert f" {name}: pending  iteration -  machines 0/2 healthy  failures 0" in screen, repr(screen)
