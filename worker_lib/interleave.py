@@ -220,11 +220,12 @@ def next_grant(
     if in_flight > 0:
         return Grant(0, poll_s)  # training is on the wire: whatever the profile says
     # The two estimates of the idle span's end are guarded differently. The phase's span ends where the
-    # earliest iteration of the profile's window began communicating (profile: a busy span starts at the
-    # union's start), so mu of what is left of it is margin enough. The gap after the collectives' end is
-    # the value 3/4 of the iterations reached, so a quarter had a shorter one: it is used only up to mu of
-    # its whole length, as Algorithm 2 plans a span, and its last (1 - mu) is a guard against an early
-    # next collective (docs/architecture.md, Interleaving: what filling it to its end cost).
+    # earliest iteration of the profile's window began communicating (profile: a busy span it keeps starts
+    # at the union's start), so mu of what is left of it is margin enough. The gap after the collectives'
+    # end is the value 3/4 of the iterations reached, so a quarter had a shorter one: it is used only up to
+    # mu of its whole length, as Algorithm 2 plans a span, and its last (1 - mu) is a guard against an
+    # early next collective (what filling it to its end cost: docs/figures.md, A guard at the end of the
+    # quiet gap).
     usable = mu * idle_left(profile, phase)
     if quiet_for is not None and profile.gap > 0:
         usable = max(usable, mu * profile.gap - quiet_for)

@@ -53,16 +53,20 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Root]:
     log = (state_dir / "serve.log").open("wb")
     # Every CLI test of this worker uses this one server: a port taken between its choice and the bind (the
     # other xdist worker's processes take ephemeral ports too) starts it again on another.
-    process, (port,) = start_listening(
-        lambda ports: [
-            *(sys.executable, "-m", "services.cli", "serve"),
-            *("--port", str(ports[0]), "--log-level", "warning"),
-        ],
-        timeout=60,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
+    try:
+        process, (port,) = start_listening(
+            lambda ports: [
+                *(sys.executable, "-m", "services.cli", "serve"),
+                *("--port", str(ports[0]), "--log-level", "warning"),
+            ],
+            timeout=60,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    except BaseException:
+        log.close()
+        raise
     server = Root(f"http://127.0.0.1:{port}", state_dir, tmp_path_factory.mktemp("cli-workdir"), process)
     try:
         yield server

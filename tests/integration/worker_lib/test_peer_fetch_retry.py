@@ -57,7 +57,9 @@ def test_a_handshake_dropped_by_a_slow_peer_is_tried_again(
             # This side starved until the server dropped the handshake; the next connection then gets a
             # deadline that a loaded host (the suite runs two tests at a time) does not miss.
             waited = time.monotonic() + 30
-            while holder.counters.handshakes_dropped == 0 and time.monotonic() < waited:
+            while (
+                holder.counters.handshakes_dropped == 0 or holder._connections
+            ) and time.monotonic() < waited:
                 time.sleep(0.01)
             holder.handshake_timeout_s = dataplane.HANDSHAKE_TIMEOUT_S
         return handshake(*args, **kwargs)
@@ -74,8 +76,9 @@ def test_a_handshake_dropped_by_a_slow_peer_is_tried_again(
     finally:
         destination.close()
     assert holder.counters.handshakes_dropped == 1, "the first connection's handshake was dropped"
-    assert len(retried) == 1 and isinstance(retried[0], DataPlaneError)
-    assert retried[0].code == "connection_closed"
+    # The server closed the connection (a proof sent just before its close may turn that into a reset).
+    assert len(retried) == 1 and isinstance(retried[0], DataPlaneError | ConnectionResetError), retried
+    assert not isinstance(retried[0], DataPlaneError) or retried[0].code == "connection_closed"
 
 
 def test_an_answer_is_not_asked_again(shm: Path, holder: DataPlaneServer) -> None:

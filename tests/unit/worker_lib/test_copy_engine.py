@@ -34,6 +34,7 @@ class _Recording:
             self._arrived.notify_all()
             left = max(0.0, self._deadline - time.monotonic())
             self._arrived.wait_for(lambda: len(self.threads) >= self.expected, timeout=left)
+        time.sleep(0.002)  # and long enough that a thread beyond the expected ones would get pieces too
 
 
 def _stripes(count: int) -> list[StripePlan]:

@@ -316,11 +316,12 @@ def test_the_pacer_sends_in_the_quiet_gap_after_training_communicated(tmp_path: 
     clock = FakeClock()
     board.publish(CommProfile(1.0, ((0.3, 0.8),), collectives=1, gap=0.5), clock.now)
     pacer = Pacer("interleaved", boards=lambda: [path], clock=clock)
-    pacer.bandwidth = 100e6
+    pacer.bandwidth = 50e6
     board.iteration_started(clock.now - 0.5, 10)  # by the phase, the collective still runs
-    board.set_in_flight(0, clock.now - 0.05)  # it ended 50 ms ago: 0.45 s of quiet left
+    board.set_in_flight(0, clock.now - 0.05)  # it ended 50 ms ago: 0.45 s of the 0.5 s gap left
     granted = pacer.grant(100 * MB, lambda: 0)
-    assert 0.3 * 100e6 <= granted <= 0.45 * 100e6
+    # Up to mu of the whole gap (0.4 s), of which 0.05 s passed, less the startup time.
+    assert granted == pytest.approx((0.8 * 0.5 - 0.05 - 0.002) * 50e6, abs=1)
     pacer.finished()
     pacer.close()
     board.close()
