@@ -150,7 +150,10 @@ async def test_a_locked_job_row_holds_back_one_counters_refresh_not_a_connection
                 assert (await heartbeat(client, job, rank, iteration)).status_code == 200
             await asyncio.sleep(0.05)
         # Before: a refresh task per period, each waiting for the row with a pooled connection.
-        assert len(machine_flows._counter_tasks) == 1, "one refresh per job at a time"
+        refreshes = [
+            t for t in asyncio.all_tasks() if t.get_name() == f"counters-{job['id']}" and not t.done()
+        ]
+        assert len(refreshes) == 1, "one refresh per job at a time"
         waiting = await database.engine.connect()
         try:
             blocked = (

@@ -23,6 +23,8 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.orm import Session
 
+from services.root.tasks import stop_after_commit
+
 log = logging.getLogger(__name__)
 
 
@@ -200,6 +202,7 @@ class Database:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._listener
             self._listener = None
+        await stop_after_commit(self.engine)
         await self.engine.dispose()
 
 

@@ -32,6 +32,7 @@ from services.root.domain.replication import ReplicationAlignment, replication_a
 from services.root.errors import NotFound
 from services.root.flows.machines import COUNTERS_INLINE_MAX_MACHINES
 from services.root.flows.waiting import Waiting, until_woken, wake
+from services.root.tasks import start_after_commit
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,6 @@ _followed: dict[uuid.UUID, float] = {}  # job -> loop time of its last poll
 _reading: set[uuid.UUID] = set()
 _read_locks: dict[uuid.UUID, asyncio.Lock] = {}  # a poll's own read of a job: one at a time
 _stale: set[uuid.UUID] = set()
-_tasks: set[asyncio.Task[None]] = set()
 _DUE = "castor_alignment_due"
 
 
@@ -80,9 +80,7 @@ def _schedule_reads(sync_session: Session) -> None:
             _stale.add(job_id)  # the read in flight may predate this commit: it reads again
             continue
         _reading.add(job_id)
-        task = asyncio.get_running_loop().create_task(_read_until_current(engine, job_id))
-        _tasks.add(task)
-        task.add_done_callback(_tasks.discard)
+        start_after_commit(engine, _read_until_current(engine, job_id), f"alignment-{job_id}")
 
 
 async def _read_until_current(engine: AsyncEngine, job_id: uuid.UUID) -> None:

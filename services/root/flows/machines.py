@@ -41,6 +41,7 @@ from services.root.errors import Conflict, NotFound
 from services.root.flows.directives import directive_changed, make_ready, persist_out
 from services.root.flows.jobs import placement_out, stored_placement
 from services.root.settings import Settings
+from services.root.tasks import start_after_commit
 
 log = logging.getLogger(__name__)
 
@@ -637,7 +638,6 @@ COUNTERS_EVERY_S = 1.0
 # while the job was locked: at 1,000 machines they piled up until no request got a connection.)
 _counters_scheduled: set[uuid.UUID] = set()
 _counters_stale: set[uuid.UUID] = set()
-_counter_tasks: set[asyncio.Task[None]] = set()
 
 
 def refresh_counters_soon(session: AsyncSession, job_id: uuid.UUID, latency_s: float | None = None) -> None:
@@ -657,9 +657,7 @@ def _schedule_counters(sync_session: Session) -> None:
             _counters_stale.add(job_id)  # its refresh may have read the summaries already: it goes again
             continue
         _counters_scheduled.add(job_id)
-        task = asyncio.get_running_loop().create_task(_refresh_counters(engine, job_id, latency_s))
-        _counter_tasks.add(task)
-        task.add_done_callback(_counter_tasks.discard)
+        start_after_commit(engine, _refresh_counters(engine, job_id, latency_s), f"counters-{job_id}")
 
 
 async def _refresh_counters(engine: AsyncEngine, job_id: uuid.UUID, latency_s: float) -> None:

@@ -40,6 +40,7 @@ from services.root.flows.machines import record_summaries
 from services.root.orchestration.leadership import Deposed, Leadership
 from services.root.orchestration.per_job import PerJob
 from services.root.settings import Settings
+from services.root.tasks import stopped
 
 log = logging.getLogger(__name__)
 
@@ -307,9 +308,11 @@ class Detectors:
                     log.exception("etcd watch broke; restarting it")
                     await asyncio.sleep(0.5)
                 finally:
-                    sweep.cancel()
+                    await stopped(sweep)
         finally:
-            apply.cancel()
+            # Awaited, not only cancelled: the root's shutdown closes the etcd client and disposes of the
+            # database right after the leader's work returns, and neither may still be in use.
+            await stopped(apply)
 
     async def _apply_lease_events(self) -> None:
         """What the watch noted, expiries first (each job's in one transaction and one judgement), then

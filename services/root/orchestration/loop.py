@@ -22,6 +22,7 @@ from services.root.orchestration.leadership import Leadership
 from services.root.orchestration.per_job import PerJob
 from services.root.orchestration.recovery_driver import RecoveryDriver
 from services.root.settings import Settings
+from services.root.tasks import stopped
 
 log = logging.getLogger(__name__)
 
@@ -86,30 +87,49 @@ class Orchestrator:
         while True:
             lost, elected = asyncio.Event(), asyncio.Event()
             campaign = asyncio.create_task(self.leadership.campaign(elected, lost), name="campaign")
-            waiting = asyncio.create_task(elected.wait())
-            await asyncio.wait({campaign, waiting}, return_when=asyncio.FIRST_COMPLETED)
-            waiting.cancel()
-            if elected.is_set():
-                try:
-                    await self.leadership.claim_epoch(self.coordinator.epoch if self.coordinator else None)
-                except Exception as exc:  # the database is unreachable: nothing can be done as leader
-                    log.error("could not raise the leadership epoch (%s); campaigning again", exc)
-                    elected.clear()
-            if not elected.is_set():
-                campaign.cancel()
-                await asyncio.gather(campaign, return_exceptions=True)
-                await asyncio.sleep(CAMPAIGN_RETRY_S)  # etcd or the database unreachable, or another leads
-                continue
-            self.leadership.took_office(lost)
-            work = self._leader_work()
             try:
-                await lost.wait()
+                leading = await self._elected(campaign, elected)
+                if leading:
+                    await self._hold_office(lost, campaign)
             finally:
-                self.leadership.left_office()
-                for task in [*work, campaign]:
-                    task.cancel()
-                await asyncio.gather(*work, campaign, return_exceptions=True)
-            log.warning("leadership lost; campaigning again")
+                # Every way out ends the campaign, the root's shutdown while it campaigns included: a
+                # campaign left running kept campaigning, and refreshing a lease it then won, on an etcd
+                # client the shutdown had closed (aetcd reconnects on the next call), or kept its Postgres
+                # connection polling for the advisory lock.
+                await stopped(campaign)
+            if leading:
+                log.warning("leadership lost; campaigning again")
+            else:
+                await asyncio.sleep(CAMPAIGN_RETRY_S)  # etcd or the database unreachable, or another leads
+
+    async def _elected(self, campaign: asyncio.Task[None], elected: asyncio.Event) -> bool:
+        """Whether the campaign won and the fencing epoch was raised (False: the campaign ended without
+        winning, or the database refused the epoch)."""
+        waiting = asyncio.create_task(elected.wait(), name="elected")
+        try:
+            await asyncio.wait({campaign, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await stopped(waiting)
+        if campaign.done() or not elected.is_set():
+            return False  # never won, or lost again already: raising the epoch now would fence a real leader
+        try:
+            await self.leadership.claim_epoch(self.coordinator.epoch if self.coordinator else None)
+        except Exception as exc:  # the database is unreachable: nothing can be done as leader
+            log.error("could not raise the leadership epoch (%s); campaigning again", exc)
+            return False
+        return True
+
+    async def _hold_office(self, lost: asyncio.Event, campaign: asyncio.Task[None]) -> None:
+        """The leader's workers, until the leadership is lost (or the root stops). They stop together with
+        the campaign, which releases the leadership: a worker slow to stop (a cancellation swallowed) must
+        not keep the lease alive with nobody leading; fencing refuses what it still tries to write."""
+        self.leadership.took_office(lost)
+        work = self._leader_work()
+        try:
+            await lost.wait()
+        finally:
+            self.leadership.left_office()
+            await stopped(*work, campaign)
 
     def _leader_work(self) -> list[asyncio.Task[None]]:
         """The leader's workers: the recovery driver and the detectors this deployment has."""

@@ -22,6 +22,7 @@ from services.root.flows import recovery
 from services.root.orchestration.leadership import Deposed, Leadership
 from services.root.orchestration.per_job import PerJob
 from services.root.settings import Settings
+from services.root.tasks import stopped
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +77,7 @@ class RecoveryDriver:
         refuses their next cloud call anyway, but one waiting for an instance to come up (up to
         CASTOR_REPLACEMENT_TIMEOUT_S) kept polling the group alongside the new leader's, which continues
         the request from its failure event."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stopped(*self._tasks)
 
     async def step(self, job_id: Any) -> None:
         try:
