@@ -13,27 +13,32 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from services.root import tasks
 
 
-async def test_a_task_that_swallowed_its_cancellation_is_cancelled_again(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setattr(tasks, "RECANCEL_S", 0.05)
-    cancellations = 0
+class DeafOnce:
+    """A task's body that swallows its first cancellation (as asyncio.wait_for can on Python 3.11)."""
 
-    async def deaf_once() -> None:
-        nonlocal cancellations
+    def __init__(self) -> None:
+        self.cancellations = 0
+
+    async def __call__(self) -> None:
         while True:
             try:
                 await asyncio.sleep(3600)
             except asyncio.CancelledError:
-                cancellations += 1
-                if cancellations > 1:
+                self.cancellations += 1
+                if self.cancellations > 1:
                     raise  # the second one gets through
 
+
+async def test_a_task_that_swallowed_its_cancellation_is_cancelled_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(tasks, "RECANCEL_S", 0.05)
+    deaf_once = DeafOnce()
     obedient = asyncio.create_task(asyncio.sleep(3600), name="obedient")
     deaf = asyncio.create_task(deaf_once(), name="deaf")
     await asyncio.sleep(0)  # both running
     await asyncio.wait_for(tasks.stopped(obedient, deaf), 10)
-    assert obedient.cancelled() and deaf.cancelled() and cancellations == 2
+    assert obedient.cancelled() and deaf.cancelled() and deaf_once.cancellations == 2
     assert "deaf" in caplog.text and "obedient" not in caplog.text, "the log names the one still running"
 
 
@@ -41,20 +46,9 @@ async def test_a_stop_inside_a_stopped_task_still_stops_its_own_task(monkeypatch
     """The leader's workers stop their helpers as they exit: the outer stop's second cancellation reaches the
     worker while it waits for a helper that swallowed its first one, and the helper must still stop."""
     monkeypatch.setattr(tasks, "RECANCEL_S", 0.05)
-    helper_cancellations = 0
-
-    async def deaf_once() -> None:
-        nonlocal helper_cancellations
-        while True:
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                helper_cancellations += 1
-                if helper_cancellations > 1:
-                    raise
 
     async def worker() -> None:
-        helper = asyncio.create_task(deaf_once(), name="helper")
+        helper = asyncio.create_task(DeafOnce()(), name="helper")
         try:
             await asyncio.sleep(3600)
         finally:
