@@ -60,14 +60,19 @@ def command(
     ]
 
 
-def hold(log_dir: Path) -> int:
-    """Stops every rank after one iteration's save; returns that iteration."""
-    (log_dir / "hold").touch()
+def hold(log_dir: Path, at: int | None = None) -> int:
+    """Stops every rank after one iteration's save (`at`: the first at or past it); returns that iteration."""
+    staged = log_dir / "hold.new"
+    staged.write_text("" if at is None else str(at))
+    staged.replace(log_dir / "hold")  # whole: a rank reading it half-written would stop elsewhere
 
     def held() -> int | None:
         lasts = [e[-1] for e in read_events(log_dir).values()]
         paused = {e["iteration"] for e in lasts if e["event"] == "paused"}
-        return paused.pop() if len(lasts) == WORLD == sum(e["event"] == "paused" for e in lasts) else None
+        if len(lasts) != WORLD or sum(e["event"] == "paused" for e in lasts) != WORLD:
+            return None
+        (iteration,) = paused
+        return iteration if at is None or iteration >= at else None
 
     return int(wait_until(held, 240, "every rank paused", 0.1))
 
@@ -83,23 +88,43 @@ def complete_checkpoints(cluster: LocalCluster) -> set[int]:
 
 
 def hold_past_a_persisted_checkpoint(cluster: LocalCluster, logs: Path) -> tuple[int, int]:
-    """Holds every rank past the iteration the root has them persist, and waits, held, until that
-    checkpoint is complete; returns the held iteration and the newest complete one up to it.
+    """Holds every rank at the iteration the root has them persist, and waits, held, until that checkpoint
+    is complete; returns the held iteration and the newest complete one up to it.
 
     Waiting with the ranks running instead made the strike depend on the uploads' pace: on CI's loaded
-    host the first complete checkpoint once came at the job's last iteration. Held, the agents finish the
-    uploads of an iteration every rank has committed, whatever the pace. A target given up meanwhile (a
-    rank's copy overwritten before its upload) is followed by a newer one, past the held iteration: then
-    release and try the new one. So is a target read just before the root announced the next one (right
-    after a recovery): waiting out the 120 s for it cost a fresh-clone run 2 minutes."""
+    host the first complete checkpoint once came at the job's last iteration. Holding them once they had
+    passed the target still did: CI once saw three targets in turn end without a complete checkpoint, the
+    third past the job's last iteration (its log did not say how; a failure here now prints the schedule).
+    Held at the target, every rank's copy of it is its newest commit and stays until its agent uploaded it,
+    whatever the pace: no rank can miss it. A target announced too late (the ranks already past it) or read
+    just before the root announced another (right after a recovery) is followed by one announced while the
+    ranks are held, ahead of them: then release and hold at that."""
 
+    try:
+        return _hold_at_persist_targets(cluster, logs)
+    except (TimeoutError, AssertionError) as exc:
+        raise type(exc)(f"{exc}\nthe persist schedule so far:\n{persist_history(cluster)}") from exc
+
+
+def persist_history(cluster: LocalCluster) -> str:
+    """The root's announcements and the agents' misses, oldest first (each line starts with its time)."""
+    lines = [
+        line
+        for path in cluster.workdir.rglob("*.log")
+        for line in path.read_text(errors="replace").splitlines()
+        if "persists iteration" in line or "cannot persist" in line
+    ]
+    return "\n".join(sorted(lines)[-40:])
+
+
+def _hold_at_persist_targets(cluster: LocalCluster, logs: Path) -> tuple[int, int]:
     def complete_up_to(reached: int) -> set[int]:
         return {i for i in complete_checkpoints(cluster) if i <= reached}
 
     for _ in range(3):
         target = wait_until(cluster.persist_target, 120, "a persist target", 0.25)
-        wait_until(lambda t=target: newest_iteration(logs) >= t, 240, f"iteration {target}", 0.1)
-        reached = hold(logs)
+        assert target < ITERATIONS, f"the root announced iteration {target}, past the job's last"
+        reached = hold(logs, at=target)
 
         def settled(reached: int = reached, target: int = target) -> tuple[set[int]] | None:
             """The complete ones, or none once the target moved on without one (checked in that order: a
@@ -116,6 +141,8 @@ def hold_past_a_persisted_checkpoint(cluster: LocalCluster, logs: Path) -> tuple
         )
         if not done:
             release(logs)
+            # Before the next hold: ranks still paused at this one would not notice a release and hold.
+            wait_until(lambda r=reached: newest_iteration(logs) > r, 240, f"an iteration past {reached}", 0.1)
             continue
         return reached, max(done)
     raise AssertionError("three persist targets given up in turn")

@@ -9,9 +9,9 @@ by the caller). Batches depend only on (iteration, rank), so a resumed run compu
 uninterrupted one computes. Each rank appends JSON events to --log-dir/rank-<r>.jsonl like train_ddp.py:
 "start" (the restored iteration and the digest of its shards right after the restore), "iteration" (the
 digest right after that iteration's optimizer step, before its save) and "done". With --holdable, while
---log-dir/hold exists every rank stops after the same iteration's save (event "paused"; the ranks agree
-with a tiny all-reduce): a test strikes its fault there, however late a loaded host lets it act, and the
-state is not changed by it."""
+--log-dir/hold exists every rank stops after the same iteration's save, or after the first at or past the
+iteration the file names (event "paused"; the ranks agree with a tiny all-reduce): a test strikes its
+fault there, however late a loaded host lets it act, and the state is not changed by it."""
 
 from __future__ import annotations
 
@@ -85,9 +85,20 @@ class Decoder(nn.Module):
         return self.head(self.norm(x))
 
 
-def held(hold: Path) -> bool:
-    """Whether any rank sees `hold`: every rank gets the same answer, so all stop after the same iteration."""
-    flag = torch.tensor([1.0 if hold.exists() else 0.0])
+def holds(hold: Path, iteration: int) -> bool:
+    """Whether `hold` stops this rank after `iteration`: it exists and is empty, or names an iteration at or
+    before this one (a test that holds the ranks at an iteration ahead of them writes its number)."""
+    try:
+        at = hold.read_text().strip()
+    except FileNotFoundError:
+        return False
+    return not at or iteration >= int(at)
+
+
+def held(hold: Path, iteration: int) -> bool:
+    """Whether any rank's `holds` says stop: every rank gets the same answer, so all stop after the same
+    iteration."""
+    flag = torch.tensor([1.0 if holds(hold, iteration) else 0.0])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
@@ -114,7 +125,8 @@ def main() -> None:
     parser.add_argument(
         "--holdable",
         action="store_true",
-        help="every rank stops after an iteration while <log-dir>/hold exists",
+        help="every rank stops after an iteration while <log-dir>/hold exists (if it names an iteration: "
+        "after the first at or past it)",
     )
     args = parser.parse_args()
 
@@ -161,7 +173,7 @@ def main() -> None:
             checkpointer.save(iteration, {"model": model, "optimizer": optimizer, "iteration": iteration})
             if args.sleep:
                 time.sleep(args.sleep)
-            if args.holdable and held(args.log_dir / "hold"):
+            if args.holdable and held(args.log_dir / "hold", iteration):
                 event(event="paused", iteration=iteration)
                 while (args.log_dir / "hold").exists():
                     time.sleep(0.05)
