@@ -58,3 +58,25 @@ def test_the_replication_age_is_never_negative_when_the_wall_clock_steps_back(re
     replicator.stats.replicated_at = time.time() - 2.0
     age = replicator.summary()["replication_age_s"]
     assert age is not None and 2.0 <= age < 60.0
+
+
+def test_a_restore_starts_the_pace_again(tmp_path: Path) -> None:
+    """Two commits 1 s apart, a 30 s recovery, then the first commit after the restore: kept, the recovery
+    would be an iteration of the pace (the upper median of two), and training that stopped after that commit
+    would look stopped only STALL_ITERATIONS x 30 s later, its newest commit replicated no sooner."""
+    holdings = Holdings(tmp_path / "shm")
+    replicator = Replicator(holdings, b"k" * 32, "job", [1], lambda machine: None)
+    try:
+        now = time.monotonic()
+        replicator._commit_times.extend([(now - 31.0, 0), (now - 30.0, 1)])
+        replicator.resume(restored=1)
+        replicator.notice_commit(0, 2)
+        assert replicator._iteration_s() is None  # one commit since the restore: no pace yet
+        replicator._last_commit_at = time.monotonic() - 2.0  # then nothing for 2 s
+        assert replicator._stalled()
+        replicator.notice_commit(0, 3)
+        pace = replicator._iteration_s()
+        assert pace is not None and pace < 1.0
+    finally:
+        replicator.pacer.close()
+        holdings.close()
