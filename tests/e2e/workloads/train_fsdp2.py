@@ -10,8 +10,9 @@ uninterrupted one computes. Each rank appends JSON events to --log-dir/rank-<r>.
 "start" (the restored iteration and the digest of its shards right after the restore), "iteration" (the
 digest right after that iteration's optimizer step, before its save) and "done". With --holdable, while
 --log-dir/hold exists every rank stops after the same iteration's save, or after the first at or past the
-iteration the file names (event "paused"; the ranks agree with a tiny all-reduce): a test strikes its
-fault there, however late a loaded host lets it act, and the state is not changed by it."""
+iteration the file names (event "paused"; the ranks agree with a tiny all-reduce; they go on once it is
+removed or names a later iteration): a test strikes its fault there, however late a loaded host lets it
+act, and the state is not changed by it."""
 
 from __future__ import annotations
 
@@ -175,7 +176,7 @@ def main() -> None:
                 time.sleep(args.sleep)
             if args.holdable and held(args.log_dir / "hold", iteration):
                 event(event="paused", iteration=iteration)
-                while (args.log_dir / "hold").exists():
+                while holds(args.log_dir / "hold", iteration):  # until removed, or moved to a later iteration
                     time.sleep(0.05)
         event(event="done", iteration=args.iterations - 1, digest=state_digest(model, optimizer))
     dist.barrier()
