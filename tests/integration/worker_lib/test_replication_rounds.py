@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -171,10 +172,18 @@ def test_local_ranks_are_served_in_turn_and_replicated_at_the_same_iteration(
             replicated = dict(replicator.stats.replicated)
         assert set(replicated) == set(ranks)
         assert len(set(replicated.values())) == 1, f"one iteration for every rank: {replicated}"
-        rounds: dict[int, list[int]] = {}
-        for rank, iteration in list(arrivals):
-            rounds.setdefault(iteration, []).append(rank)
-        complete = [order for order in rounds.values() if sorted(order) == ranks]
+        # The receiver records an arrival just after its acknowledgement, which completes the sender's round:
+        # the last arrival of a counted round may still be on its way (its thread descheduled on a loaded
+        # host: a fresh-clone run once read {1: [1, 2, 3, 0], 21: [2, 3, 0, 1], 38: [3, 0, 1]}).
+        deadline = time.monotonic() + 10
+        while True:
+            rounds: dict[int, list[int]] = {}
+            for rank, iteration in list(arrivals):
+                rounds.setdefault(iteration, []).append(rank)
+            complete = [order for order in rounds.values() if sorted(order) == ranks]
+            if len(complete) >= 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
         assert len(complete) >= 3, f"every rank of each round arrived: {rounds}"
         assert len({order[0] for order in complete}) >= 2, f"no rank is always served first: {rounds}"
         newest_everywhere = replicator.stats.replicated_iteration
