@@ -633,7 +633,14 @@ class Uploads:
         log.info("persisting iteration %d (generation %d) when every local rank commits it", *target)
         for rank in self.services.local_ranks():
             newest = self.services.holdings.newest("local", rank)
-            if newest is not None and newest.iteration >= target[0]:
+            # A commit of an older generation is of a history the target is not from: the root announces a
+            # recovery's first target with its plan, while the slots still hold the rolled-back history's
+            # commits (past the target, maybe). The rank's commit of it is still to come (notice_commit).
+            if (
+                newest is not None
+                and newest.iteration >= target[0]
+                and manifest_generation(newest) >= target[1]
+            ):
                 self._start(rank, target, passed=newest.iteration > target[0])
 
     def notice_commit(self, rank: int, iteration: int) -> None:

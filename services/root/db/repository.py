@@ -347,6 +347,29 @@ async def latest_generation(session: AsyncSession, job_id: uuid.UUID) -> int | N
     return (await session.execute(query)).scalar_one_or_none()
 
 
+class NewestPlan(NamedTuple):
+    generation: int
+    released: bool  # every rank has its source (READY); not while a recovery collects inventories
+
+
+async def newest_plan(session: AsyncSession, job_id: uuid.UUID) -> NewestPlan | None:
+    """The newest plan's generation and whether it is released, without loading its per-rank sources."""
+    query = (
+        select(RecoveryPlan.generation, RecoveryPlan.status)
+        .where(RecoveryPlan.job_id == job_id)
+        .order_by(RecoveryPlan.generation.desc())
+        .limit(1)
+    )
+    row = (await session.execute(query)).first()
+    return None if row is None else NewestPlan(row.generation, row.status == PlanStatus.READY)
+
+
+async def released_generation(session: AsyncSession, job_id: uuid.UUID) -> int | None:
+    """The newest plan's generation once it is released; None before (the persist schedule's generation)."""
+    newest = await newest_plan(session, job_id)
+    return newest.generation if newest is not None and newest.released else None
+
+
 async def placement_groups(session: AsyncSession, job_id: uuid.UUID) -> Sequence[PlacementGroupRow]:
     query = (
         select(PlacementGroupRow).where(PlacementGroupRow.job_id == job_id).order_by(PlacementGroupRow.index)

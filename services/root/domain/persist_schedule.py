@@ -16,7 +16,9 @@ was announced in: the copies the ranks hold and upload are that generation's com
 still on the timeline and the ranks can still finish it: some already uploaded it, or the recovery restored
 exactly that iteration (every rank holds it then). Otherwise (a rollback before it, or restored past it with
 nothing uploaded: most ranks no longer hold it) a new one is chosen in the new generation. A job recovering
-more often than a persist round takes would otherwise never complete a persisted checkpoint.
+more often than a persist round takes would otherwise never complete a persisted checkpoint. The root
+decides this when it releases the recovery's plan (no machine of the new generation reported anything
+yet), so the target reaches the agents with the plan, before any rank restarts.
 
 A new target is the first multiple of K past the newest iteration any machine reported, plus a lead that
 covers how stale those reports are: the fastest rank's rate times the announcement's latency, so the
@@ -143,13 +145,17 @@ def next_target(
     complete: bool = False,
     resumed_from: Mapping[int, int | None] | None = None,
     uploaded: int = 0,
+    world_size: int | None = None,
 ) -> PersistTarget | None:
     """The target to announce now: `current` while it is in progress, else a new one (None: the job has no
     persistent tier, or the next would be past what a report can name). `complete`: every rank persisted
     `current`. `resumed_from` and `uploaded`: see given_up (needed only once a recovery opened a generation
-    newer than `current`'s)."""
+    newer than `current`'s); `uploaded` of `world_size` ranks is complete too: its last shard may have
+    arrived while the recovery collected inventories, when its completion announced nothing."""
     if every <= 0:
         return None
+    if world_size is not None and uploaded >= world_size > 0:
+        complete = True
     summaries = list(summaries)
     if (
         current is not None

@@ -495,9 +495,10 @@ async def record_heartbeat(
     small reads; the job-wide counters follow off the request for jobs past COUNTERS_INLINE_MAX_MACHINES."""
     summary = own_summary(job, rank, request.instance_id, request.summary.model_dump(mode="json"))
     latency_s = persist_latency_s(settings, job.num_machines)
-    generation = await repo.latest_generation(session, job.id)
+    newest = await repo.newest_plan(session, job.id)
     if job.num_machines <= COUNTERS_INLINE_MAX_MACHINES:
-        live = await _counters_inline(session, job, {request.instance_id: summary}, generation, latency_s)
+        released = newest.generation if newest is not None and newest.released else None
+        live = await _counters_inline(session, job, {request.instance_id: summary}, released, latency_s)
         # Replication rounds aligned across machines: the answer every agent acts on (domain.replication).
         alignment = replication_alignment(live)
     else:
@@ -514,7 +515,7 @@ async def record_heartbeat(
     return schemas.HeartbeatResponse(
         state=state,
         job_state=job.state,
-        plan_generation=generation,
+        plan_generation=None if newest is None else newest.generation,
         peers=_group_peers(rank, members, peers),
         replication=None if alignment is None else schemas.ReplicationAlignment(**asdict(alignment)),
         persist=persist_out(job),
@@ -547,7 +548,7 @@ async def record_summaries(
     ranks = {key.instance_id: key.rank for key in summaries}
     latency_s = _etcd_persist_latency_s(job.num_machines)
     if job.num_machines <= COUNTERS_INLINE_MAX_MACHINES:
-        generation = await repo.latest_generation(session, job_id)
+        generation = await repo.released_generation(session, job_id)
         await _counters_inline(session, job, checked, generation, latency_s, ranks)
     else:
         refresh_counters_soon(session, job_id, latency_s)
@@ -688,7 +689,7 @@ async def _refresh_counters_once(engine: AsyncEngine, job_id: uuid.UUID, latency
             return not await repo.job_exists(session, job_id)  # gone, or locked
         summaries = await repo.live_summaries(session, job_id)
         _refresh_job_counters(job, summaries)
-        generation = await repo.latest_generation(session, job_id)
+        generation = await repo.released_generation(session, job_id)
         await schedule_persist(session, job, summaries, generation, latency_s)
         return True
 
@@ -753,6 +754,9 @@ def _etcd_persist_latency_s(num_machines: int) -> float:
     return summary_period_s(num_machines) + ANNOUNCE_S
 
 
+_SCHEDULING = (JobState.RUNNING, JobState.RECOVERING)
+
+
 async def schedule_persist(
     session: AsyncSession,
     job: Job,
@@ -763,9 +767,11 @@ async def schedule_persist(
     complete: bool = False,
 ) -> None:
     """Announce the next iteration every rank persists when the current one is complete (`complete`) or
-    given up, or none was announced yet; nothing while the job is not training (a recovery under way: its
-    new generation decides once it runs whether the current target is kept, see domain.persist_schedule)."""
-    if job.persist_every <= 0 or job.state != JobState.RUNNING or generation is None:
+    given up, or none was announced yet. `generation`: the newest plan's once it is released, None while a
+    recovery collects inventories: its generation decides, with its plan, whether the current target is
+    kept (domain.persist_schedule). The plan's release announces at once (flows.recovery), so the new
+    generation's target reaches the agents with the plan, before any rank restarts."""
+    if job.persist_every <= 0 or job.state not in _SCHEDULING or generation is None:
         return
     current = (
         PersistTarget(job.persist_iteration, job.persist_generation)
@@ -787,6 +793,7 @@ async def schedule_persist(
         complete=complete,
         resumed_from=resumed_from,
         uploaded=uploaded,
+        world_size=job.num_machines * job.procs_per_machine,
     )
     if target is None and complete and current is not None:
         # No successor a report could name (a summary claims an iteration near 2**31): announce none, so the

@@ -180,7 +180,7 @@ async def _completed(
             session,
             job,
             await repo.live_summaries(session, job.id),
-            await repo.latest_generation(session, job.id),
+            await repo.released_generation(session, job.id),
             persist_latency_s(settings, job.num_machines),
             complete=True,
         )

@@ -55,7 +55,7 @@ from services.root.domain.recovery_states import RecoveryState
 from services.root.errors import Conflict, NotFound
 from services.root.flows.directives import FINISHED_STATES, directive_changed
 from services.root.flows.failures import machine_lost
-from services.root.flows.machines import live_machine_at
+from services.root.flows.machines import live_machine_at, schedule_persist
 from services.root.flows.persistence import tier_of
 from services.root.settings import Settings
 
@@ -545,6 +545,11 @@ async def _decide(
         }
     directive_changed(session, job)
     log.info("job %s: generation %d ready: %s", job.name, plan.generation, decision.reason)
+    # The new generation's persist target goes out in the same directive, before any rank restarts. Chosen
+    # from the restore point, not the machines' reports: those are of the history left behind (past the
+    # restore point after a rollback), and the ranks commit nothing of the new one until they resume.
+    await session.flush()  # the plan released: the schedule reads its restore point
+    await schedule_persist(session, job, [], plan.generation, latency_s=0.0)
 
 
 def _note_upload_wait(job: Job, plan: RecoveryPlan, decision: RecoveryDecision, settings: Settings) -> None:

@@ -285,3 +285,44 @@ async def test_a_plan_waits_for_an_upload_in_flight_no_longer_than_upload_wait_s
     plan = await scenario.plan(2, "ready")  # the upload never arrives
     assert plan["iteration"] == older, plan["reason"]
     assert f"uploads in flight that would make iteration {newer} restorable" in plan["reason"], plan
+
+
+async def test_a_target_completed_while_a_recovery_collects_is_followed_by_the_next(
+    client: httpx.AsyncClient,
+) -> None:
+    """The last shard of the target arrived while the recovery collected inventories (an upload the plan
+    waited for, say). Before, its completion announced nothing (no schedule during a recovery), and the
+    recovery then kept the target as one the ranks could still finish: every machine had uploaded it, none
+    would report it again or miss it, and the job never persisted another checkpoint."""
+    scenario, target = await persisting(client)
+    await report_persisted(scenario, 0, target, 1)
+    await scenario.heartbeat(target + 2)
+    await scenario.kill_process(1)
+    await scenario.plan(2, "collecting")
+    await report_persisted(scenario, 1, target, 1)  # completes it, mid-recovery
+    checkpoints = await scenario.api("/checkpoints")
+    assert [(c["iteration"], c["complete"]) for c in checkpoints] == [(target, True)]
+    await scenario.recover(target + 2)
+    await scenario.heartbeat(target + 3)
+
+    following = await persist_schedule(scenario)
+    assert following["generation"] == 2 and following["iteration"] % K == 0, following
+    assert following["iteration"] > target + 2, following
+
+
+async def test_a_recoverys_first_target_comes_with_its_plan_past_the_restore_point(
+    client: httpx.AsyncClient,
+) -> None:
+    """The plan's release announces the new generation's target in the same directive, before any rank
+    restarts: the first multiple of K past the restored iteration. Before, none was announced until every
+    rank had completed an iteration after the restore (tens of seconds on a loaded host, the ranks training
+    meanwhile), and it was chosen past the newest iteration reported, which after a rollback is the
+    abandoned history's: a rollback from target + 1 to target - 3 persisted target + K, not target."""
+    scenario, target = await persisting(client)
+    await scenario.heartbeat(target + 1)  # past the target, nothing uploaded: the rollback gives it up
+    await scenario.kill_process(1)
+    await scenario.collect(2, target - 3)
+
+    announced = await persist_schedule(scenario)
+    assert (announced["iteration"], announced["generation"]) == (target, 2), announced
+    assert (await scenario.api(""))["state"] == "recovering"

@@ -29,6 +29,7 @@ from tests.integration.conftest import admin, bearer, create_job
 from worker_lib import Checkpointer
 from worker_lib.agent.holdings import Holdings
 from worker_lib.agent.services import Uploads
+from worker_lib.agent_ipc import GENERATION_ENV
 from worker_lib.api.worker import HeartbeatResponse, RegisterResponse
 from worker_lib.client import RootRejected, RootUnavailable
 from worker_lib.persistent import LocalDirStore, ObjectStore, PersistedShard
@@ -343,3 +344,33 @@ async def test_a_copy_corrupt_in_memory_is_not_uploaded(shm: Path) -> None:
         holdings.close()
     assert uploads.failed == 1 and uploads.uploaded == 1
     assert [r["iteration"] for r in store.reports] == [2 * K] and len(store.puts) == 1
+
+
+async def test_a_target_announced_before_the_ranks_restart_waits_for_their_commit_of_it(
+    shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The root announces a recovery's first target with its plan, before the ranks restart; the slots still
+    hold the abandoned history's commits, some past the target. Those are not the target's commit: before,
+    the agent took them for a rank that had committed past it, reported the target missed, and never
+    uploaded the new generation's commit of it."""
+    holdings = Holdings(shm / "m0")
+    store = RecordingStore()
+    uploads = unscheduled_uploads(holdings, store)
+    monkeypatch.setenv(GENERATION_ENV, "1")
+    with Checkpointer(holdings.directory("local", 0), blocking=True) as checkpointer:
+        assert checkpointer.save(2 * K + 1, {"w": torch.full((256,), 1.0)})  # generation 1, rolled back
+    try:
+        uploads.announce(SimpleNamespace(iteration=K, generation=2))  # generation 2 restored K - 1
+        await asyncio.wait_for(asyncio.gather(*uploads._running.values()), 30)
+        assert uploads.missed_report() is None
+
+        monkeypatch.setenv(GENERATION_ENV, "2")
+        with Checkpointer(holdings.directory("local", 0), blocking=True) as checkpointer:
+            assert checkpointer.save(K, {"w": torch.full((256,), 2.0)})
+        uploads.notice_commit(0, K)
+        await asyncio.wait_for(asyncio.gather(*uploads._running.values()), 30)
+    finally:
+        await uploads.close()
+        holdings.close()
+    assert [(r["iteration"], r["generation"]) for r in store.reports] == [(K, 2)]
+    assert uploads.missed_report() is None

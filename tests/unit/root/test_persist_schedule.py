@@ -204,3 +204,23 @@ def test_restored_past_the_target_with_nothing_uploaded_moves_on_past_the_restor
         current, every=10, generation=2, summaries=[summary(41)], latency_s=0, resumed_from={1: None, 2: 45}
     )
     assert after == PersistTarget(50, 2)
+
+
+def test_a_target_every_rank_uploaded_before_the_recovery_released_its_plan_is_complete() -> None:
+    """Its last shard arrived while the recovery collected inventories, when no schedule runs: at the plan's
+    release every rank's shard is there, so the next target is chosen (kept, it would stand for good)."""
+
+    def after(uploaded: int) -> PersistTarget | None:
+        return next_target(
+            PersistTarget(40, 1),
+            every=10,
+            generation=2,
+            summaries=[],
+            latency_s=0,
+            resumed_from={1: None, 2: 43},
+            uploaded=uploaded,
+            world_size=4,
+        )
+
+    assert after(4) == PersistTarget(50, 2)
+    assert after(3) == PersistTarget(40, 1), "unfinished: kept"
