@@ -40,11 +40,11 @@ ITERATIONS = 30
 MESH_ITERATIONS = 12
 PERSIST_EVERY = 5
 # Held recoveries: the faults strike while the ranks are held, and they stay held through the recovery (every
-# restarted rank stops after its first iteration). The root marks a recovery done, and only then announces
-# the new generation's persist target, once every rank completed an iteration after the restore. Beside two
-# CPU hogs that took 14-22 s after the restore, and ranks released at once trained on meanwhile: the
-# machine loss struck at iteration 14 instead of 3, and the first target after it was 30, past the job's
-# last iteration (CI failed so).
+# restarted rank stops after its first iteration), so each fault strikes where it means to. The root marks
+# a recovery done once every rank completed an iteration after the restore: beside two CPU hogs that took
+# 14-22 s, and ranks released at once trained on meanwhile. When the root also announced the new
+# generation's persist target only then (it now comes with the plan), the machine loss struck at iteration
+# 14 instead of 3, and the first target after it was 30, past the job's last iteration (CI failed so).
 
 
 def command(
