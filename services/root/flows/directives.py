@@ -51,8 +51,11 @@ def idle_answer_after(wait_s: float) -> float:
 
 
 def directive_changed(session: AsyncSession, job: Job) -> None:
-    """A new revision of the job's directive: its long polls answer once the transaction commits."""
-    job.directive_revision += 1
+    """A new revision of the job's directive: its long polls answer once the transaction commits. Raised in
+    the UPDATE itself: a writer that read the row without its lock (a heartbeat) would otherwise write the
+    revision it read plus one, possibly one another writer committed meanwhile, and agents that saw that
+    one would ignore this change."""
+    job.directive_revision = Job.directive_revision + 1
     mark_changed(session, job.id)
 
 

@@ -497,7 +497,7 @@ async def record_heartbeat(
     latency_s = persist_latency_s(settings, job.num_machines)
     newest = await repo.newest_plan(session, job.id)
     if job.num_machines <= COUNTERS_INLINE_MAX_MACHINES:
-        released = newest.generation if newest is not None and newest.released else None
+        released = await _released_generation(session, job, newest)
         live = await _counters_inline(session, job, {request.instance_id: summary}, released, latency_s)
         # Replication rounds aligned across machines: the answer every agent acts on (domain.replication).
         alignment = replication_alignment(live)
@@ -548,7 +548,7 @@ async def record_summaries(
     ranks = {key.instance_id: key.rank for key in summaries}
     latency_s = _etcd_persist_latency_s(job.num_machines)
     if job.num_machines <= COUNTERS_INLINE_MAX_MACHINES:
-        generation = await repo.released_generation(session, job_id)
+        generation = await _released_generation(session, job, await repo.newest_plan(session, job_id))
         await _counters_inline(session, job, checked, generation, latency_s, ranks)
     else:
         refresh_counters_soon(session, job_id, latency_s)
@@ -602,6 +602,19 @@ def own_summary(job: Job, machine_rank: int, instance_id: str, summary: dict[str
             job.procs_per_machine,
         )
     return confined
+
+
+async def _released_generation(session: AsyncSession, job: Job, newest: repo.NewestPlan | None) -> int | None:
+    """The generation the persist schedule runs in (the newest plan's, once released), with `job`, read
+    without its lock before `newest`, read again where a recovery may have released its plan between the
+    two reads: the schedule would otherwise see the released plan beside the target before it, give that
+    up, and choose its own from the abandoned history's reports in place of the one released with the
+    plan. Only during a recovery or until the new generation has a target: not on every heartbeat."""
+    if newest is None or not newest.released:
+        return None
+    if job.state != JobState.RUNNING or job.persist_generation != newest.generation:
+        await session.refresh(job)
+    return newest.generation
 
 
 async def _counters_inline(

@@ -6,13 +6,17 @@ uploads the machines still have in flight where they would make a newer checkpoi
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI
 
-from services.root.schemas import INT32_MAX
+from services.root.db import repository as repo
+from services.root.flows.directives import directive_changed
+from services.root.flows.machines import record_heartbeat
+from services.root.schemas import INT32_MAX, HeartbeatRequest
 from tests.integration.conftest import ADMIN_TOKEN, create_job
 from tests.integration.web.scenario import Scenario, eventually
 
@@ -30,13 +34,17 @@ async def persisting(client: httpx.AsyncClient) -> tuple[Scenario, int]:
 
 
 async def persist_schedule(scenario: Scenario) -> dict[str, Any]:
-    directive = await scenario.client.get(
-        f"/api/v1/worker/jobs/{scenario.id}/directive", headers=scenario.worker
-    )
-    assert directive.status_code == 200, directive.text
-    persist = directive.json()["persist"]
+    persist = (await directive(scenario))["persist"]
     assert isinstance(persist, dict)
     return persist
+
+
+async def directive(scenario: Scenario) -> dict[str, Any]:
+    answer = await scenario.client.get(
+        f"/api/v1/worker/jobs/{scenario.id}/directive", headers=scenario.worker
+    )
+    assert answer.status_code == 200, answer.text
+    return dict(answer.json())
 
 
 async def report_persisted(scenario: Scenario, rank: int, iteration: int, generation: int) -> None:
@@ -326,3 +334,53 @@ async def test_a_recoverys_first_target_comes_with_its_plan_past_the_restore_poi
     announced = await persist_schedule(scenario)
     assert (announced["iteration"], announced["generation"]) == (target, 2), announced
     assert (await scenario.api(""))["state"] == "recovering"
+
+
+async def test_a_heartbeat_that_read_the_job_before_the_plans_release_keeps_its_target_and_revision(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    """A REST heartbeat reads the job row without its lock, and the newest plan after it. One that read the
+    job before a recovery's plan was released and the plan after saw a released plan beside the old target:
+    it gave the target up, chose one of its own from the abandoned history's reports, and wrote the
+    directive revision it had read plus one, behind the release's. Agents that had seen the release's
+    revision would have ignored the next change (a new failure's plan) under the same number."""
+    database = root_app.state.castor.database
+    if database.is_sqlite:
+        pytest.skip("SQLite has one writer at a time: a read it began does not go stale")
+    scenario, target = await persisting(client)
+    await scenario.heartbeat(target + 1)
+    await scenario.kill_process(1)
+    await scenario.plan(2, "collecting")
+    async with database.session() as session:
+        stale = await repo.get_job(session, uuid.UUID(scenario.id))
+        assert stale is not None and stale.persist_iteration == target
+        await scenario.collect(2, target - 3)  # released meanwhile, with the target of generation 2
+        released = await directive(scenario)
+        assert (released["persist"]["iteration"], released["persist"]["generation"]) == (target, 2)
+        summary = {"local": {"0": target + 1}, "committed": target + 2, "per_minute": 120.0}
+        request = HeartbeatRequest(instance_id=scenario.instances[0], summary=summary)
+        await record_heartbeat(session, stale, 0, request, root_app.state.castor.settings)
+
+    after = await directive(scenario)
+    assert after["persist"] == released["persist"], "the release's target stands"
+    assert after["revision"] >= released["revision"], "the revision never goes back"
+
+
+async def test_directive_changes_committed_from_stale_reads_each_raise_the_revision(
+    client: httpx.AsyncClient, root_app: FastAPI
+) -> None:
+    """Two writers that read the job at revision r each publish a change: the revision ends at r + 2 (before,
+    both wrote r + 1, and an agent that had seen the first never heard of the second)."""
+    database = root_app.state.castor.database
+    if database.is_sqlite:
+        pytest.skip("SQLite has one writer at a time: a read it began does not go stale")
+    scenario = Scenario(client, await create_job(client, machines=2, replicas=2, persist_every=K))
+    before = (await directive(scenario))["revision"]
+    async with database.session() as first:
+        read_first = await repo.get_job(first, uuid.UUID(scenario.id))
+        async with database.session() as second:
+            read_second = await repo.get_job(second, uuid.UUID(scenario.id))
+            assert read_first is not None and read_second is not None
+            directive_changed(second, read_second)
+        directive_changed(first, read_first)  # committed after the other, from the revision read before it
+    assert (await directive(scenario))["revision"] == before + 2
