@@ -107,3 +107,15 @@ def check_event(event: dict[str, Any], *, kind: str, tier: str, replaced: bool =
 
 def recovered_events(cluster: LocalCluster, count: int, timeout: float = 120) -> list[dict[str, Any]]:
     return [e for e in cluster.wait_for_recoveries(count, timeout) if e["state"] == "recovered"]
+
+
+def complete_before(checkpoints: list[dict[str, Any]], generation: int) -> set[int]:
+    """The complete persisted checkpoints (the API's list) of the history before recovery `generation`:
+    every shard of an older generation. The new history persists from the plan's release on (its first
+    target, the first multiple of persist_every past the restored iteration, comes with the plan), so one
+    of its checkpoints may be complete by the time a test looks, at an iteration below the old history's."""
+    return {
+        c["iteration"]
+        for c in checkpoints
+        if c["complete"] and all(s["generation"] < generation for s in c["shards"])
+    }

@@ -12,6 +12,7 @@ from tests.e2e.cluster import LocalCluster, read_events, wait_until
 from tests.e2e.recovery_checks import (
     check_consistent_restore,
     check_event,
+    complete_before,
     kill_training_process,
     machine_loss_bound,
     newest_iteration,
@@ -85,7 +86,9 @@ def test_loss_of_a_whole_group_restores_its_ranks_from_the_persistent_tier(
 ) -> None:
     logs = tmp_path / "logs"
     cluster.start_root()
-    start_job(cluster, logs, persist_every=5)
+    # Every complete checkpoint kept: the test compares the restore with the old history's newest, which
+    # retention (3 kept by default) expires once the new history has completed three.
+    start_job(cluster, logs, persist_every=5, keep_persisted=1000)
     # Kill when the newest persisted checkpoint is no longer the newest commit in memory: the lost group's
     # ranks exist only in the persistent tier, at that iteration. The root chooses which multiples of 5
     # every rank persists: wait for a complete one first.
@@ -125,7 +128,8 @@ def test_loss_of_a_whole_group_restores_its_ranks_from_the_persistent_tier(
         check_event(event, kind="hardware", tier="persistent", replaced=True)
     iteration = check_consistent_restore(logs, 4, reached, max_lost=None)
     persisted = cluster.api("GET", f"/api/v1/jobs/{cluster.job['id']}/checkpoints")
-    newest_complete = max(c["iteration"] for c in persisted if c["complete"] and c["iteration"] <= reached)
+    before = complete_before(persisted, events[0]["details"]["plan_generation"])
+    newest_complete = max(i for i in before if i <= reached)
     assert iteration == newest_complete and iteration % 5 == 0
     tiers = events[0]["details"]["tiers"]
     assert {tiers["2"], tiers["3"]} == {"persistent"}, tiers
