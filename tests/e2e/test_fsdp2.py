@@ -207,6 +207,9 @@ def test_fsdp2_decoder_on_4x2_resumes_bit_exact_after_a_process_kill_a_machine_l
         procs_per_machine=PROCS,
         replicas=2,
         persist_every=PERSIST_EVERY,
+        # Every complete checkpoint kept: the group loss's restore is looked up among them after the
+        # recovery, by when the new history (persisting from the plan on) may have completed three more.
+        keep_persisted=1000,
     )
     seen: set[int] = set()
 

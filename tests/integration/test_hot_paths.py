@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -17,6 +19,7 @@ from services.root.db.models import Job
 from services.root.flows import machines as machine_flows
 from tests.integration.api.test_worker import register
 from tests.integration.conftest import admin, bearer, create_job
+from tests.integration.test_etcd_summaries import statements_of_this_task
 
 BIG = machine_flows.COUNTERS_INLINE_MAX_MACHINES + 8
 
@@ -30,6 +33,16 @@ async def heartbeat(
         json={"instance_id": f"i-{rank}", "summary": summary},
         headers=bearer(str(job["worker_token"])),
     )
+
+
+@contextmanager
+def this_tasks_statements(root_app: FastAPI) -> Iterator[list[str]]:
+    """The SQL statements this task runs inside the block (lowercase, whitespace folded): the in-process
+    transport runs a request in this task; the in-process leader's transactions meanwhile are left out."""
+    statements: list[str] = []
+    with statements_of_this_task(root_app) as seen:
+        yield statements
+    statements.extend(statement for statement, _ in seen)
 
 
 async def registered_job(client: httpx.AsyncClient, machines: int) -> dict[str, Any]:
@@ -60,19 +73,8 @@ async def test_a_heartbeat_reads_neither_every_machine_nor_the_plan(
 ) -> None:
     job = await registered_job(client, BIG)
     assert (await heartbeat(client, job, 5, 1)).status_code == 200
-    statements: list[str] = []
-    mine = asyncio.current_task()  # the in-process transport runs the request in this task
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        if asyncio.current_task() is mine:  # not the leader's own transactions meanwhile
-            statements.append(" ".join(statement.split()).lower())
-
-    engine = root_app.state.castor.database.engine.sync_engine
-    event.listen(engine, "before_cursor_execute", record)
-    try:
+    with this_tasks_statements(root_app) as statements:
         response = await heartbeat(client, job, 5, 2)
-    finally:
-        event.remove(engine, "before_cursor_execute", record)
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["state"] == "healthy" and body["plan_generation"] == 1
@@ -83,6 +85,26 @@ async def test_a_heartbeat_reads_neither_every_machine_nor_the_plan(
     assert machine_reads and all(" in (" in s or "rank in" in s for s in machine_reads), machine_reads
     updates = [s for s in statements if s.startswith("update")]
     assert len(updates) == 1 and updates[0].startswith("update machines"), updates
+
+
+@pytest.mark.parametrize("persist_every", [0, 10])
+async def test_a_small_jobs_heartbeat_reads_the_job_row_once(
+    client: httpx.AsyncClient, root_app: FastAPI, persist_every: int
+) -> None:
+    """A running job's heartbeat reads the job again only while a recovery's release may have raced it
+    (flows.machines._released_generation): not for a job without a persistent tier, whose persist target
+    never has a generation, nor once the target is of the newest generation."""
+    machines = 2
+    job = await create_job(client, machines=machines, replicas=2, persist_every=persist_every)
+    for rank in range(machines):
+        assert (await register(client, job, f"i-{rank}")).status_code == 200
+    assert (await heartbeat(client, job, 1, 1)).status_code == 200  # the first announces the target
+    with this_tasks_statements(root_app) as statements:
+        response = await heartbeat(client, job, 1, 2)
+    assert response.status_code == 200, response.text
+    assert (response.json()["persist"] or {}).get("generation") == (1 if persist_every else None)
+    job_reads = [s for s in statements if s.startswith("select") and " from jobs" in s]
+    assert len(job_reads) == 1, job_reads
 
 
 async def test_a_large_jobs_counters_follow_its_heartbeats(client: httpx.AsyncClient) -> None:
@@ -184,23 +206,12 @@ async def test_the_leaders_step_on_a_running_job_without_failures_reads_no_plan_
 
     job = await registered_job(client, BIG)
     castor = root_app.state.castor
-    statements: list[str] = []
-    mine = asyncio.current_task()
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        if asyncio.current_task() is mine:  # not the in-process leader's own transactions meanwhile
-            statements.append(" ".join(statement.split()).lower())
-
-    engine = castor.database.engine.sync_engine
     async with castor.database.session() as session:
         job_row = await repo.get_job(session, uuid.UUID(job["id"]))
         assert job_row is not None and job_row.state == "running"
-        event.listen(engine, "before_cursor_execute", record)
-        try:
+        with this_tasks_statements(root_app) as statements:
             # The leader does this every tick for every active job.
             actions = await recovery.advance(session, job_row, castor.settings)
-        finally:
-            event.remove(engine, "before_cursor_execute", record)
     assert actions == []
     assert statements and not [s for s in statements if "from recovery_plans" in s or "from machines" in s], (
         statements
@@ -244,22 +255,11 @@ async def recovery_step_selects(root_app: FastAPI, job_id: str, **advance: Any) 
     from services.root.flows import recovery
 
     castor = root_app.state.castor
-    statements: list[str] = []
-    mine = asyncio.current_task()
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        if asyncio.current_task() is mine:
-            statements.append(" ".join(statement.split()).lower())
-
-    engine = castor.database.engine.sync_engine
     async with castor.database.session() as session:
         job_row = await repo.get_job(session, uuid.UUID(job_id), for_update=True)
         assert job_row is not None and job_row.state == "recovering"
-        event.listen(engine, "before_cursor_execute", record)
-        try:
+        with this_tasks_statements(root_app) as statements:
             await recovery.advance(session, job_row, castor.settings, **advance)
-        finally:
-            event.remove(engine, "before_cursor_execute", record)
     return [s for s in statements if s.startswith("select")]
 
 

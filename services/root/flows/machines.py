@@ -612,7 +612,10 @@ async def _released_generation(session: AsyncSession, job: Job, newest: repo.New
     plan. Only during a recovery or until the new generation has a target: not on every heartbeat."""
     if newest is None or not newest.released:
         return None
-    if job.state != JobState.RUNNING or job.persist_generation != newest.generation:
+    if job.persist_every > 0 and (
+        job.state == JobState.RECOVERING
+        or (job.state == JobState.RUNNING and job.persist_generation != newest.generation)
+    ):
         await session.refresh(job)
     return newest.generation
 
