@@ -146,12 +146,15 @@ def next_target(
     resumed_from: Mapping[int, int | None] | None = None,
     uploaded: int = 0,
     world_size: int | None = None,
+    uploading: int = 0,
 ) -> PersistTarget | None:
     """The target to announce now: `current` while it is in progress, else a new one (None: the job has no
     persistent tier, or the next would be past what a report can name). `complete`: every rank persisted
     `current`. `resumed_from` and `uploaded`: see given_up (needed only once a recovery opened a generation
     newer than `current`'s); `uploaded` of `world_size` ranks is complete too: its last shard may have
-    arrived while the recovery collected inventories, when its completion announced nothing."""
+    arrived while the recovery collected inventories, when its completion announced nothing. `uploading`:
+    ranks whose upload of it is still in flight (a plan's inventories): they keep it like uploaded ones (the
+    plan is released before slow uploads land), but complete nothing."""
     if every <= 0:
         return None
     if world_size is not None and uploaded >= world_size > 0:
@@ -160,7 +163,7 @@ def next_target(
     if (
         current is not None
         and not complete
-        and not given_up(current, generation, summaries, resumed_from, uploaded)
+        and not given_up(current, generation, summaries, resumed_from, uploaded + uploading)
     ):
         return current
     floors = [newest_reported(summaries)]

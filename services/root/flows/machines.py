@@ -6,7 +6,7 @@ import asyncio
 import logging
 import random
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict
 from datetime import datetime, timedelta
 from typing import Any
@@ -781,12 +781,14 @@ async def schedule_persist(
     latency_s: float,
     *,
     complete: bool = False,
+    uploading: Collection[tuple[int, int, int]] = (),
 ) -> None:
     """Announce the next iteration every rank persists when the current one is complete (`complete`) or
     given up, or none was announced yet. `generation`: the newest plan's once it is released, None while a
     recovery collects inventories: its generation decides, with its plan, whether the current target is
     kept (domain.persist_schedule). The plan's release announces at once (flows.recovery), so the new
-    generation's target reaches the agents with the plan, before any rank restarts."""
+    generation's target reaches the agents with the plan, before any rank restarts; `uploading`: the
+    (rank, iteration, generation) of the uploads its inventories name in flight."""
     if job.persist_every <= 0 or job.state not in _SCHEDULING or generation is None:
         return
     current = (
@@ -810,6 +812,11 @@ async def schedule_persist(
         resumed_from=resumed_from,
         uploaded=uploaded,
         world_size=job.num_machines * job.procs_per_machine,
+        uploading=(
+            0
+            if current is None
+            else len({rank for rank, i, g in uploading if (i, g) == (current.iteration, current.generation)})
+        ),
     )
     if target is None and complete and current is not None:
         # No successor a report could name (a summary claims an iteration near 2**31): announce none, so the

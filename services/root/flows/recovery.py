@@ -549,7 +549,8 @@ async def _decide(
     # from the restore point, not the machines' reports: those are of the history left behind (past the
     # restore point after a rollback), and the ranks commit nothing of the new one until they resume.
     await session.flush()  # the plan released: the schedule reads its restore point
-    await schedule_persist(session, job, [], plan.generation, latency_s=0.0)
+    in_flight = [(u.rank, u.iteration, u.generation) for u in uploading]
+    await schedule_persist(session, job, [], plan.generation, latency_s=0.0, uploading=in_flight)
 
 
 def _note_upload_wait(job: Job, plan: RecoveryPlan, decision: RecoveryDecision, settings: Settings) -> None:

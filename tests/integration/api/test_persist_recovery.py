@@ -336,6 +336,26 @@ async def test_a_recoverys_first_target_comes_with_its_plan_past_the_restore_poi
     assert (await scenario.api(""))["state"] == "recovering"
 
 
+async def test_a_recovery_keeps_a_target_whose_uploads_are_still_in_flight(client: httpx.AsyncClient) -> None:
+    """Slow uploads (large shards, S3): nothing of the target is recorded yet when the plan is released, but
+    every machine's inventory names its upload in flight. Before, the release gave the target up, and the
+    shards then landed outside any checkpoint that could complete."""
+    scenario, target = await persisting(client)
+    await scenario.heartbeat(target + 2)
+    await scenario.kill_process(1)
+    plan = await scenario.collect(2, target + 2, uploading=(target, 1))
+    assert plan["iteration"] == target + 2, plan["reason"]
+    kept = await persist_schedule(scenario)
+    assert (kept["iteration"], kept["generation"]) == (target, 1), kept
+
+    for rank in (0, 1):
+        await report_persisted(scenario, rank, target, 1)
+    checkpoints = await scenario.api("/checkpoints")
+    assert [(c["iteration"], c["complete"]) for c in checkpoints] == [(target, True)]
+    following = await persist_schedule(scenario)
+    assert following["generation"] == 2 and following["iteration"] > target + 2, following
+
+
 async def test_a_heartbeat_that_read_the_job_before_the_plans_release_keeps_its_target_and_revision(
     client: httpx.AsyncClient, root_app: FastAPI
 ) -> None:

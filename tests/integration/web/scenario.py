@@ -130,10 +130,16 @@ class Scenario:
         await eventually(recovered, "the job to run again")
 
     async def collect(
-        self, generation: int, iteration: int, *, corrupt_rank: int | None = None
+        self,
+        generation: int,
+        iteration: int,
+        *,
+        corrupt_rank: int | None = None,
+        uploading: tuple[int, int] | None = None,
     ) -> dict[str, Any]:
         """Report every machine's inventory for recovery `generation` (each holds `iteration` of its own rank
-        and its peer's replica; `corrupt_rank`'s own copy fails its checksum); returns the ready plan."""
+        and its peer's replica; `corrupt_rank`'s own copy fails its checksum; `uploading`: the (iteration,
+        generation) every machine's rank still uploads); returns the ready plan."""
         await self.plan(generation, "collecting")
         machines = len(self.instances)
         for rank, instance in enumerate(self.instances):
@@ -158,6 +164,8 @@ class Scenario:
                 },
             ]
             body = {"instance_id": instance, "generation": generation, "holdings": holdings}
+            if uploading is not None:
+                body["uploading"] = [{"rank": rank, "iteration": uploading[0], "generation": uploading[1]}]
             await self.post(f"/machines/{rank}/inventory", body, 204)
         return await self.plan(generation, "ready")
 

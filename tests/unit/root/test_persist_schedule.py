@@ -206,21 +206,31 @@ def test_restored_past_the_target_with_nothing_uploaded_moves_on_past_the_restor
     assert after == PersistTarget(50, 2)
 
 
+def after_a_recovery_past_40(uploaded: int = 0, uploading: int = 0) -> PersistTarget | None:
+    """The target after generation 2 restored 43, with 40 (generation 1) announced, 4 ranks."""
+    return next_target(
+        PersistTarget(40, 1),
+        every=10,
+        generation=2,
+        summaries=[],
+        latency_s=0,
+        resumed_from={1: None, 2: 43},
+        uploaded=uploaded,
+        world_size=4,
+        uploading=uploading,
+    )
+
+
 def test_a_target_every_rank_uploaded_before_the_recovery_released_its_plan_is_complete() -> None:
     """Its last shard arrived while the recovery collected inventories, when no schedule runs: at the plan's
     release every rank's shard is there, so the next target is chosen (kept, it would stand for good)."""
+    assert after_a_recovery_past_40(uploaded=4) == PersistTarget(50, 2)
+    assert after_a_recovery_past_40(uploaded=3) == PersistTarget(40, 1), "unfinished: kept"
 
-    def after(uploaded: int) -> PersistTarget | None:
-        return next_target(
-            PersistTarget(40, 1),
-            every=10,
-            generation=2,
-            summaries=[],
-            latency_s=0,
-            resumed_from={1: None, 2: 43},
-            uploaded=uploaded,
-            world_size=4,
-        )
 
-    assert after(4) == PersistTarget(50, 2)
-    assert after(3) == PersistTarget(40, 1), "unfinished: kept"
+def test_uploads_in_flight_keep_a_target_but_complete_nothing() -> None:
+    """Restored past the target with no shard of it recorded yet: ranks still uploading it keep it (their
+    shards would otherwise land outside any checkpoint that can complete); they are not uploaded ones."""
+    assert after_a_recovery_past_40() == PersistTarget(50, 2)
+    assert after_a_recovery_past_40(uploading=4) == PersistTarget(40, 1), "kept, not complete"
+    assert after_a_recovery_past_40(uploaded=3, uploading=1) == PersistTarget(40, 1)
