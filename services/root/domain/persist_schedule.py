@@ -147,6 +147,7 @@ def next_target(
     uploaded: int = 0,
     world_size: int | None = None,
     uploading: int = 0,
+    kept: bool = False,
 ) -> PersistTarget | None:
     """The target to announce now: `current` while it is in progress, else a new one (None: the job has no
     persistent tier, or the next would be past what a report can name). `complete`: every rank persisted
@@ -154,18 +155,21 @@ def next_target(
     newer than `current`'s); `uploaded` of `world_size` ranks is complete too: its last shard may have
     arrived while the recovery collected inventories, when its completion announced nothing. `uploading`:
     ranks whose upload of it is still in flight (a plan's inventories): they keep it like uploaded ones (the
-    plan is released before slow uploads land), but complete nothing."""
+    plan is released before slow uploads land), but complete nothing. `kept`: the release of
+    `generation`'s plan kept `current` (those uploads counted then); from then on only its completion or a
+    miss moves it on, not the same rule without them."""
     if every <= 0:
         return None
     if world_size is not None and uploaded >= world_size > 0:
         complete = True
     summaries = list(summaries)
-    if (
-        current is not None
-        and not complete
-        and not given_up(current, generation, summaries, resumed_from, uploaded + uploading)
-    ):
-        return current
+    if current is not None and not complete:
+        if kept:
+            still = not missed(summaries, current)
+        else:
+            still = not given_up(current, generation, summaries, resumed_from, uploaded + uploading)
+        if still:
+            return current
     floors = [newest_reported(summaries)]
     if current is not None and on_timeline_of(current, generation, resumed_from):
         # Completed (or missed) in this history: its iteration was committed, whatever stale reports say.

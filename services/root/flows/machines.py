@@ -781,14 +781,17 @@ async def schedule_persist(
     latency_s: float,
     *,
     complete: bool = False,
+    releasing: bool = False,
     uploading: Collection[tuple[int, int, int]] = (),
 ) -> None:
     """Announce the next iteration every rank persists when the current one is complete (`complete`) or
     given up, or none was announced yet. `generation`: the newest plan's once it is released, None while a
     recovery collects inventories: its generation decides, with its plan, whether the current target is
     kept (domain.persist_schedule). The plan's release announces at once (flows.recovery), so the new
-    generation's target reaches the agents with the plan, before any rank restarts; `uploading`: the
-    (rank, iteration, generation) of the uploads its inventories name in flight."""
+    generation's target reaches the agents with the plan, before any rank restarts (`releasing`, with
+    `uploading`: the (rank, iteration, generation) of the uploads its inventories name in flight). That
+    release decides whether a target of an older generation is kept; later calls only move it on once it
+    is complete or missed."""
     if job.persist_every <= 0 or job.state not in _SCHEDULING or generation is None:
         return
     current = (
@@ -817,6 +820,7 @@ async def schedule_persist(
             if current is None
             else len({rank for rank, i, g in uploading if (i, g) == (current.iteration, current.generation)})
         ),
+        kept=current is not None and current.generation != generation and not releasing,
     )
     if target is None and complete and current is not None:
         # No successor a report could name (a summary claims an iteration near 2**31): announce none, so the

@@ -550,7 +550,9 @@ async def _decide(
     # restore point after a rollback), and the ranks commit nothing of the new one until they resume.
     await session.flush()  # the plan released: the schedule reads its restore point
     in_flight = [(u.rank, u.iteration, u.generation) for u in uploading]
-    await schedule_persist(session, job, [], plan.generation, latency_s=0.0, uploading=in_flight)
+    await schedule_persist(
+        session, job, [], plan.generation, latency_s=0.0, releasing=True, uploading=in_flight
+    )
 
 
 def _note_upload_wait(job: Job, plan: RecoveryPlan, decision: RecoveryDecision, settings: Settings) -> None:

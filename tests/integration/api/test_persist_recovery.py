@@ -347,6 +347,9 @@ async def test_a_recovery_keeps_a_target_whose_uploads_are_still_in_flight(clien
     assert plan["iteration"] == target + 2, plan["reason"]
     kept = await persist_schedule(scenario)
     assert (kept["iteration"], kept["generation"]) == (target, 1), kept
+    await scenario.heartbeat(target + 2)  # the release decided: heartbeats (no uploads in them) keep it
+    kept = await persist_schedule(scenario)
+    assert (kept["iteration"], kept["generation"]) == (target, 1), kept
 
     for rank in (0, 1):
         await report_persisted(scenario, rank, target, 1)

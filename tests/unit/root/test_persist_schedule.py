@@ -206,18 +206,21 @@ def test_restored_past_the_target_with_nothing_uploaded_moves_on_past_the_restor
     assert after == PersistTarget(50, 2)
 
 
-def after_a_recovery_past_40(uploaded: int = 0, uploading: int = 0) -> PersistTarget | None:
+def after_a_recovery_past_40(
+    uploaded: int = 0, uploading: int = 0, kept: bool = False, summaries: list[dict] | None = None
+) -> PersistTarget | None:
     """The target after generation 2 restored 43, with 40 (generation 1) announced, 4 ranks."""
     return next_target(
         PersistTarget(40, 1),
         every=10,
         generation=2,
-        summaries=[],
+        summaries=summaries or [],
         latency_s=0,
         resumed_from={1: None, 2: 43},
         uploaded=uploaded,
         world_size=4,
         uploading=uploading,
+        kept=kept,
     )
 
 
@@ -234,3 +237,12 @@ def test_uploads_in_flight_keep_a_target_but_complete_nothing() -> None:
     assert after_a_recovery_past_40() == PersistTarget(50, 2)
     assert after_a_recovery_past_40(uploading=4) == PersistTarget(40, 1), "kept, not complete"
     assert after_a_recovery_past_40(uploaded=3, uploading=1) == PersistTarget(40, 1)
+
+
+def test_a_target_the_release_kept_moves_on_only_once_complete_or_missed() -> None:
+    """The release counted uploads in flight, which no later call sees: the keep stands until then."""
+    assert after_a_recovery_past_40(kept=True) == PersistTarget(40, 1)
+    assert after_a_recovery_past_40(kept=True, summaries=[summary(44, missed=(40, 1))]) == PersistTarget(
+        50, 2
+    )
+    assert after_a_recovery_past_40(kept=True, uploaded=4) == PersistTarget(50, 2)
