@@ -716,6 +716,15 @@ class Uploads:
                 else:
                     self._handled.pop(rank, None)  # this history's commit of it is still to come
             return None
+        except Exception as exc:
+            # Anything else (the staging buffer not allocated, the slot unreadable): this rank's shard of the
+            # target will not be uploaded. Left unsaid, the root would wait for it until the next recovery,
+            # persisting nothing meanwhile; reported missed, it announces another iteration (a new try).
+            self.failed += 1
+            log.error("rank %d iteration %d is not uploaded: staging it failed: %r", rank, iteration, exc)
+            if target is not None and self.target == target:
+                self.missed = target
+            return None
 
     async def _send(
         self, rank: int, iteration: int, target: tuple[int, int] | None, manifest: Manifest, data: memoryview

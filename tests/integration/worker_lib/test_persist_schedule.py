@@ -374,3 +374,38 @@ async def test_a_target_announced_before_the_ranks_restart_waits_for_their_commi
         holdings.close()
     assert [(r["iteration"], r["generation"]) for r in store.reports] == [(K, 2)]
     assert uploads.missed_report() is None
+
+
+async def test_a_shard_that_cannot_be_staged_is_reported_missed_and_the_next_target_uploads(
+    shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, a staging failure other than a corrupt or overwritten copy (here the slot unreadable: EIO)
+    ended the upload task with an exception nobody read: the rank counted as handled, nothing was retried
+    or reported, and the root waited for its shard, persisting nothing, until the next recovery."""
+    holdings = Holdings(shm / "m0")
+    store = RecordingStore()
+    uploads = unscheduled_uploads(holdings, store)
+    with Checkpointer(holdings.directory("local", 0), blocking=True) as checkpointer:
+        assert checkpointer.save(K, {"w": torch.full((256,), float(K))})
+    read_slot = holdings.open_read
+
+    def unreadable_once(rank: int, iteration: int, tier: str) -> Any:
+        monkeypatch.setattr(holdings, "open_read", read_slot)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(holdings, "open_read", unreadable_once)
+    try:
+        uploads.announce(SimpleNamespace(iteration=K, generation=1))
+        await asyncio.wait_for(asyncio.gather(*uploads._running.values()), 30)
+        assert uploads.missed_report() == {"iteration": K, "generation": 1}
+        assert uploads.failed == 1 and uploads.in_flight() == [] and store.puts == []
+
+        with Checkpointer(holdings.directory("local", 0), blocking=True) as checkpointer:
+            assert checkpointer.save(2 * K, {"w": torch.full((256,), float(2 * K))})
+        uploads.announce(SimpleNamespace(iteration=2 * K, generation=1))  # the root's answer to the miss
+        await asyncio.wait_for(asyncio.gather(*uploads._running.values()), 30)
+    finally:
+        await uploads.close()
+        holdings.close()
+    assert [r["iteration"] for r in store.reports] == [2 * K]
+    assert uploads.missed_report() is None
