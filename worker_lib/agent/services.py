@@ -593,6 +593,9 @@ class Uploads:
         self.skipped = 0
         self.failed = 0
         self._running: dict[int, asyncio.Task[None]] = {}
+        # rank -> a staging buffer no upload uses now, kept for the next one. Only the event loop touches
+        # it: an upload takes its rank's buffer before its thread starts and returns it only once its put
+        # ended, since a cancelled upload's thread (or put) may still be using it.
         self._staging: dict[int, bytearray] = {}
         self._store: ObjectStore | None = None
         # The root's schedule: None until one is seen (an older root: every K on each rank's own commits).
@@ -664,7 +667,6 @@ class Uploads:
         running = self._running.get(rank)
         if running is not None and not running.done():
             running.cancel()  # an upload of a target given up since: the new one is what the root waits for
-            self._staging.pop(rank, None)  # its copy may still be in flight on a thread: stage into another
         self._handled[rank] = target
         self._running[rank] = asyncio.get_running_loop().create_task(
             self._upload(rank, target[0], generation=target[1], passed=passed)
@@ -683,20 +685,28 @@ class Uploads:
             staged = await self._staged(rank, iteration, generation, passed)
             if staged is None:
                 return
-            manifest, data = staged
+            manifest, data, staging = staged
             named = self._in_flight[rank] = (iteration, manifest_generation(manifest))
             await self._send(rank, iteration, target, manifest, data)
+            self._staging.setdefault(rank, staging)  # the put ended: the next upload may reuse it
         finally:
             if named is not None and self._in_flight.get(rank) == named:
                 del self._in_flight[rank]
 
     async def _staged(
         self, rank: int, iteration: int, generation: int | None, passed: bool
-    ) -> tuple[Manifest, memoryview] | None:
-        """The rank's commit of `iteration` copied out of its slot and checked; None: nothing to upload."""
+    ) -> tuple[Manifest, memoryview, bytearray] | None:
+        """The rank's commit of `iteration` copied out of its slot and checked, with the buffer it is in;
+        None: nothing to upload."""
         target = None if generation is None else (iteration, generation)
+        staging = self._staging.pop(rank, None)  # this upload's alone until it returns it
         try:
-            return await asyncio.to_thread(self._stage, rank, iteration, generation)
+            try:
+                return await asyncio.to_thread(self._stage, rank, iteration, generation, staging)
+            except Exception:
+                if staging is not None:  # its thread ended (not so on cancellation): the buffer is free
+                    self._staging.setdefault(rank, staging)
+                raise
         except CheckpointCorruptError as exc:
             self.failed += 1
             log.error(
@@ -788,23 +798,25 @@ class Uploads:
             },
         )
 
-    def _stage(self, rank: int, iteration: int, generation: int | None) -> tuple[Manifest, memoryview]:
+    def _stage(
+        self, rank: int, iteration: int, generation: int | None, staging: bytearray | None
+    ) -> tuple[Manifest, memoryview, bytearray]:
+        """On a thread: copy the commit into `staging` (or a new buffer where it is missing or too small)."""
         with self.services.holdings.open_read(rank, iteration, tier="local") as (manifest, data):
             if generation is not None and manifest_generation(manifest) != generation:
                 raise CheckpointNotFoundError(
                     f"rank {rank} iteration {iteration} is of generation {manifest_generation(manifest)}, "
                     f"not {generation}"
                 )
-            staging = self._staging.get(rank)
             if staging is None or len(staging) < manifest.data_bytes:
-                staging = self._staging[rank] = bytearray(manifest.data_bytes)
+                staging = bytearray(manifest.data_bytes)
             view = memoryview(staging)[: manifest.data_bytes]
             view[:] = data  # one memcpy, then the slot is the training process's again
         # What is uploaded is checked against the manifest's checksums (about 17 ms a GiB from cache): the
         # root counts an uploaded shard toward a complete checkpoint, and retention may then delete older
         # good ones, so a copy corrupt in memory must not get there.
         verify(manifest, view, self.services.holdings.copy_engine())
-        return manifest, view
+        return manifest, view, staging
 
     async def close(self) -> None:
         for task in self._running.values():

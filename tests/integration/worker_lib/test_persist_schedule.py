@@ -14,7 +14,9 @@ announced, and no shard is uploaded that is not part of a complete checkpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -409,3 +411,64 @@ async def test_a_shard_that_cannot_be_staged_is_reported_missed_and_the_next_tar
         holdings.close()
     assert [r["iteration"] for r in store.reports] == [2 * K]
     assert uploads.missed_report() is None
+
+
+async def test_an_upload_given_up_while_its_thread_stages_cannot_overwrite_the_next_ones_shard(
+    shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelling an upload does not stop its staging thread. Before, that thread took the rank's staging
+    buffer when it got to it: the next target's, already staged and being uploaded. Iteration K's bytes then
+    went out under 2K's manifest and digest, and the root counted them toward a complete checkpoint (only a
+    restore from the persistent tier would have found them)."""
+
+    class HeldStore(RecordingStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.release = asyncio.Event()
+            self.held = asyncio.Event()
+            self.sent: list[bytes] = []
+
+        async def put(self, key: str, manifest: Manifest, data: memoryview) -> PersistedShard:
+            self.held.set()
+            await self.release.wait()  # a multipart upload reads the buffer for a while
+            self.sent.append(bytes(data))
+            return await super().put(key, manifest, data)
+
+    holdings = Holdings(shm / "m0")
+    store = HeldStore()
+    uploads = unscheduled_uploads(holdings, store)
+    with Checkpointer(holdings.directory("local", 0), blocking=True) as checkpointer:
+        for iteration in (K, 2 * K):
+            assert checkpointer.save(iteration, {"w": torch.full((256,), float(iteration))})
+    with holdings.open_read(0, 2 * K, tier="local") as (_, data):
+        shard_of_2k = bytes(data)
+    read_slot = holdings.open_read
+    opening_k, may_read_k, k_copied = threading.Event(), threading.Event(), threading.Event()
+
+    @contextlib.contextmanager
+    def slow_to_open_k(rank: int, iteration: int, tier: str) -> Iterator[tuple[Manifest, memoryview]]:
+        if iteration == K:
+            opening_k.set()
+            may_read_k.wait(30)
+        try:
+            with read_slot(rank, iteration, tier=tier) as opened:
+                yield opened
+        finally:
+            if iteration == K:
+                k_copied.set()
+
+    monkeypatch.setattr(holdings, "open_read", slow_to_open_k)
+    try:
+        uploads.announce(SimpleNamespace(iteration=K, generation=1))
+        assert await asyncio.to_thread(opening_k.wait, 30)
+        uploads.announce(SimpleNamespace(iteration=2 * K, generation=1))  # K given up: its thread still runs
+        await asyncio.wait_for(store.held.wait(), 30)  # 2K staged and being uploaded
+        may_read_k.set()
+        assert await asyncio.to_thread(k_copied.wait, 30)
+        store.release.set()
+        await asyncio.wait_for(asyncio.gather(*uploads._running.values()), 30)
+    finally:
+        await uploads.close()
+        holdings.close()
+    assert [r["iteration"] for r in store.reports] == [2 * K]
+    assert store.sent == [shard_of_2k]
