@@ -206,6 +206,13 @@ class RecordingStore:
         self.reports.append(body)
 
 
+def commit(holdings: Holdings, *iterations: int) -> None:
+    """Rank 0 of `holdings` commits `iterations` (each a tensor of its own number)."""
+    with Checkpointer(holdings.directory("local", 0), blocking=True) as checkpointer:
+        for iteration in iterations:
+            assert checkpointer.save(iteration, {"w": torch.full((256,), float(iteration))})
+
+
 def unscheduled_uploads(holdings: Holdings, store: RecordingStore) -> Uploads:
     """Machine 0's uploads (one rank, every K iterations on its own commits) to `store`."""
     registration = SimpleNamespace(
@@ -252,9 +259,7 @@ async def test_an_upload_is_reported_in_flight_from_its_staging_until_the_root_h
             assert loop.time() < deadline, "the upload was not staged in 30 s"
             await asyncio.sleep(0.001)
 
-    with Checkpointer(holdings.directory("local", 0), blocking=True) as checkpointer:
-        for iteration in (K, 2 * K):
-            assert checkpointer.save(iteration, {"w": torch.full((256,), float(iteration))})
+    commit(holdings, K, 2 * K)
     try:
         assert uploads.in_flight() == []
         uploads.notice_commit(0, K)
@@ -333,9 +338,7 @@ async def test_a_copy_corrupt_in_memory_is_not_uploaded(shm: Path) -> None:
     holdings = Holdings(shm / "m0")
     store = RecordingStore()
     uploads = unscheduled_uploads(holdings, store)
-    with Checkpointer(holdings.directory("local", 0), blocking=True) as checkpointer:
-        for iteration in (K, 2 * K):
-            assert checkpointer.save(iteration, {"w": torch.full((256,), float(iteration))})
+    commit(holdings, K, 2 * K)
     flip_a_bit(holdings.directory("local", 0), K)
     try:
         for iteration in (K, 2 * K):
@@ -437,9 +440,7 @@ async def test_an_upload_given_up_while_its_thread_stages_cannot_overwrite_the_n
     holdings = Holdings(shm / "m0")
     store = HeldStore()
     uploads = unscheduled_uploads(holdings, store)
-    with Checkpointer(holdings.directory("local", 0), blocking=True) as checkpointer:
-        for iteration in (K, 2 * K):
-            assert checkpointer.save(iteration, {"w": torch.full((256,), float(iteration))})
+    commit(holdings, K, 2 * K)
     with holdings.open_read(0, 2 * K, tier="local") as (_, data):
         shard_of_2k = bytes(data)
     read_slot = holdings.open_read
