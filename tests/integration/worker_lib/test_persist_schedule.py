@@ -444,7 +444,8 @@ async def test_an_upload_given_up_while_its_thread_stages_cannot_overwrite_the_n
     with holdings.open_read(0, 2 * K, tier="local") as (_, data):
         shard_of_2k = bytes(data)
     read_slot = holdings.open_read
-    opening_k, may_read_k, k_copied = threading.Event(), threading.Event(), threading.Event()
+    opening_k, may_read_k, k_done = threading.Event(), threading.Event(), threading.Event()
+    k_copied: list[bool] = []  # K's thread copied its slot out (the race below really ran)
 
     @contextlib.contextmanager
     def slow_to_open_k(rank: int, iteration: int, tier: str) -> Iterator[tuple[Manifest, memoryview]]:
@@ -454,9 +455,11 @@ async def test_an_upload_given_up_while_its_thread_stages_cannot_overwrite_the_n
         try:
             with read_slot(rank, iteration, tier=tier) as opened:
                 yield opened
+            if iteration == K:
+                k_copied.append(True)
         finally:
             if iteration == K:
-                k_copied.set()
+                k_done.set()
 
     monkeypatch.setattr(holdings, "open_read", slow_to_open_k)
     try:
@@ -465,7 +468,7 @@ async def test_an_upload_given_up_while_its_thread_stages_cannot_overwrite_the_n
         uploads.announce(SimpleNamespace(iteration=2 * K, generation=1))  # K given up: its thread still runs
         await asyncio.wait_for(store.held.wait(), 30)  # 2K staged and being uploaded
         may_read_k.set()
-        assert await asyncio.to_thread(k_copied.wait, 30)
+        assert await asyncio.to_thread(k_done.wait, 30) and k_copied
         store.release.set()
         await asyncio.wait_for(asyncio.gather(*uploads._running.values()), 30)
     finally:
