@@ -122,6 +122,16 @@ def _fsync_directory(path: Path) -> None:
         os.close(descriptor)
 
 
+def _served_manifest(raw: bytes, where: str) -> Manifest:
+    """A shard's manifest as the tier served it. One that does not decode is corruption like a failed stripe
+    (CheckpointCorruptError): the agent reports the shard unusable and the root's next plan rolls back past
+    it. A plain ValueError reported nothing, so every plan named the same object until the job failed."""
+    try:
+        return Manifest.from_json(raw)
+    except ValueError as exc:
+        raise CheckpointCorruptError(f"{where}/manifest.json is unreadable: {exc}") from exc
+
+
 class LocalDirStore:
     """A directory as the persistent tier (embedded one-machine mode)."""
 
@@ -163,9 +173,10 @@ class LocalDirStore:
     def _get(self, key: str, destination: SlotStore, iteration: int | None, digest: str | None) -> Manifest:
         directory = self._path(key)
         try:
-            manifest = Manifest.from_json((directory / "manifest.json").read_bytes())
+            raw = (directory / "manifest.json").read_bytes()
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"no persisted checkpoint at {directory}") from None
+        manifest = _served_manifest(raw, str(directory))
         check_expected(manifest, str(directory), iteration, digest)
         writer = destination.open_write(manifest.iteration, manifest.data_bytes, on_busy="wait")
         assert writer is not None
@@ -269,7 +280,7 @@ class S3Store:
                     f"no persisted checkpoint at s3://{self.bucket}/{key}"
                 ) from None
             async with response["Body"] as body:
-                manifest = Manifest.from_json(await body.read())
+                manifest = _served_manifest(await body.read(), f"s3://{self.bucket}/{key}")
             check_expected(manifest, f"s3://{self.bucket}/{key}", iteration, digest)
             writer = destination.open_write(manifest.iteration, manifest.data_bytes, on_busy="wait")
             assert writer is not None

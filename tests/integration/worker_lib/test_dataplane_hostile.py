@@ -490,9 +490,14 @@ def test_the_agent_restores_only_the_planned_digest_locally_and_from_peers(
     assert newest is not None and newest.digest == manifest.digest
 
 
-def test_a_persisted_shard_that_fails_its_checksums_is_reported_unusable(agent: Agent, shm: Path) -> None:
+@pytest.mark.parametrize("damaged", ["data", "manifest"])
+def test_a_persisted_shard_that_fails_its_checksums_is_reported_unusable(
+    agent: Agent, shm: Path, damaged: str
+) -> None:
     """The restore from the persistent tier finds the object corrupt: the failure names the shard (rank,
-    iteration, digest), which the root condemns so that its next plan does not name it again."""
+    iteration, digest), which the root condemns so that its next plan does not name it again. A manifest
+    that does not decode is corrupt too (before, a plain ValueError: nothing reported, nothing condemned,
+    and every plan named the same object until the job failed)."""
     tier = shm / "tier"
     source = shm / "source"
     save_checkpoints(source, [4], numel=1 << 12)
@@ -505,16 +510,20 @@ def test_a_persisted_shard_that_fails_its_checksums_is_reported_unusable(agent: 
         rank=0, procs_per_machine=1, persistent=persistent
     )
     planned = {"tier": "persistent", "location": key, "digest": digest}
-    with open(tier / key / "data.bin", "r+b") as corrupted:  # a bit flipped at rest
-        corrupted.seek(100)
-        byte = corrupted.read(1)
-        corrupted.seek(100)
-        corrupted.write(bytes([byte[0] ^ 1]))
+    if damaged == "data":
+        with open(tier / key / "data.bin", "r+b") as corrupted:  # a bit flipped at rest
+            corrupted.seek(100)
+            byte = corrupted.read(1)
+            corrupted.seek(100)
+            corrupted.write(bytes([byte[0] ^ 1]))
+    else:
+        manifest_path = tier / key / "manifest.json"
+        manifest_path.write_bytes(manifest_path.read_bytes()[:-20])  # cut short at rest
     with pytest.raises(RestoreFailure) as failed:
         restore_with(agent, planned, 4)
     (unusable,) = failed.value.unusable_persisted
     assert (unusable["rank"], unusable["iteration"], unusable["digest"]) == (0, 4, digest)
-    assert "checksum" in unusable["problem"]
+    assert ("checksum" if damaged == "data" else "manifest.json is unreadable") in unusable["problem"]
     # Missing here is not proof: a directory not mounted on this machine, another endpoint. The restore
     # fails without condemning the shard, which the others may still read.
     shutil.rmtree(tier / key)

@@ -80,6 +80,35 @@ async def test_corrupted_object_is_detected_and_not_committed(
     assert destination.committed() == [], "a checkpoint that failed its checksum is never committed"
 
 
+async def overwrite_manifest(store: ObjectStore, key: str, raw: bytes) -> None:
+    if isinstance(store, LocalDirStore):
+        (store.root / key / "manifest.json").write_bytes(raw)
+        return
+    assert isinstance(store, S3Store)
+    async with aioboto3.Session().client("s3", endpoint_url=store.endpoint_url) as s3:
+        await s3.put_object(Bucket=store.bucket, Key=f"{key}/manifest.json", Body=raw)
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"{", b"\xff\xfe not text", b'{"format": 1}', b'{"format": 1, "iteration": "seven"}'],
+    ids=["truncated", "not-utf8", "fields-missing", "ill-typed"],
+)
+async def test_an_unreadable_manifest_is_corruption(store: ObjectStore, shm: Path, garbage: bytes) -> None:
+    """Before, a manifest the tier served that did not decode raised a plain ValueError: the agent reported
+    no unusable shard, so the root condemned nothing and every new plan named the same object until the
+    job failed, where a corrupt shard makes the next plan roll back to an older checkpoint."""
+    source = checkpoint(shm / "src", 7, 1 << 12)
+    key = shard_key("castor", "job-4", 7, 0)
+    with source.open_read() as (manifest, data):
+        await store.put(key, manifest, data)
+    await overwrite_manifest(store, key, garbage)
+    destination = SlotStore(shm / "dst")
+    with pytest.raises(CheckpointCorruptError, match="manifest"):
+        await store.get(key, destination, iteration=7, digest=manifest.digest)
+    assert destination.committed() == []
+
+
 async def test_a_shard_that_is_not_the_planned_one_is_refused(store: ObjectStore, shm: Path) -> None:
     """After a rollback the same iteration number is another history: the digest the root recorded tells
     them apart, and the wrong one is never committed."""
