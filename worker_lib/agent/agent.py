@@ -605,7 +605,14 @@ class Agent:
                 store = object_store(self.machine.registered.persistent.model_dump())
                 destination = holdings.local_store(rank)
                 try:
-                    await store.get(source.location, destination, iteration, source.digest)
+                    try:
+                        await store.get(source.location, destination, iteration, source.digest)
+                    except CheckpointCorruptError as exc:
+                        # The root condemns a shard reported unusable for good, and retention may then
+                        # delete its checkpoint: not on one read, which a fault of this machine's own
+                        # (memory, a damaged transfer) can fail. A shard corrupt at rest fails again.
+                        log.warning("rank %d: %s; reading the persisted shard once more", rank, exc)
+                        await store.get(source.location, destination, iteration, source.digest)
                 except CheckpointCorruptError as exc:
                     # Only bytes the tier served and that failed their checks: a shard this machine
                     # cannot find may be there for the others (a directory not mounted here, another

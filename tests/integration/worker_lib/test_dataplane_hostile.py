@@ -490,14 +490,9 @@ def test_the_agent_restores_only_the_planned_digest_locally_and_from_peers(
     assert newest is not None and newest.digest == manifest.digest
 
 
-@pytest.mark.parametrize("damaged", ["data", "manifest"])
-def test_a_persisted_shard_that_fails_its_checksums_is_reported_unusable(
-    agent: Agent, shm: Path, damaged: str
-) -> None:
-    """The restore from the persistent tier finds the object corrupt: the failure names the shard (rank,
-    iteration, digest), which the root condemns so that its next plan does not name it again. A manifest
-    that does not decode is corrupt too (before, a plain ValueError: nothing reported, nothing condemned,
-    and every plan named the same object until the job failed)."""
+def persisted_shard_planned(agent: Agent, shm: Path) -> tuple[Path, dict[str, object]]:
+    """Rank 0's iteration 4 in a local-directory persistent tier, and the plan source naming it: returns
+    the shard's directory and the source."""
     tier = shm / "tier"
     source = shm / "source"
     save_checkpoints(source, [4], numel=1 << 12)
@@ -509,24 +504,64 @@ def test_a_persisted_shard_that_fails_its_checksums_is_reported_unusable(
     agent.machine.registration = RegisterResponse.model_construct(
         rank=0, procs_per_machine=1, persistent=persistent
     )
-    planned = {"tier": "persistent", "location": key, "digest": digest}
+    return tier / key, {"tier": "persistent", "location": key, "digest": digest}
+
+
+def flip_a_bit_of(path: Path, offset: int = 100) -> None:
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 1]))
+
+
+@pytest.mark.parametrize("damaged", ["data", "manifest"])
+def test_a_persisted_shard_that_fails_its_checksums_is_reported_unusable(
+    agent: Agent, shm: Path, damaged: str
+) -> None:
+    """The restore from the persistent tier finds the object corrupt: the failure names the shard (rank,
+    iteration, digest), which the root condemns so that its next plan does not name it again. A manifest
+    that does not decode is corrupt too (before, a plain ValueError: nothing reported, nothing condemned,
+    and every plan named the same object until the job failed)."""
+    shard, planned = persisted_shard_planned(agent, shm)
     if damaged == "data":
-        with open(tier / key / "data.bin", "r+b") as corrupted:  # a bit flipped at rest
-            corrupted.seek(100)
-            byte = corrupted.read(1)
-            corrupted.seek(100)
-            corrupted.write(bytes([byte[0] ^ 1]))
+        flip_a_bit_of(shard / "data.bin")  # at rest: every read fails
     else:
-        manifest_path = tier / key / "manifest.json"
-        manifest_path.write_bytes(manifest_path.read_bytes()[:-20])  # cut short at rest
+        (shard / "manifest.json").write_bytes((shard / "manifest.json").read_bytes()[:-20])  # cut short
     with pytest.raises(RestoreFailure) as failed:
         restore_with(agent, planned, 4)
     (unusable,) = failed.value.unusable_persisted
-    assert (unusable["rank"], unusable["iteration"], unusable["digest"]) == (0, 4, digest)
+    assert (unusable["rank"], unusable["iteration"], unusable["digest"]) == (0, 4, planned["digest"])
     assert ("checksum" if damaged == "data" else "manifest.json is unreadable") in unusable["problem"]
     # Missing here is not proof: a directory not mounted on this machine, another endpoint. The restore
     # fails without condemning the shard, which the others may still read.
-    shutil.rmtree(tier / key)
+    shutil.rmtree(shard)
     with pytest.raises(CheckpointNotFoundError, match="no persisted checkpoint") as missing:
         restore_with(agent, planned, 4)
     assert not isinstance(missing.value, RestoreFailure)
+
+
+def test_a_persisted_shard_that_fails_one_read_is_read_again_not_reported(
+    agent: Agent, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The root condemns a shard reported unusable for good (and retention may then delete its checkpoint):
+    before, one failed read did it, though a fault of the reading machine (its memory, a damaged transfer)
+    fails a read of a good shard too. Here the first read sees a flipped bit and the second a good shard."""
+    shard, planned = persisted_shard_planned(agent, shm)
+    flip_a_bit_of(shard / "data.bin")
+    reads = []
+    get = LocalDirStore.get
+
+    async def once_damaged(store: LocalDirStore, *args: object, **kwargs: object) -> Manifest:
+        reads.append(args[0])
+        try:
+            return await get(store, *args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            if len(reads) == 1:
+                flip_a_bit_of(shard / "data.bin")  # the damage was in this read, not at rest
+
+    monkeypatch.setattr(LocalDirStore, "get", once_damaged)
+    restored = restore_with(agent, planned, 4)
+    assert restored["0"]["tier"] == "persistent" and len(reads) == 2  # type: ignore[index]
+    newest = agent.machine.holdings.newest("local", 0)
+    assert newest is not None and newest.digest == planned["digest"]
