@@ -318,4 +318,15 @@ class S3Store:
             async for page in paginator.paginate(Bucket=self.bucket, Prefix=key + "/"):
                 objects = [{"Key": item["Key"]} for item in page.get("Contents", [])]
                 if objects:
-                    await s3.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
+                    answer = await s3.delete_objects(
+                        Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True}
+                    )
+                    # A batch delete answers 200 even when some keys were not deleted (access denied, a
+                    # bucket policy, throttling): each is listed in Errors, not raised.
+                    if errors := answer.get("Errors"):
+                        first = errors[0]
+                        raise OSError(
+                            f"S3 did not delete {len(errors)} of {len(objects)} objects under "
+                            f"s3://{self.bucket}/{key}/, e.g. {first.get('Key')}: "
+                            f"{first.get('Code')} {first.get('Message')}"
+                        )

@@ -1,13 +1,16 @@
-"""The persistent tier's key layout and the local directory store's delete scope (real files, links)."""
+"""The persistent tier's key layout, the local directory store's delete scope (real files, links), and what an
+S3 delete that leaves objects behind says."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from worker_lib.persistent import LocalDirStore
+from worker_lib.persistent import LocalDirStore, S3Store
 from worker_lib.persistent_keys import check_key, is_within, job_prefix, rank_prefix, shard_key
 
 JOB = "0b6c7f5e-53a1-4d5e-9f3a-0c1d2e3f4a5b"
@@ -92,3 +95,38 @@ async def test_local_delete_follows_no_symlink_out_of_its_scope(tmp_path: Path) 
     await store.delete(f"{mine}/iteration-3", within=mine)
     assert not (store.root / mine / "iteration-3").exists()
     assert (tmp_path / "elsewhere/keep.bin").exists()
+
+
+class DeniedS3:
+    """An S3 client, reduced to what S3Store.delete calls, whose batch delete refuses one key (S3 answers
+    200 and lists the refusals in Errors)."""
+
+    def __init__(self, keys: list[str]):
+        self.keys = keys
+
+    async def __aenter__(self) -> DeniedS3:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    def get_paginator(self, operation: str) -> DeniedS3:
+        assert operation == "list_objects_v2"
+        return self
+
+    async def paginate(self, Bucket: str, Prefix: str) -> AsyncIterator[dict[str, Any]]:
+        yield {"Contents": [{"Key": key} for key in self.keys if key.startswith(Prefix)]}
+
+    async def delete_objects(self, Bucket: str, Delete: dict[str, Any]) -> dict[str, Any]:
+        refused = Delete["Objects"][-1]["Key"]
+        return {"Errors": [{"Key": refused, "Code": "AccessDenied", "Message": "Access Denied"}]}
+
+
+async def test_an_s3_delete_that_leaves_objects_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, a batch delete's refusals (listed in its 200 answer) went unnoticed: retention believed the
+    checkpoint gone while its objects stayed in the bucket. Now the delete fails, and the root logs it."""
+    store = S3Store("bucket")
+    keys = ["castor/job/iteration-4/rank-0/data.bin", "castor/job/iteration-4/rank-0/manifest.json"]
+    monkeypatch.setattr(store, "_client", lambda: DeniedS3(keys))
+    with pytest.raises(OSError, match=r"did not delete 1 of 2 objects .*manifest.json: AccessDenied"):
+        await store.delete("castor/job/iteration-4", within="castor/job")
