@@ -35,7 +35,7 @@ class Kind(enum.Enum):
 Point = collections.namedtuple("Point", "x y")
 
 
-def test_values_checkpointer_save_refuses_come_back_through_pickles(tmp_path: Path) -> None:
+def test_values_checkpointer_save_refuses_come_back_through_pickles(shm_dir: Path) -> None:
     weights = torch.arange(6.0).reshape(2, 3)
     state = {
         "tensor": weights,
@@ -49,7 +49,7 @@ def test_values_checkpointer_save_refuses_come_back_through_pickles(tmp_path: Pa
     encoded = encode(state)
     assert encoded["tensor"] is weights and encoded["ordered"]["a"] is weights, "tensors are never pickled"
     assert PICKLED in encoded["enum"] and PICKLED in encoded["tuple_keys"]
-    with Checkpointer(tmp_path / "store", blocking=True) as checkpointer:
+    with Checkpointer(shm_dir, blocking=True) as checkpointer:
         checkpointer.save(3, encoded)
         restored = checkpointer.restore()
     assert restored is not None
