@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import xxhash
 
-from worker_lib.errors import CheckpointCorruptError, CheckpointNotFoundError
+from worker_lib.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from worker_lib.persistent_keys import check_key, checkpoint_prefix, is_within, shard_key
 from worker_lib.store.integrity import check_structure
-from worker_lib.store.manifest import Manifest
+from worker_lib.store.manifest import Manifest, UnsupportedManifestError
 
 if TYPE_CHECKING:
     # Only a type here: slots imports the copy engine (torch), and the root service deletes checkpoints
@@ -128,6 +128,10 @@ def _served_manifest(raw: bytes, where: str) -> Manifest:
     it. A plain ValueError reported nothing, so every plan named the same object until the job failed."""
     try:
         return Manifest.from_json(raw)
+    except UnsupportedManifestError as exc:
+        # Another Castor version's shard, not a damaged one: condemning it could have retention delete a
+        # checkpoint that version reads. This restore fails without naming it unusable.
+        raise CheckpointError(f"{where}/manifest.json: {exc}; this Castor version cannot read it") from exc
     except ValueError as exc:
         raise CheckpointCorruptError(f"{where}/manifest.json is unreadable: {exc}") from exc
 
@@ -313,20 +317,23 @@ class S3Store:
 
     async def delete(self, key: str, *, within: str) -> None:
         _check_scope(key, within)
+        listed, errors = 0, []
         async with self._client() as s3:
             paginator = s3.get_paginator("list_objects_v2")
             async for page in paginator.paginate(Bucket=self.bucket, Prefix=key + "/"):
                 objects = [{"Key": item["Key"]} for item in page.get("Contents", [])]
                 if objects:
+                    listed += len(objects)
                     answer = await s3.delete_objects(
                         Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True}
                     )
                     # A batch delete answers 200 even when some keys were not deleted (access denied, a
-                    # bucket policy, throttling): each is listed in Errors, not raised.
-                    if errors := answer.get("Errors"):
-                        first = errors[0]
-                        raise OSError(
-                            f"S3 did not delete {len(errors)} of {len(objects)} objects under "
-                            f"s3://{self.bucket}/{key}/, e.g. {first.get('Key')}: "
-                            f"{first.get('Code')} {first.get('Message')}"
-                        )
+                    # bucket policy, throttling): each is listed in Errors, not raised. The other pages
+                    # are still deleted.
+                    errors += answer.get("Errors", [])
+        if errors:
+            first = errors[0]
+            raise OSError(
+                f"S3 did not delete {len(errors)} of {listed} objects under s3://{self.bucket}/{key}/, "
+                f"e.g. {first.get('Key')}: {first.get('Code')} {first.get('Message')}"
+            )

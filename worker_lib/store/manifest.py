@@ -21,6 +21,11 @@ CHECKSUM = "xxh3_64"
 JsonValue: TypeAlias = "dict[str, JsonValue] | list[JsonValue] | str | int | float | bool | None"
 
 
+class UnsupportedManifestError(ValueError):
+    """A manifest that decodes but is of a format (or checksum) this code does not read: another version's,
+    not damaged."""
+
+
 @dataclass(frozen=True, slots=True)
 class TensorView:
     """How a tensor sits in a region it shares with other tensors (the same storage in the saved state)."""
@@ -99,7 +104,7 @@ class Manifest:
         try:
             raw = json.loads(data)
             if raw["format"] != FORMAT or raw["checksum"] != CHECKSUM:
-                raise ValueError(
+                raise UnsupportedManifestError(
                     f"unsupported manifest format {raw['format']!r} / checksum {raw['checksum']!r}"
                 )
             return cls(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from tests import harness
-from worker_lib import CheckpointCorruptError, Checkpointer
+from worker_lib import CheckpointCorruptError, Checkpointer, CheckpointError
 from worker_lib.persistent import LocalDirStore, ObjectStore, S3Store, shard_key
 from worker_lib.store.slots import SlotStore
 
@@ -107,6 +108,23 @@ async def test_an_unreadable_manifest_is_corruption(store: ObjectStore, shm: Pat
     with pytest.raises(CheckpointCorruptError, match="manifest"):
         await store.get(key, destination, iteration=7, digest=manifest.digest)
     assert destination.committed() == []
+
+
+async def test_another_versions_manifest_is_refused_but_not_called_corrupt(
+    store: ObjectStore, shm: Path
+) -> None:
+    """A manifest of a format this version does not read is another version's shard, not a damaged one: the
+    restore fails, but the shard is not reported unusable (the root would condemn it for good)."""
+    source = checkpoint(shm / "src", 7, 1 << 12)
+    key = shard_key("castor", "job-5", 7, 0)
+    with source.open_read() as (manifest, data):
+        await store.put(key, manifest, data)
+    newer = json.loads(manifest.to_json())
+    newer["format"] += 1
+    await overwrite_manifest(store, key, json.dumps(newer).encode())
+    with pytest.raises(CheckpointError, match="cannot read it") as refused:
+        await store.get(key, SlotStore(shm / "dst"), iteration=7, digest=manifest.digest)
+    assert not isinstance(refused.value, CheckpointCorruptError)
 
 
 async def test_a_shard_that_is_not_the_planned_one_is_refused(store: ObjectStore, shm: Path) -> None:

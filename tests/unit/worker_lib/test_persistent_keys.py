@@ -98,11 +98,12 @@ async def test_local_delete_follows_no_symlink_out_of_its_scope(tmp_path: Path) 
 
 
 class DeniedS3:
-    """An S3 client, reduced to what S3Store.delete calls, whose batch delete refuses one key (S3 answers
-    200 and lists the refusals in Errors)."""
+    """An S3 client, reduced to what S3Store.delete calls, listing two keys a page, whose first batch delete
+    refuses one key (S3 answers 200 and lists the refusals in Errors)."""
 
     def __init__(self, keys: list[str]):
         self.keys = keys
+        self.deleted: list[str] = []
 
     async def __aenter__(self) -> DeniedS3:
         return self
@@ -115,18 +116,27 @@ class DeniedS3:
         return self
 
     async def paginate(self, Bucket: str, Prefix: str) -> AsyncIterator[dict[str, Any]]:
-        yield {"Contents": [{"Key": key} for key in self.keys if key.startswith(Prefix)]}
+        keys = [key for key in self.keys if key.startswith(Prefix)]
+        for start in range(0, len(keys), 2):
+            yield {"Contents": [{"Key": key} for key in keys[start : start + 2]]}
 
     async def delete_objects(self, Bucket: str, Delete: dict[str, Any]) -> dict[str, Any]:
-        refused = Delete["Objects"][-1]["Key"]
-        return {"Errors": [{"Key": refused, "Code": "AccessDenied", "Message": "Access Denied"}]}
+        keys = [item["Key"] for item in Delete["Objects"]]
+        if self.deleted:
+            self.deleted += keys
+            return {}
+        self.deleted += keys[:-1]
+        return {"Errors": [{"Key": keys[-1], "Code": "AccessDenied", "Message": "Access Denied"}]}
 
 
 async def test_an_s3_delete_that_leaves_objects_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before, a batch delete's refusals (listed in its 200 answer) went unnoticed: retention believed the
-    checkpoint gone while its objects stayed in the bucket. Now the delete fails, and the root logs it."""
+    checkpoint gone while its objects stayed in the bucket. Now the delete fails, and the root logs it; the
+    other pages' objects are deleted all the same."""
     store = S3Store("bucket")
-    keys = ["castor/job/iteration-4/rank-0/data.bin", "castor/job/iteration-4/rank-0/manifest.json"]
-    monkeypatch.setattr(store, "_client", lambda: DeniedS3(keys))
-    with pytest.raises(OSError, match=r"did not delete 1 of 2 objects .*manifest.json: AccessDenied"):
+    keys = [f"castor/job/iteration-4/rank-{rank}/data.bin" for rank in range(3)]
+    client = DeniedS3(keys)
+    monkeypatch.setattr(store, "_client", lambda: client)
+    with pytest.raises(OSError, match=r"did not delete 1 of 3 objects .*rank-1/data.bin: AccessDenied"):
         await store.delete("castor/job/iteration-4", within="castor/job")
+    assert client.deleted == [keys[0], keys[2]]
