@@ -352,7 +352,10 @@ class CastorReader(StorageReader):
 
 def choose_iteration(checkpointer: Checkpointer) -> int | None:
     """The iteration `Checkpointer.restore()` without an iteration would read (None: none). A collective
-    over the default group when torch.distributed is initialized and there is no recovery plan."""
+    over the default group when torch.distributed is initialized and there is no recovery plan. Like
+    restore(), it first waits for this rank's save in flight: a load right after dcp.save would otherwise
+    choose the iteration before it (the other slot still holds it) and load it without a word."""
+    checkpointer._wait()
     planned = os.environ.get(RESTORE_ITERATION_ENV, "").strip()
     if planned.lower() == "none":
         return None
@@ -371,6 +374,7 @@ def choose_iteration(checkpointer: Checkpointer) -> int | None:
 
 
 def find_manifest(checkpointer: Checkpointer, iteration: int) -> Manifest:
+    checkpointer._wait()  # the iteration may be this rank's save in flight
     for manifest in checkpointer._store.committed():
         if manifest.iteration == iteration:
             return manifest

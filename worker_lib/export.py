@@ -112,21 +112,21 @@ def export_dcp(
         iteration = choose_iteration(checkpointer)
         if iteration is None:
             raise CheckpointNotFoundError(f"{checkpointer.directory}: no checkpoint to export")
-    checkpointer.wait()
-    find_manifest(checkpointer, iteration)  # a clear error when this rank lacks it
     engine = CopyEngine()
     try:
-        with checkpointer._store.open_read(iteration) as (manifest, data):
-            saved = _saved_world_size(manifest)
-            if saved is not None and saved != world:
-                raise CheckpointError(
-                    f"iteration {iteration} was saved by {saved} ranks: export it with {saved} ranks (here "
-                    f"{world}), each exporting its own shards, or export the persisted checkpoint with "
-                    "`castor checkpoints export`"
-                )
-            verify(manifest, data, engine)
-            items = shard_items(manifest, data)
-            Path(directory).mkdir(parents=True, exist_ok=True)
+        with contextlib.ExitStack() as stack:
+            problem: Exception | None = None
+            items: list[_Item] = []
+            try:
+                find_manifest(checkpointer, iteration)  # a clear error when this rank lacks it
+                manifest, data = stack.enter_context(checkpointer._store.open_read(iteration))
+                items = _prepared(manifest, data, iteration, world, engine)
+                Path(directory).mkdir(parents=True, exist_ok=True)
+            except (CheckpointError, OSError) as exc:
+                problem = exc
+            # Agreed before the collective: a rank that cannot export would otherwise leave the others
+            # waiting inside dcp.save until the process group's timeout.
+            _all_ready(problem, distributed, process_group)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 metadata: Metadata = dcp_save(
@@ -139,6 +139,34 @@ def export_dcp(
             return metadata
     finally:
         engine.close()
+
+
+def _prepared(
+    manifest: Manifest, data: memoryview, iteration: int, world: int, engine: CopyEngine
+) -> list[_Item]:
+    saved = _saved_world_size(manifest)
+    if saved is not None and saved != world:
+        raise CheckpointError(
+            f"iteration {iteration} was saved by {saved} ranks: export it with {saved} ranks (here "
+            f"{world}), each exporting its own shards, or export the persisted checkpoint with "
+            "`castor checkpoints export`"
+        )
+    verify(manifest, data, engine)
+    return shard_items(manifest, data)
+
+
+def _all_ready(problem: Exception | None, distributed: bool, group: dist.ProcessGroup | None) -> None:
+    """Raise on every rank when any rank of `group` cannot export (its own error on that rank)."""
+    if distributed:
+        problems: list[str | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(problems, None if problem is None else str(problem), group=group)
+    else:
+        problems = [None]
+    if problem is not None:
+        raise problem
+    for rank, text in enumerate(problems):
+        if text is not None:
+            raise CheckpointError(f"rank {rank} cannot export: {text}")
 
 
 def export_shards(

@@ -188,7 +188,14 @@ def load_phase(rank: int, mesh: Any, root: Path) -> dict[str, Any]:
         # Training goes on: the loaded optimizer steps like the saved one would.
         train(model, optimizer, 1)
         export_dcp(checkpointer, root / "exported")
-    return {"selected": selected, "step": state["step"], "differences": differences}
+    # An export that one rank cannot do (it holds no iteration 3 here): every rank must fail, at once.
+    with Checkpointer(root / f"{'rank' if rank == 0 else 'empty'}-{rank}") as checkpointer:
+        try:
+            export_dcp(checkpointer, root / "refused", iteration=3)
+            refused = None
+        except CheckpointError as exc:
+            refused = str(exc)
+    return {"selected": selected, "step": state["step"], "differences": differences, "refused": refused}
 
 
 def free_port() -> int:
@@ -242,6 +249,17 @@ def test_dcp_load_in_new_processes_is_bit_exact(job: Any) -> None:
         assert result["selected"] == 3
         assert result["step"] == 3
         assert result["differences"] == []
+
+
+def test_an_export_one_rank_cannot_do_fails_on_every_rank(job: Any) -> None:
+    """Before, the rank without the iteration raised while the others had entered dcp.save's collectives:
+    they waited there until the process group's timeout (30 minutes by default)."""
+    _, _, loaded = job
+    assert (
+        "rank 1 cannot export" in loaded[0]["refused"]
+        and "no checkpoint of iteration 3" in loaded[0]["refused"]
+    )
+    assert "no checkpoint of iteration 3" in loaded[1]["refused"]
 
 
 def whole(expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

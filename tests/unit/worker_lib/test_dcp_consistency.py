@@ -69,6 +69,17 @@ def clone(state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def zeroed(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: zeroed(value)
+        if isinstance(value, dict)
+        else value.clone().zero_()
+        if torch.is_tensor(value)
+        else value
+        for key, value in state.items()
+    }
+
+
 def load(checkpointer: Checkpointer, iteration: int) -> dict[str, Any]:
     model = nn.Sequential(nn.Linear(16, 256), nn.BatchNorm1d(256), nn.Linear(256, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -106,6 +117,38 @@ def test_dcp_save_keeps_the_buffers_of_save_time_and_copies_the_rest_in_the_back
             # the parameters and the optimizer's moments.
             snapshotted = sum(side.numel() for side in checkpointer._buffers._side)
             assert buffer_bytes <= snapshotted < buffer_bytes + 64
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["iteration-named", "newest"])
+def test_a_load_right_after_a_save_loads_that_save(shm_dir: Path, named: bool) -> None:
+    """dcp.load straight after dcp.save (a NaN rollback to the last in-memory checkpoint) while the save
+    still copies in the background. Before, the reader chose and looked up the iteration without waiting for
+    it: named, it raised CheckpointNotFoundError; not named, it chose the iteration before (the other slot
+    still holds it) and loaded that without a word, where Checkpointer.restore() waits and loads the save."""
+    model = bn_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with Checkpointer(shm_dir) as checkpointer:
+        for iteration in (1, 2):
+            step(model, optimizer, iteration)
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optim": optimizer_state}
+            expected = clone(state)
+            with copies_held(checkpointer) as release:
+                dcp.save(state, storage_writer=CastorWriter(checkpointer, iteration=iteration))
+                if iteration == 1:
+                    continue
+                assert checkpointer.stats.saves_committed == 1, "iteration 2 is still being copied"
+                timer = threading.Timer(1.0, release.set)  # a copy that takes a second
+                timer.start()
+                # Loaded into zeroed copies: no optimizer steps meanwhile (its step would wait for the copy).
+                loaded = zeroed(expected)
+                try:
+                    reader = CastorReader(checkpointer, iteration=2 if named else None)
+                    dcp.load(loaded, storage_reader=reader)
+                finally:
+                    timer.cancel()
+        assert checkpointer.stats.saves_committed == 2
+    assert_bit_equal(loaded, expected)
 
 
 def test_dcp_save_before_any_optimizer_step_commits_before_it_returns(shm_dir: Path) -> None:
