@@ -127,6 +127,13 @@ def export_dcp(
             # Agreed before the collective: a rank that cannot export would otherwise leave the others
             # waiting inside dcp.save until the process group's timeout.
             _all_ready(problem, distributed, process_group)
+            # A directory exported to before: DCP rewrites the rank files in place and writes .metadata only
+            # at the end, so an export that fails midway would leave the old metadata over mixed data,
+            # which a plain dcp.load reads without complaint. Without it, nothing loads.
+            if not distributed or dist.get_rank(process_group) == 0:
+                (Path(directory) / ".metadata").unlink(missing_ok=True)
+            if distributed:
+                dist.barrier(process_group)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 metadata: Metadata = dcp_save(

@@ -368,3 +368,29 @@ def test_export_of_a_plain_checkpointer_save(tmp_path: Path) -> None:
         assert torch.equal(loaded[1][0], rng[1][0]) and loaded[1][1] == "seed"
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_an_export_that_fails_midway_leaves_no_earlier_exports_metadata(tmp_path: Path) -> None:
+    """Re-exporting into a directory: before, DCP rewrote the rank files and only then .metadata, so an
+    export that failed midway left the earlier export's metadata over a mix of both, and a plain dcp.load
+    read it without complaint."""
+    directory = Path(tempfile.mkdtemp(prefix="castor-dcp-", dir="/dev/shm"))
+    try:
+        model, optimizer = build(3)
+        with Checkpointer(directory) as checkpointer:
+            for iteration in (1, 2):
+                train(model, optimizer, 1)
+                checkpointer.save(iteration, {"model": model, "optimizer": optimizer})
+                checkpointer.wait()
+            export_dcp(checkpointer, tmp_path / "out", iteration=1)
+            assert (tmp_path / "out" / ".metadata").exists()
+
+            def interrupted(done: int, total: int) -> None:
+                if done > 0:
+                    raise OSError(28, "No space left on device")  # DCP reports it as CheckpointException
+
+            with pytest.raises(CheckpointException, match="No space left"):
+                export_dcp(checkpointer, tmp_path / "out", iteration=2, progress=interrupted)
+        assert not (tmp_path / "out" / ".metadata").exists()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
