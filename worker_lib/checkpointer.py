@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -422,7 +423,7 @@ class Checkpointer:
         in place; optimizers get load_state_dict.
         """
         self._check_open()
-        self._wait()
+        self._wait_agreeing(iteration is None)
         restored = self._restore(into, iteration)
         self._notify_restored(FRESH_START if restored is None else restored.iteration)
         return restored
@@ -439,6 +440,18 @@ class Checkpointer:
         self._notifier.notify(
             "restored", iteration, None, stalled_s=stats.stalled_s, save_calls=stats.save_calls, newest=newest
         )
+
+    def _wait_agreeing(self, agreeing: bool) -> None:
+        """_wait() before choosing the iteration to read. `agreeing`: the ranks agree on it next (a
+        collective, unless the recovery plan names it): where this rank's last save failed, it still takes
+        part before it raises, or the other ranks would wait in the agreement until the group's timeout."""
+        try:
+            self._wait()
+        except CheckpointError:
+            if agreeing and not os.environ.get(RESTORE_ITERATION_ENV, "").strip():
+                with suppress(CheckpointError):  # the save's failure is the one to report
+                    newest_common_iteration(*held_iterations(self._store.committed()))
+            raise
 
     def _restore(self, into: Any, iteration: int | None) -> Restored | None:
         if iteration is None:

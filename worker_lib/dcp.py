@@ -355,7 +355,7 @@ def choose_iteration(checkpointer: Checkpointer) -> int | None:
     over the default group when torch.distributed is initialized and there is no recovery plan. Like
     restore(), it first waits for this rank's save in flight: a load right after dcp.save would otherwise
     choose the iteration before it (the other slot still holds it) and load it without a word."""
-    checkpointer._wait()
+    checkpointer._wait_agreeing(True)
     planned = os.environ.get(RESTORE_ITERATION_ENV, "").strip()
     if planned.lower() == "none":
         return None

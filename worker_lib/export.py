@@ -108,32 +108,30 @@ def export_dcp(
     """
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(process_group) if distributed else 1
-    if iteration is None:
-        iteration = choose_iteration(checkpointer)
-        if iteration is None:
-            raise CheckpointNotFoundError(f"{checkpointer.directory}: no checkpoint to export")
     engine = CopyEngine()
     try:
         with contextlib.ExitStack() as stack:
             problem: Exception | None = None
             items: list[_Item] = []
             try:
+                if iteration is None:
+                    iteration = choose_iteration(checkpointer)
+                    if iteration is None:
+                        raise CheckpointNotFoundError(f"{checkpointer.directory}: no checkpoint to export")
                 find_manifest(checkpointer, iteration)  # a clear error when this rank lacks it
                 manifest, data = stack.enter_context(checkpointer._store.open_read(iteration))
                 items = _prepared(manifest, data, iteration, world, engine)
                 Path(directory).mkdir(parents=True, exist_ok=True)
-            except (CheckpointError, OSError) as exc:
+                if not distributed or dist.get_rank(process_group) == 0:
+                    # DCP's coordinator (group rank 0) writes .metadata last, after rewriting the rank
+                    # files in place: an export into a directory exported to before that failed midway
+                    # would leave the old metadata over mixed data, read without complaint.
+                    (Path(directory) / ".metadata").unlink(missing_ok=True)
+            except Exception as exc:
                 problem = exc
             # Agreed before the collective: a rank that cannot export would otherwise leave the others
             # waiting inside dcp.save until the process group's timeout.
             _all_ready(problem, distributed, process_group)
-            # A directory exported to before: DCP rewrites the rank files in place and writes .metadata only
-            # at the end, so an export that fails midway would leave the old metadata over mixed data,
-            # which a plain dcp.load reads without complaint. Without it, nothing loads.
-            if not distributed or dist.get_rank(process_group) == 0:
-                (Path(directory) / ".metadata").unlink(missing_ok=True)
-            if distributed:
-                dist.barrier(process_group)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 metadata: Metadata = dcp_save(

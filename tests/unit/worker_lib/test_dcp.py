@@ -20,6 +20,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -195,7 +196,24 @@ def load_phase(rank: int, mesh: Any, root: Path) -> dict[str, Any]:
             refused = None
         except CheckpointError as exc:
             refused = str(exc)
-    return {"selected": selected, "step": state["step"], "differences": differences, "refused": refused}
+    # A rank whose last save failed (as one running out of shared memory would): every rank hears of it.
+    with Checkpointer(root / f"rank-{rank}") as checkpointer:
+        if rank == 1:
+            failed: Future[None] = Future()
+            failed.set_exception(CheckpointError("the last save failed (simulated)"))
+            checkpointer._pending = failed
+        try:
+            dcp.load(state, storage_reader=CastorReader(checkpointer))
+            after_failure = None
+        except CheckpointException as exc:
+            after_failure = str(exc)
+    return {
+        "selected": selected,
+        "step": state["step"],
+        "differences": differences,
+        "refused": refused,
+        "after_failure": after_failure,
+    }
 
 
 def free_port() -> int:
@@ -260,6 +278,14 @@ def test_an_export_one_rank_cannot_do_fails_on_every_rank(job: Any) -> None:
         and "no checkpoint of iteration 3" in loaded[0]["refused"]
     )
     assert "no checkpoint of iteration 3" in loaded[1]["refused"]
+
+
+def test_a_load_after_one_ranks_save_failed_fails_on_every_rank(job: Any) -> None:
+    """Before, the reader waited for the failed save on that rank only after the ranks had agreed on the
+    iteration: it raised before the agreement, and the others waited in it until the group's timeout."""
+    _, _, loaded = job
+    for result in loaded:
+        assert "the last save failed (simulated)" in result["after_failure"]
 
 
 def whole(expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -120,7 +120,9 @@ def test_dcp_save_keeps_the_buffers_of_save_time_and_copies_the_rest_in_the_back
 
 
 @pytest.mark.parametrize("named", [True, False], ids=["iteration-named", "newest"])
-def test_a_load_right_after_a_save_loads_that_save(shm_dir: Path, named: bool) -> None:
+def test_a_load_right_after_a_save_loads_that_save(
+    shm_dir: Path, named: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """dcp.load straight after dcp.save (a NaN rollback to the last in-memory checkpoint) while the save
     still copies in the background. Before, the reader chose and looked up the iteration without waiting for
     it: named, it raised CheckpointNotFoundError; not named, it chose the iteration before (the other slot
@@ -138,7 +140,17 @@ def test_a_load_right_after_a_save_loads_that_save(shm_dir: Path, named: bool) -
                 if iteration == 1:
                     continue
                 assert checkpointer.stats.saves_committed == 1, "iteration 2 is still being copied"
-                timer = threading.Timer(1.0, release.set)  # a copy that takes a second
+                # The copy finishes once the reader has listed what is committed (a reader that did not
+                # wait has chosen by then), or after a second (one that waits gets there only then).
+                listed = checkpointer._store.committed
+
+                def committed_then_released(listed: Any = listed, release: Any = release) -> Any:
+                    manifests = listed()
+                    release.set()
+                    return manifests
+
+                monkeypatch.setattr(checkpointer._store, "committed", committed_then_released)
+                timer = threading.Timer(1.0, release.set)
                 timer.start()
                 # Loaded into zeroed copies: no optimizer steps meanwhile (its step would wait for the copy).
                 loaded = zeroed(expected)
