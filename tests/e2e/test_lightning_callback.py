@@ -6,11 +6,17 @@ accumulation, killed before its first optimizer step, it starts over and ends th
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.framework_runs import check_resumes_bit_exact
+from tests.e2e.framework_runs import REPO, TIMEOUT_S, check_resumes_bit_exact, environment, log_tail
+from worker_lib.store.slots import SlotStore
 
 pytestmark = pytest.mark.slow
 
@@ -27,3 +33,31 @@ def test_a_lightning_fit_killed_before_its_first_optimizer_step_starts_over(tmp_
     check_resumes_bit_exact(
         "train_lightning.py", tmp_path, steps=6, die_at=0, restored=(None,), accumulate="2", blocking=""
     )
+
+
+def test_each_ddp_rank_of_a_lightning_script_saves_into_its_own_store(tmp_path: Path) -> None:
+    """Lightning's launcher sets no RANK: before, every rank's callback opened rank 0's store, the ranks
+    raced for its two slots, and a resume restored whichever rank's checkpoint was newest."""
+    job = f"castor-test-{uuid.uuid4().hex[:8]}"
+    stores = Path("/dev/shm") / f"castor-{os.getuid()}" / job
+    env = {**environment(), "CASTOR_JOB": job}
+    env.pop("RANK", None)
+    command = [sys.executable, str(REPO / "tests/e2e/workloads/train_lightning.py"), "--shm=-", "--out=-"]
+    try:
+        with (tmp_path / "ddp.log").open("wb") as log:
+            finished = subprocess.run(
+                [*command, "--ddp=2", "--steps=3"],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=TIMEOUT_S,
+            )
+        assert finished.returncode == 0, log_tail(tmp_path, "ddp")
+        held = {
+            path.name: sorted((m.iteration, m.meta["rank"]) for m in SlotStore(path).committed())
+            for path in stores.iterdir()
+        }
+        assert held == {"rank-0": [(2, 0), (3, 0)], "rank-1": [(2, 1), (3, 1)]}, held
+    finally:
+        shutil.rmtree(stores, ignore_errors=True)

@@ -77,6 +77,7 @@ class CastorCallback(Callback):
         return self._checkpointer
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._check_rank(trainer)
         if stage != "fit" or not self.resume:
             return
         restored = self.checkpointer.restore()
@@ -94,6 +95,24 @@ class CastorCallback(Callback):
         # ckpt_path replaces it: the file wins.
         connector._loaded_checkpoint = decode(restored.state)
         self.restored_step = restored.iteration
+
+    def _check_rank(self, trainer: Any) -> None:
+        """Each rank saves into its own store, named by $RANK (Checkpointer). Lightning's own launchers
+        (`strategy="ddp"` run as `python train.py`, `ddp_spawn`) set LOCAL_RANK, NODE_RANK and WORLD_SIZE
+        but not RANK: every rank then wrote into rank 0's store, racing for its slots, and restored whichever
+        rank's checkpoint was newest."""
+        if int(trainer.world_size) <= 1:
+            return
+        rank = int(trainer.global_rank)
+        if self._checkpointer is None:
+            os.environ.setdefault("RANK", str(rank))
+        checkpointer_rank = int(self.checkpointer._rank)
+        if checkpointer_rank != rank:
+            raise ValueError(
+                f"CastorCallback on global rank {rank} got a Checkpointer of rank {checkpointer_rank} "
+                f"($RANK={os.environ.get('RANK')!r} when it was made): every rank needs its own. Let the "
+                "callback open it (CastorCallback() without a checkpointer), or make it once RANK is set"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         # Part of every checkpoint Lightning dumps (this one's and ModelCheckpoint's files): the generators

@@ -9,7 +9,7 @@ Standalone (the Checkpointer's directory is --shm). --die-at N kills this proces
 of the first batch with global step N: right after step N's save() returned (its copy may still be in
 flight), or for N=0 with --accumulate, partway through the first optimizer step, before any save. At the
 end it writes the model's, optimizer's and scheduler's states and the step count to --out, and the step it
-resumed from (or None)."""
+resumed from (or None). --ddp N trains with DDP over N processes instead (see ddp())."""
 
 from __future__ import annotations
 
@@ -71,7 +71,11 @@ def main() -> None:
     parser.add_argument("--die-at", type=int, default=None)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--blocking", action="store_true")
+    parser.add_argument("--ddp", type=int, default=0, help="DDP over N processes, the callback's own stores")
     args = parser.parse_args()
+    if args.ddp:
+        ddp(args.ddp, args.steps)
+        return
 
     torch.manual_seed(0)
     model = Regression()
@@ -105,6 +109,25 @@ def main() -> None:
         },
         args.out,
     )
+
+
+def ddp(processes: int, steps: int) -> None:
+    """`strategy="ddp"` run as a script, as Lightning's docs run it: its launcher starts the other ranks by
+    running this command again, with LOCAL_RANK, NODE_RANK and WORLD_SIZE set, not RANK. The callback opens
+    each rank's store itself (in /dev/shm/castor-<uid>/$CASTOR_JOB/rank-<rank>)."""
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        max_steps=steps,
+        callbacks=[CastorCallback()],
+        accelerator="cpu",
+        devices=processes,
+        strategy="ddp",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Regression())
 
 
 if __name__ == "__main__":
