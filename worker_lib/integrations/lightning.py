@@ -69,6 +69,7 @@ class CastorCallback(Callback):
         self.restored_step: int | None = None
         self._step_at_batch_start: int | None = None
         self._rng_to_restore: dict[str, Any] | None = None
+        self._trainer: Any = None
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -77,6 +78,7 @@ class CastorCallback(Callback):
         return self._checkpointer
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._trainer = trainer
         self._check_rank(trainer)
         if stage != "fit" or not self.resume:
             return
@@ -116,15 +118,26 @@ class CastorCallback(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         # Part of every checkpoint Lightning dumps (this one's and ModelCheckpoint's files): the generators
-        # as they stand after the step, which Lightning itself does not save.
-        return {"rng": rng_state()}
+        # as they stand after the step, which Lightning itself does not save, and whether the step ended
+        # its epoch (see load_state_dict).
+        trainer = self._trainer
+        epoch_end = trainer is not None and bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        return {"rng": rng_state(), "epoch_end": epoch_end}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._rng_to_restore = state_dict.get("rng")
+        if state_dict.get("epoch_end") and self._rng_to_restore is not None:
+            # After an epoch's last step, the uninterrupted run next makes the new epoch's dataloader
+            # iterator, which draws a seed from torch's generator. A resumed fit makes it before
+            # on_train_start (and draws nothing again), so the generators go back now, before it: set
+            # only in on_train_start, the resumed run's dropout and shuffling diverged from the first batch.
+            # (The sanity check in between runs with the generators isolated.)
+            restore_rng_state(self._rng_to_restore)
+            self._rng_to_restore = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        # As late as possible: after the sanity check and the train dataloader's iterator (which draws a
-        # seed from torch's generator) and right before the first batch, as in the uninterrupted run.
+        # Mid-epoch, as late as possible: after the sanity check and the train dataloader's iterator (which
+        # draws a seed from torch's generator) and right before the first batch, as in the uninterrupted run.
         if self._rng_to_restore is not None:
             restore_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
