@@ -32,6 +32,15 @@ def test_a_lightning_fit_killed_at_the_end_of_an_epoch_resumes_bit_exact(tmp_pat
     check_resumes_bit_exact("train_lightning.py", tmp_path, steps=9, die_at=6, restored=(6,), blocking="")
 
 
+def test_a_lightning_fit_with_weight_averaging_resumes_its_average_bit_exact(tmp_path: Path) -> None:
+    """WeightAveraging's on_save_checkpoint puts the averaged weights in the checkpoint's state_dict (the
+    live ones under current_model_state); before, the callback replaced them with the live module, the
+    resume reset the average to the live weights, and the model the fit ends with (the average) differed."""
+    check_resumes_bit_exact(
+        "train_lightning.py", tmp_path, steps=15, die_at=8, restored=(8,), blocking="", ema=""
+    )
+
+
 def test_a_lightning_fit_killed_before_its_first_optimizer_step_starts_over(tmp_path: Path) -> None:
     """Accumulating 2 batches a step, global_step is still 0 after the first batch: a checkpoint taken
     there would resume at the second batch with the first one's gradient lost. None is taken before the

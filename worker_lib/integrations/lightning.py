@@ -19,6 +19,8 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from worker_lib.checkpointer import Checkpointer
 from worker_lib.integrations._state import decode, encode
 from worker_lib.rng import restore_rng_state, rng_state
@@ -156,11 +158,19 @@ class CastorCallback(Callback):
         if step == self._step_at_batch_start or step % self.every_n_steps != 0:
             return
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        if type(trainer.strategy) in (pl.strategies.SingleDeviceStrategy, pl.strategies.DDPStrategy):
+        if type(trainer.strategy) not in (pl.strategies.SingleDeviceStrategy, pl.strategies.DDPStrategy):
+            self.checkpointer.save(step, encode(checkpoint))
+        elif _live_state_dict(checkpoint["state_dict"], trainer.lightning_module):
             # The module itself rather than its state_dict: save() then captures its buffers before it
             # returns, so a forward that changes them in place (BatchNorm) never races the copy.
             checkpoint["state_dict"] = trainer.lightning_module
-        self.checkpointer.save(step, encode(checkpoint))
+            self.checkpointer.save(step, encode(checkpoint))
+        else:
+            # An on_save_checkpoint hook put something else there (WeightAveraging: the averaged weights,
+            # the live ones moved to "current_model_state"): saved as it is (before, the live module replaced
+            # it, and a resume reset the average to the live weights). Every tensor that is not a parameter
+            # or an optimizer's state is snapshotted inside the call, as a module's buffers are.
+            self.checkpointer._save_detached(step, encode(checkpoint))
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self._owned and self._checkpointer is not None:
@@ -173,3 +183,18 @@ class CastorCallback(Callback):
             self._checkpointer = None
         elif stage == "fit" and self._checkpointer is not None:
             self._checkpointer.wait()
+
+
+def _live_state_dict(saved: Any, module: Any) -> bool:
+    """Whether `saved` is still the module's own state_dict (its tensors, by storage), as Lightning dumped it
+    before any on_save_checkpoint hook changed it."""
+    live = module.state_dict()
+    if not isinstance(saved, dict) or saved.keys() != live.keys():
+        return False
+    return all(
+        torch.is_tensor(value)
+        and torch.is_tensor(live[key])
+        and value.data_ptr() == live[key].data_ptr()
+        and value.shape == live[key].shape
+        for key, value in saved.items()
+    )

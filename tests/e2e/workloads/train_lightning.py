@@ -21,6 +21,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import WeightAveraging
 from torch.utils.data import DataLoader
 
 from worker_lib import Checkpointer
@@ -71,6 +72,7 @@ def main() -> None:
     parser.add_argument("--die-at", type=int, default=None)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--blocking", action="store_true")
+    parser.add_argument("--ema", action="store_true", help="average the weights (WeightAveraging)")
     parser.add_argument("--ddp", type=int, default=0, help="DDP over N processes, the callback's own stores")
     args = parser.parse_args()
     if args.ddp:
@@ -81,7 +83,9 @@ def main() -> None:
     model = Regression()
     with Checkpointer(args.shm, blocking=args.blocking) as checkpointer:
         castor = CastorCallback(checkpointer)
-        callbacks: list[pl.Callback] = [castor]
+        # WeightAveraging updates the average in on_train_batch_end: listed first, a save has this step's.
+        callbacks: list[pl.Callback] = [WeightAveraging()] if args.ema else []
+        callbacks.append(castor)
         if args.die_at is not None:
             callbacks.append(DieAt(args.die_at))  # after Castor's: step N's save() has returned
         trainer = pl.Trainer(
