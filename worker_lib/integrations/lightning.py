@@ -81,8 +81,11 @@ class CastorCallback(Callback):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._trainer = trainer
+        self._rng_to_restore = None  # a state loaded by another stage's checkpoint (see load_state_dict)
+        if stage != "fit":
+            return  # validate, test, predict: nothing saved, nothing opened (teardown closes after fit only)
         self._check_rank(trainer)
-        if stage != "fit" or not self.resume:
+        if not self.resume:
             return
         restored = self.checkpointer.restore()
         if restored is None:
@@ -127,6 +130,12 @@ class CastorCallback(Callback):
         return {"rng": rng_state(), "epoch_end": epoch_end}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        trainer = self._trainer
+        if trainer is None or trainer.state.fn != "fit":
+            # trainer.test(ckpt_path=...) restores callback states too: a test must not set the process's
+            # generators back to a training-time state, nor leave one for a later fit to apply.
+            self._rng_to_restore = None
+            return
         self._rng_to_restore = state_dict.get("rng")
         if state_dict.get("epoch_end") and self._rng_to_restore is not None:
             # After an epoch's last step, the uninterrupted run next makes the new epoch's dataloader
