@@ -53,6 +53,19 @@ class Regression(pl.LightningModule):
         return DataLoader(range(BATCHES_PER_EPOCH), batch_size=1)
 
 
+def cpu_trainer(callbacks: list[pl.Callback], **options: Any) -> pl.Trainer:
+    """A Trainer on the CPU (one device unless `options` say otherwise) that prints nothing of its own: no
+    logger, progress bar or model summary."""
+    return pl.Trainer(
+        callbacks=callbacks,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **{"devices": 1, **options},
+    )
+
+
 class DieAt(pl.Callback):
     def __init__(self, step: int) -> None:
         self.step = step
@@ -88,15 +101,10 @@ def main() -> None:
         callbacks.append(castor)
         if args.die_at is not None:
             callbacks.append(DieAt(args.die_at))  # after Castor's: step N's save() has returned
-        trainer = pl.Trainer(
+        trainer = cpu_trainer(
+            callbacks,
             max_steps=args.steps,
-            callbacks=callbacks,
-            accelerator="cpu",
-            devices=1,
-            logger=False,
             enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             accumulate_grad_batches=args.accumulate,
         )
         torch.manual_seed(1)  # the generators training starts from
@@ -120,16 +128,8 @@ def ddp(processes: int, steps: int) -> None:
     running this command again, with LOCAL_RANK, NODE_RANK and WORLD_SIZE set, not RANK. The callback opens
     each rank's store itself (in /dev/shm/castor-<uid>/$CASTOR_JOB/rank-<rank>)."""
     torch.manual_seed(0)
-    trainer = pl.Trainer(
-        max_steps=steps,
-        callbacks=[CastorCallback()],
-        accelerator="cpu",
-        devices=processes,
-        strategy="ddp",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = cpu_trainer(
+        [CastorCallback()], max_steps=steps, devices=processes, strategy="ddp", enable_checkpointing=False
     )
     trainer.fit(Regression())
 

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from tests.e2e.workloads.train_lightning import BATCHES_PER_EPOCH, Regression  # noqa: E402
+from tests.e2e.workloads.train_lightning import BATCHES_PER_EPOCH, Regression, cpu_trainer  # noqa: E402
 from worker_lib import Checkpointer  # noqa: E402
 from worker_lib.integrations.lightning import CastorCallback  # noqa: E402
 
@@ -36,16 +36,7 @@ def quiet() -> Iterator[None]:
 
 
 def trainer(callbacks: list[Any], root: Path, **options: Any) -> Any:
-    return pl.Trainer(
-        callbacks=callbacks,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        **options,
-    )
+    return cpu_trainer(callbacks, default_root_dir=root, **options)
 
 
 def test_a_test_from_a_file_checkpoint_leaves_the_generators_alone(tmp_path: Path, shm_dir: Path) -> None:
